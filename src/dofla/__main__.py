@@ -1,0 +1,3 @@
+from dofla.cli import main
+
+main()

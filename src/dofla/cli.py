@@ -1,0 +1,89 @@
+"""The ``dofla`` command: Hydra composes conf/, the typed config goes to ``pipeline.run``.
+
+Hydra lives only here. ``dofla`` runs the whole pipeline on the embedded SmolLM2; ``dofla -m
+allocation=fix,dof,dof_clip`` sweeps; ``dofla-report DIR`` compares runs.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from dofla.config import RunConfig
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+ConfigStore.instance().store(name="base_config", node=RunConfig)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user causes (bad config, missing data or model): one sentence, no traceback."""
+    from dofla.data import DataError
+    from dofla.models import ModelLoadError
+    from dofla.registry import UnknownNameError
+    from dofla.validate import ConfigError
+
+    return (ConfigError, DataError, ModelLoadError, UnknownNameError)
+
+
+def to_run_config(dcfg: DictConfig) -> RunConfig:
+    cfg = OmegaConf.to_object(dcfg)
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main_hydra(dcfg: DictConfig) -> None:
+    from dofla.pipeline import run
+    from dofla.tracking import build_tracker
+
+    cfg = to_run_config(dcfg)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    try:
+        tracker = build_tracker(cfg.logger, OmegaConf.to_container(dcfg, resolve=True), out_dir,
+                                name=",".join(overrides) or "default")
+        try:
+            run(cfg, out_dir, overrides, tracker)
+        finally:
+            tracker.finish()
+    except user_errors() as err:
+        print(f"dofla: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def main() -> None:
+    if not CONF_DIR.is_dir():
+        sys.exit(f"dofla: error: config directory {CONF_DIR} not found; install dofla from a "
+                 "source checkout with `pip install -e .`")
+    main_hydra()
+
+
+def report_main() -> None:
+    """``dofla-report DIR [DIR ...]``: compare every run found under the given directories."""
+    from dofla.report import write_report
+
+    paths = [Path(p) for p in sys.argv[1:]] or [Path("multirun_sweeps")]
+    for path in paths:
+        if not path.exists():
+            sys.exit(f"dofla-report: error: {path} does not exist")
+        write_report(path)
+
+
+class SweepReport(Callback):
+    """Hydra callback: after a multirun, write the comparison report into the sweep directory."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from dofla.report import write_report
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            write_report(sweep_dir)
+        except FileNotFoundError as err:
+            print(f"dofla: no report: {err}", file=sys.stderr)

@@ -1,0 +1,109 @@
+"""Typed run configuration: what Hydra composes from conf/, converted with ``OmegaConf.to_object``.
+
+Library code takes these dataclasses (or plain values), never a DictConfig, so every stage can be
+called from a notebook: ``pipeline.run(RunConfig(...), out_dir)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2_135m"
+    source: str = "embedded:smollm2-135m-instruct"  # hub id, local dir, embedded:..., tiny:<arch>
+    revision: Optional[str] = None
+    tiny_layers: int = 2  # only for tiny:<arch> sources
+
+
+@dataclass
+class DataConfig:
+    name: str = "embedded"
+    options: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = 512
+    num_tokens: int = 8192  # distillation tokens cached from the teacher
+    heldout_tokens: int = 4096  # for held-out perplexity and attention error
+
+
+@dataclass
+class FeatureMapConfig:
+    name: str = "learned_prf"
+    options: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = 64
+
+
+@dataclass
+class LossConfig:
+    name: str = "softmax"  # l2 | softmax | direct
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AllocationConfig:
+    policy: str = "dof"  # fix | dof | dof_clip
+    lam: float = 1e-2
+    num_samples: int = 1024  # J, vectors per head for Algorithm 1
+    gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
+    num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
+
+
+@dataclass
+class BudgetConfig:
+    name: str = "head_dim"
+    value: Optional[float] = None  # mean feature dimension per layer; None = multiple × head size
+    multiple: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150
+    batch_size: int = 2
+    lr_z: float = 0.02
+    lr_alpha: float = 0.2
+    lr_other: float = 1e-2
+    warmup_steps: int = 10
+    schedule: str = "constant"
+    heldout_fraction: float = 0.1
+    eval_every: int = 25
+    patience: int = 0
+    checkpoint_every: int = 50
+    skip_nonfinite: bool = False
+    layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
+    direct_batch_size: int = 1
+
+
+@dataclass
+class EvalConfig:
+    name: str = "default"
+    batch_size: int = 2
+    attn_error_seqs: int = 2
+    perplexity: bool = True
+    attention_error: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb
+    project: str = "dofla"
+    group: Optional[str] = None
+    mode: Optional[str] = None  # wandb mode: online | offline | disabled
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    feature_map: FeatureMapConfig = field(default_factory=FeatureMapConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    cache_dir: Optional[str] = None  # activation caches (None: DOFLA_CACHE_DIR or the user cache)
+    stages: list[str] = field(
+        default_factory=lambda: ["cache", "dof", "allocate", "train", "assemble", "eval", "report"]
+    )
+    experiment: Optional[str] = None

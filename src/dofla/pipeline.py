@@ -1,0 +1,113 @@
+"""cache -> dof -> allocate -> train -> assemble -> eval -> report, for one run directory.
+
+``run(cfg, out_dir)`` is what the ``dofla`` command calls after Hydra composed the config; it is
+equally callable from Python. Every stage writes its artifact into ``out_dir`` (the activation
+cache and Algorithm 1's result are shared across runs, keyed by what determines them).
+"""
+from __future__ import annotations
+
+import io
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from dofla.config import RunConfig
+from dofla.record import build_record, read_json, write_json
+from dofla.validate import validate_against_model, validate_config, validate_output_dir
+
+
+class StageTimer:
+    """Wall time per stage, accumulated into ``seconds`` (and time/<stage> metrics)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    from dofla.models import cache_root as default_root
+
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root() / "activations"
+
+
+def load_data(cfg: RunConfig, tokenizer):
+    """(train tokens (S, L), held-out tokens (S', L), data fingerprint)."""
+    from dofla.data import build_source, pack_tokens
+
+    source = build_source(cfg.data.name, **cfg.data.options)
+    L = cfg.data.seq_len
+    train = pack_tokens(source.texts("train"), tokenizer, L, cfg.data.num_tokens, desc="tokenize train")
+    heldout = pack_tokens(source.texts("heldout"), tokenizer, L, cfg.data.heldout_tokens,
+                          desc="tokenize held-out")
+    return train, heldout, source.fingerprint()
+
+
+def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
+    """Run the configured stages in ``out_dir``; returns the metrics (also in metrics.json)."""
+    from dofla import stages
+    from dofla.cache import build_or_load_cache
+    from dofla.models import get_adapter, load_teacher
+    from dofla.report import print_run_summary, write_report
+    from dofla.tracking import NullTracker
+
+    out_dir = Path(out_dir)
+    validate_config(cfg)
+    validate_output_dir(out_dir)
+    tracker = tracker or NullTracker()
+    torch.manual_seed(cfg.seed)
+    record = build_record(cfg, overrides)
+    timer = StageTimer()
+
+    with timer("load"):
+        teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
+        geometry = get_adapter(teacher).geometry(teacher.config)
+    validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
+    with timer("data"):
+        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer)
+
+    with timer("cache"):
+        fields = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
+                  "seq_len": cfg.data.seq_len, "num_tokens": cfg.data.num_tokens, "dtype": "float16"}
+        if cfg.model.source.startswith("tiny:"):
+            fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
+        cache = build_or_load_cache(teacher, train_tokens, fields, cache_root(cfg))
+    record["cache_key"] = cache.key
+    write_json(out_dir / "run.json", record)
+
+    with timer("dof"):
+        dof = stages.dof_stage(cfg, cache, out_dir)
+    with timer("allocate"):
+        dims = stages.allocate_stage(cfg, dof, geometry.head_dim, geometry.num_layers, out_dir)
+    tracker.log({"allocation/mean_dim": sum(dims) / len(dims)})
+    if "train" not in cfg.stages:
+        return {}
+    with timer("train"):
+        stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
+    if "assemble" not in cfg.stages:
+        return {}
+    with timer("assemble"):
+        student = stages.assemble_stage(cfg, teacher, tokenizer, dims, out_dir)
+    if "eval" not in cfg.stages:
+        return {}
+    with timer("eval"):
+        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir)
+    timings = read_json(out_dir / "timings.json") or {}
+    timings.update({f"time/{k}": v for k, v in timer.seconds.items()})
+    write_json(out_dir / "timings.json", timings)
+    tracker.log({**metrics, **timings})
+    if "report" in cfg.stages:
+        write_report(out_dir, console=Console(file=io.StringIO()))
+        for plot in sorted(out_dir.glob("*.png")):
+            tracker.log_image(plot.stem, plot)
+    print_run_summary(out_dir)
+    return metrics

@@ -1,0 +1,157 @@
+"""Read run directories and compare them: report.md, report.csv and a printed table.
+
+A run directory is any folder holding ``run.json`` (written by every run). A sweep directory is
+any folder above several of them. Nothing here needs wandb.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dofla.record import read_json
+
+SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean")
+# Parts of the reproducibility record that should match across runs being compared.
+RECORD_KEYS = ("git", "packages", "device", "cache_key")
+
+
+def find_runs(root: Path) -> list[Path]:
+    root = Path(root)
+    if (root / "run.json").exists():
+        return [root]
+    return sorted(p.parent for p in root.rglob("run.json") if ".tmp" not in p.parent.name)
+
+
+def load_run(run_dir: Path) -> dict:
+    record = read_json(run_dir / "run.json") or {}
+    return {
+        "dir": run_dir,
+        "record": record,
+        "overrides": record.get("overrides", []),
+        "metrics": read_json(run_dir / "metrics.json") or {},
+        "allocation": read_json(run_dir / "allocation.json") or {},
+        "dof": read_json(run_dir / "dof.json") or {},
+        "timings": read_json(run_dir / "timings.json") or {},
+    }
+
+
+def distinguishing_overrides(runs: list[dict]) -> list[str]:
+    """Override keys whose value differs between runs (what a reader needs to tell them apart)."""
+    values: dict[str, set] = {}
+    for run in runs:
+        for item in run["overrides"]:
+            key, _, value = item.partition("=")
+            values.setdefault(key, set()).add(value)
+    for run in runs:
+        keys = {o.partition("=")[0] for o in run["overrides"]}
+        for key in values:
+            if key not in keys:
+                values[key].add("<default>")
+    return sorted(k for k, v in values.items() if len(v) > 1 or len(runs) == 1)
+
+
+def record_differences(runs: list[dict]) -> list[str]:
+    """Sentences naming record fields (code, packages, device, cache) that differ across runs."""
+    notes = []
+    for key in RECORD_KEYS:
+        seen = {repr(run["record"].get(key)) for run in runs}
+        if len(seen) > 1:
+            notes.append(f"runs differ in {key} (not only in their overrides): {sorted(seen)}")
+    return notes
+
+
+def rows(runs: list[dict], root: Path) -> list[dict]:
+    keys = distinguishing_overrides(runs)
+    out = []
+    for run in runs:
+        given = dict(o.partition("=")[::2] for o in run["overrides"])
+        row = {"run": str(run["dir"].relative_to(root)) if run["dir"] != root else run["dir"].name}
+        row.update({k: given.get(k, "<default>") for k in keys})
+        dims = run["allocation"].get("dims")
+        row["mean_dim"] = round(sum(dims) / len(dims), 2) if dims else None
+        row.update(run["metrics"])
+        row.update(run["timings"])
+        out.append(row)
+    return out
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def markdown_table(table_rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in table_rows]
+    return "\n".join(lines)
+
+
+def write_report(root: Path, console: Console | None = None) -> Path:
+    """Write report.md and report.csv in ``root`` comparing every run under it; print the table."""
+    from dofla.report.plots import write_plots
+
+    root = Path(root)
+    runs = [load_run(d) for d in find_runs(root)]
+    if not runs:
+        raise FileNotFoundError(f"no dofla runs (run.json) under {root}")
+    table_rows = rows(runs, root)
+    all_cols = list(dict.fromkeys(c for r in table_rows for c in r))
+    with open(root / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=all_cols)
+        writer.writeheader()
+        writer.writerows(table_rows)
+    head = ["run", *distinguishing_overrides(runs), "mean_dim", *SUMMARY_METRICS]
+    head = [c for c in head if any(c in r for r in table_rows)]
+    plots = write_plots(runs, root)
+    notes = record_differences(runs)
+    md = [f"# dofla report: {root}", "", markdown_table(table_rows, head), ""]
+    md += [f"> note: {n}" for n in notes]
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    (root / "report.md").write_text("\n".join(md) + "\n")
+    _print_table(table_rows, head, console or Console(), title=f"dofla report: {root}")
+    for note in notes:
+        (console or Console()).print(f"[yellow]note:[/] {note}")
+    return root / "report.md"
+
+
+def _print_table(table_rows, columns, console: Console, title: str) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c.removeprefix("eval/"))
+    for r in table_rows:
+        table.add_row(*[_fmt(r.get(c)) for c in columns])
+    console.print(table)
+
+
+def print_run_summary(run_dir: Path, console: Console | None = None) -> str:
+    """Teacher vs student perplexity, per-layer dims / DoF / attention error, time per stage."""
+    console = console or Console()
+    run = load_run(Path(run_dir))
+    m, alloc = run["metrics"], run["allocation"]
+    top = Table(title=f"dofla run: {run_dir}")
+    for col in ("", "teacher", "student"):
+        top.add_column(col)
+    top.add_row("held-out ppl", _fmt(m.get("eval/teacher_ppl")), _fmt(m.get("eval/student_ppl")))
+    top.add_row("mean feature dim", "softmax", _fmt(alloc.get("mean_dim")))
+    layers = Table(title=f"per layer ({alloc.get('policy')}, budget {_fmt(alloc.get('budget'))})")
+    for col in ("layer", "DoF", "dim", "attn error"):
+        layers.add_column(col, justify="right")
+    for i, dim in enumerate(alloc.get("dims", [])):
+        dof = alloc.get("layer_dof", [None] * (i + 1))[i]
+        layers.add_row(str(i), _fmt(dof), str(dim), _fmt(m.get(f"eval/attn_error/layer_{i:02d}")))
+    times = Table(title="wall time per stage (s)")
+    for stage in run["timings"]:
+        times.add_column(stage.removeprefix("time/"), justify="right")
+    times.add_row(*[f"{v:.1f}" for v in run["timings"].values()])
+    buffer = Console(file=io.StringIO(), width=console.width)
+    for part in (top, layers, times):
+        console.print(part)
+        buffer.print(part)
+    text = buffer.file.getvalue()
+    (Path(run_dir) / "summary.txt").write_text(text)
+    return text

@@ -1,0 +1,205 @@
+"""The pipeline's stages. Each reads its inputs, writes one artifact, and is skipped when that
+artifact already exists, so re-running a command resumes where it stopped."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dofla.config import RunConfig
+from dofla.record import read_json, write_json
+from dofla.validate import feature_budget
+
+
+def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
+    """Algorithm 1 on the activation cache -> dof.json (shared across runs via the cache dir)."""
+    from dofla.dof import check_degenerate, estimate_layer_dof
+
+    a = cfg.allocation
+    settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
+                "num_tokens": a.num_tokens, "seed": cfg.seed}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    shared = Path(cache.path) / f"dof-{digest}.json"
+    result = read_json(out_dir / "dof.json") or read_json(shared)
+    if result is None or result.get("settings") != settings:
+        per_head, per_layer = [], []
+        from tqdm.auto import tqdm
+
+        for i in tqdm(range(cache.meta["num_layers"]), desc="dof (Algorithm 1)", unit="layer"):
+            q, k = _pooled_activations(cache, i, a.num_tokens)
+            heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i)
+            per_head.append([float(h) for h in heads])
+            per_layer.append(float(value))
+        result = {"settings": settings, "per_head": per_head, "layer_dof": per_layer,
+                  "warning": check_degenerate(per_layer, a.num_samples)}
+        write_json(shared, result)
+    write_json(out_dir / "dof.json", result)
+    if result.get("warning"):
+        print(f"dofla: warning: {result['warning']}", flush=True)
+    return result
+
+
+def _pooled_activations(cache, layer: int, num_tokens: int | None):
+    """Queries (N, H, d) and keys (N, H_kv, d) of one layer, as float32 tensors."""
+    acts = cache.layer(layer)
+    seqs = acts.q.shape[0]
+    if num_tokens is not None:
+        seqs = max(1, min(seqs, -(-num_tokens // acts.q.shape[2])))
+    q = torch.from_numpy(acts.q[:seqs].astype("float32"))  # (S, H, L, d)
+    k = torch.from_numpy(acts.k[:seqs].astype("float32"))  # (S, H_kv, L, d)
+    return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)
+
+
+def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, out_dir: Path) -> list[int]:
+    """Per-layer feature dims from the policy and budget -> allocation.json."""
+    from dofla.dof import allocate_dims
+
+    budget = feature_budget(cfg, head_dim)
+    dims = allocate_dims(dof["layer_dof"], budget, cfg.allocation.policy, head_dim)
+    assert len(dims) == num_layers
+    write_json(out_dir / "allocation.json", {
+        "policy": cfg.allocation.policy, "budget": budget, "lambda": cfg.allocation.lam,
+        "gram_norm": cfg.allocation.gram_norm, "dims": dims, "layer_dof": dof["layer_dof"],
+        "mean_dim": sum(dims) / len(dims),
+    })
+    return dims
+
+
+def build_feature_maps(cfg: RunConfig, geometry, dims: list[int]):
+    from dofla.feature_maps import build_feature_map
+
+    return [
+        build_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
+                          seed=cfg.seed + i, **cfg.feature_map.options)
+        for i, m in enumerate(dims)
+    ]
+
+
+def layer_train_config(cfg: RunConfig):
+    from dofla.train import LayerTrainConfig
+
+    t = cfg.train
+    return LayerTrainConfig(
+        loss=cfg.loss.name, loss_options=dict(cfg.loss.options), steps=t.steps,
+        batch_size=t.batch_size, lr_z=t.lr_z, lr_alpha=t.lr_alpha, lr_other=t.lr_other,
+        warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
+        eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
+        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite,
+    )
+
+
+def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path) -> dict:
+    """Layerwise (l2 / softmax, from the cache) or end-to-end (direct) feature training."""
+    layers = list(range(len(dims))) if cfg.train.layers is None else list(cfg.train.layers)
+    layer_dir = out_dir / "layers"
+    if cfg.loss.name == "direct":
+        return _train_direct(cfg, geometry, dims, teacher, train_tokens, layer_dir)
+    from dofla.train import run_layerwise
+
+    feature_maps = build_feature_maps(cfg, geometry, dims)
+
+    def activations(i: int):
+        acts = cache.layer(i)
+        return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
+
+    results = run_layerwise(feature_maps, activations, layers, layer_train_config(cfg), layer_dir)
+    return {i: r for i, r in results.items()}
+
+
+def _train_direct(cfg, geometry, dims, teacher, train_tokens, layer_dir: Path) -> dict:
+    from dofla.train import DirectTrainConfig, train_direct
+
+    done = layer_dir / "direct_done.json"
+    if done.exists():
+        return read_json(done)
+    student = make_student(cfg, teacher, dims)
+    lcfg = layer_train_config(cfg)
+    dcfg = DirectTrainConfig(**{k: v for k, v in asdict(lcfg).items()
+                                if k in DirectTrainConfig.__dataclass_fields__})
+    dcfg.batch_size = cfg.train.direct_batch_size
+    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=layer_dir / "direct_ckpt.pt")
+    for i, attn in enumerate(student.student_attentions()):
+        _save_layer_state(layer_dir / f"layer_{i:02d}.pt", attn.feature_map.state_dict(), curve)
+    write_json(done, {"steps": len(curve), "curve": curve})
+    return read_json(done)
+
+
+def _save_layer_state(path: Path, state: dict, curve) -> None:
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    os.close(fd)
+    torch.save({"state_dict": state, "curve": curve}, tmp)
+    os.replace(tmp, path)
+
+
+def make_student(cfg: RunConfig, teacher, dims):
+    from dofla.models import convert
+
+    return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
+                   feature_map_options=dict(cfg.feature_map.options),
+                   chunk_size=cfg.feature_map.chunk_size, seed=cfg.seed)
+
+
+def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path):
+    """The student as a Hugging Face model directory, with every layer's trained features."""
+    from dofla.models import load_student
+
+    target = out_dir / "student"
+    if (target / "config.json").exists():
+        return load_student(target)
+    student = make_student(cfg, teacher, dims)
+    for i, attn in enumerate(student.student_attentions()):
+        artifact = out_dir / "layers" / f"layer_{i:02d}.pt"
+        if artifact.exists():
+            attn.feature_map.load_state_dict(torch.load(artifact, weights_only=False)["state_dict"])
+        elif attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters()):
+            print(f"dofla: layer {i} has no trained features ({artifact.name} missing); "
+                  "it keeps its initial features", flush=True)
+    _save_model_dir(student, tokenizer, target)
+    return student.eval()
+
+
+def _save_model_dir(model, tokenizer, target: Path) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix="student.tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) -> dict:
+    """Held-out perplexity of teacher and student, per-layer attention error -> metrics.json."""
+    import math
+
+    from dofla.eval import attention_errors, heldout_loss
+
+    metrics = read_json(out_dir / "metrics.json")
+    if metrics is not None:
+        return metrics
+    metrics = {}
+    if cfg.eval.perplexity:
+        for who, model in (("teacher", teacher), ("student", student)):
+            loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size)
+            metrics[f"eval/{who}_loss"] = loss
+            metrics[f"eval/{who}_ppl"] = math.exp(loss) if loss < 700 else float("inf")
+        metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
+    if cfg.eval.attention_error:
+        errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs])
+        for i, err in enumerate(errors):
+            metrics[f"eval/attn_error/layer_{i:02d}"] = float(err)
+        metrics["eval/attn_error/mean"] = float(sum(errors) / len(errors))
+    write_json(out_dir / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,124 @@
+"""Checks that run before any model is loaded: one clear sentence per bad value.
+
+Each error names the config key, the bad value and what would be valid, so a sweep of 27 jobs
+fails in a second instead of after an hour of caching.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dofla.config import RunConfig
+
+STAGES = ("cache", "dof", "allocate", "train", "assemble", "eval", "report")
+LOSS_NAMES = ("l2", "softmax", "direct")
+GRAM_NORMS = ("none", "J", "trace")
+SCHEDULES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the valid values."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(key: str, value) -> None:
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+        f"{key}={value!r} must be a positive number",
+    )
+
+
+def _one_of(key: str, value, valid) -> None:
+    _require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Everything that can be checked without loading a model or data."""
+    from dofla.data import DATA_SOURCES
+    from dofla.dof import ALLOCATION_POLICIES
+    from dofla.feature_maps import FEATURE_MAPS
+
+    _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
+    _one_of("loss.name", cfg.loss.name, LOSS_NAMES)
+    _one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
+    _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
+    _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
+    _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
+    for key, value in [
+        ("allocation.lam", cfg.allocation.lam),
+        ("allocation.num_samples", cfg.allocation.num_samples),
+        ("data.seq_len", cfg.data.seq_len),
+        ("data.num_tokens", cfg.data.num_tokens),
+        ("data.heldout_tokens", cfg.data.heldout_tokens),
+        ("budget.multiple", cfg.budget.multiple),
+        ("train.batch_size", cfg.train.batch_size),
+        ("train.checkpoint_every", cfg.train.checkpoint_every),
+        ("train.eval_every", cfg.train.eval_every),
+        ("train.lr_z", cfg.train.lr_z),
+        ("train.lr_alpha", cfg.train.lr_alpha),
+        ("eval.batch_size", cfg.eval.batch_size),
+        ("feature_map.chunk_size", cfg.feature_map.chunk_size),
+    ]:
+        _positive(key, value)
+    _require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
+    if cfg.budget.value is not None:
+        _positive("budget.value", cfg.budget.value)
+    _require(
+        0 <= cfg.train.heldout_fraction < 1,
+        f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)",
+    )
+    _require(
+        cfg.data.num_tokens >= cfg.data.seq_len,
+        f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
+        f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len",
+    )
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    _require(not unknown, f"stages={unknown} unknown; valid stages: {', '.join(STAGES)}")
+    _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
+
+
+def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
+    """Checks that need the model's geometry (read from its config, before any compute)."""
+    budget = feature_budget(cfg, head_dim)
+    _require(
+        budget >= 1,
+        f"budget gives {budget:g} features per layer (budget.value={cfg.budget.value}, "
+        f"budget.multiple={cfg.budget.multiple}); it must be at least 1",
+    )
+    if cfg.allocation.policy == "dof_clip":
+        _require(
+            budget <= head_dim,
+            f"allocation.policy=dof_clip caps every layer at the head size {head_dim}, so a budget of "
+            f"{budget:g} > {head_dim} cannot be met; use policy dof or a budget ≤ {head_dim}",
+        )
+    if cfg.train.layers is not None:
+        bad = [i for i in cfg.train.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
+        _require(
+            not bad and len(cfg.train.layers) > 0,
+            f"train.layers={list(cfg.train.layers)} has entries outside 0..{num_layers - 1} "
+            f"(the model has {num_layers} layers)",
+        )
+    _require(
+        cfg.data.seq_len <= max_positions,
+        f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens",
+    )
+
+
+def feature_budget(cfg: RunConfig, head_dim: int) -> float:
+    """The cost C: mean feature dimension per layer."""
+    return float(cfg.budget.value) if cfg.budget.value is not None else cfg.budget.multiple * head_dim
+
+
+def validate_output_dir(out_dir: Path) -> None:
+    """The run directory must be creatable and writable."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output directory {out_dir} cannot be created ({err.strerror}); "
+                          "choose a writable hydra.run.dir") from None
+    _require(os.access(out_dir, os.W_OK), f"output directory {out_dir} is not writable; "
+             "choose a writable hydra.run.dir")

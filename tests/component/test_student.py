@@ -1,0 +1,99 @@
+"""Converting tiny GPT-2 / GPT-NeoX / Llama models: softmax reference, save/load, generate."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dofla.models import (
+    RecurrentStateCache,
+    capture_qkv,
+    convert,
+    get_adapter,
+    load_student,
+)
+from dofla.models.loading import ModelLoadError, load_teacher
+
+
+def _ids(batch=2, length=33, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_softmax_reference_reproduces_teacher_logits(tiny_model):
+    ids = _ids()
+    with torch.no_grad():
+        teacher = tiny_model(ids).logits
+        student = convert(copy.deepcopy(tiny_model), feature_map="softmax")
+        swapped = student(ids, use_cache=False).logits
+    assert (teacher - swapped).abs().max().item() < 1e-4
+
+
+def test_capture_shapes_follow_geometry(tiny_model):
+    geometry = get_adapter(tiny_model).geometry(tiny_model.config)
+    layers = capture_qkv(tiny_model, _ids(batch=3, length=11))
+    assert len(layers) == geometry.num_layers
+    for q, k, v in layers:
+        assert q.shape == (3, geometry.num_heads, 11, geometry.head_dim)
+        assert k.shape == v.shape == (3, geometry.num_kv_heads, 11, geometry.head_dim)
+
+
+def test_save_load_roundtrip_gives_identical_logits(tiny_model, tmp_path):
+    student = convert(tiny_model, feature_map="learned_prf", dims=[5, 9], seed=3)
+    with torch.no_grad():  # make the feature parameters differ from their initial draw
+        for attn in student.student_attentions():
+            for p in attn.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    student.save_pretrained(tmp_path)
+    reloaded = load_student(tmp_path)
+    assert [a.num_features for a in reloaded.student_attentions()] == [5, 9]
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(student(ids, use_cache=False).logits, reloaded(ids, use_cache=False).logits)
+
+
+def test_greedy_generate_matches_parallel_argmax(tiny_model):
+    student = convert(tiny_model, feature_map="learned_prf", dims=[6, 4])
+    prompt = _ids(batch=1, length=9)
+    out = student.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            logits = student(tokens, use_cache=False).logits[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens)
+
+
+def test_decoding_state_does_not_grow(tiny_model):
+    student = convert(tiny_model, feature_map="performer", dims=[8, 8])
+    cache = RecurrentStateCache(2)
+    ids = _ids(batch=1, length=4)
+    sizes = []
+    with torch.no_grad():
+        out = student(ids, past_key_values=cache)
+        for step in range(30):
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = student(nxt, past_key_values=cache)
+            if step in (5, 29):
+                sizes.append(cache.state_bytes())
+    assert cache.get_seq_length() == 34
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_prefill_then_decode_equals_full_forward(tiny_model):
+    student = convert(tiny_model, feature_map="learned_prf", dims=[7, 3], chunk_size=4)
+    ids = _ids(batch=2, length=21)
+    with torch.no_grad():
+        full = student(ids, use_cache=False).logits
+        cache = RecurrentStateCache(2)
+        first = student(ids[:, :13], past_key_values=cache).logits
+        rest = [student(ids[:, t : t + 1], past_key_values=cache).logits for t in range(13, 21)]
+    stepped = torch.cat([first, *rest], dim=1)
+    assert torch.allclose(stepped, full, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_hub_model_fails_with_one_sentence():
+    with pytest.raises(ModelLoadError) as err:
+        load_teacher("dofla-tests/no-such-model-anywhere")
+    message = str(err.value)
+    assert "no-such-model-anywhere" in message and "\n" not in message

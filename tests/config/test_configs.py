@@ -1,0 +1,71 @@
+"""Every config group option composes and converts to the typed RunConfig; bad values fail early."""
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dofla.cli import CONF_DIR, to_run_config
+from dofla.config import RunConfig
+
+GROUPS = ["model", "data", "feature_map", "loss", "allocation", "budget", "train", "eval", "logger", "experiment"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _compose(overrides: list[str]) -> RunConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=overrides))
+
+
+def test_default_config_is_the_embedded_pipeline():
+    cfg = _compose([])
+    assert cfg.model.source == "embedded:smollm2-135m-instruct"
+    assert (cfg.feature_map.name, cfg.loss.name, cfg.allocation.policy) == ("learned_prf", "softmax", "dof")
+    assert cfg.data.name == "embedded" and cfg.budget.multiple == 1.0
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda x: str(x)
+)
+def test_every_option_composes_to_typed_config(group, option):
+    cfg = _compose([f"{group}={option}"])
+    assert isinstance(cfg, RunConfig)
+    if group in ("feature_map", "data", "eval", "logger", "budget"):
+        assert getattr(cfg, group).name == option
+    if group == "allocation":
+        assert cfg.allocation.policy == option
+    if group == "loss":
+        assert cfg.loss.name == option
+
+
+def test_option_file_names_match_registries():
+    from dofla.data import DATA_SOURCES
+    from dofla.dof import ALLOCATION_POLICIES
+    from dofla.feature_maps import FEATURE_MAPS
+
+    assert set(_options("feature_map")) == set(FEATURE_MAPS.names())
+    assert set(_options("allocation")) <= set(ALLOCATION_POLICIES.names())
+    assert set(_options("data")) == set(DATA_SOURCES.names())
+
+
+def test_unknown_option_lists_valid_choices():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose(["feature_map=performr"])
+    assert "performer" in str(err.value) and "learned_prf" in str(err.value)
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises(Exception) as err:
+        _compose(["allocation.lam=abc"])
+    assert "lam" in str(err.value)
+
+
+def test_resolved_config_roundtrips_through_yaml():
+    cfg = _compose(["experiment=smoke_tiny"])
+    assert cfg.model.source == "tiny:llama" and cfg.data.seq_len == 64
+    assert OmegaConf.to_yaml(OmegaConf.structured(cfg))

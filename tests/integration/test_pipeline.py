@@ -1,0 +1,66 @@
+"""The real ``dofla`` command end to end on a tiny random Llama: one run, a rerun, a 2-job sweep."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dofla.models import load_student
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_full_pipeline_on_tiny_model(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache}"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for artifact in ("run.json", "dof.json", "allocation.json", "metrics.json", "report.md", "summary.txt"):
+        assert (run_dir / artifact).exists(), artifact
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert math.isfinite(metrics["eval/teacher_ppl"]) and math.isfinite(metrics["eval/student_ppl"])
+    assert [k for k in metrics if k.startswith("eval/attn_error/layer_")] == [
+        "eval/attn_error/layer_00", "eval/attn_error/layer_01"]
+    allocation = json.loads((run_dir / "allocation.json").read_text())
+    assert allocation["policy"] == "dof" and len(allocation["dims"]) == 2
+    assert "held-out ppl" in first.stdout
+    student = load_student(run_dir / "student")
+    out = student.generate(torch.tensor([[72, 101, 108]]), max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 8)
+
+    again = run_cli(*args)  # everything is already there: nothing is recomputed
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "metrics.json").read_text()) == metrics
+    assert "reus" in (again.stdout + again.stderr).lower()
+
+
+def test_two_job_multirun_shares_one_cache_and_reports(tmp_path):
+    sweep, cache = tmp_path / "sweep", tmp_path / "cache"
+    result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof",
+                     f"hydra.sweep.dir={sweep}", f"cache_dir={cache}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
+    assert len(runs) == 2
+    keys = {json.loads((r / "run.json").read_text())["cache_key"] for r in runs}
+    assert len(keys) == 1
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    report = (sweep / "report.md").read_text()
+    assert "allocation" in report and report.count("\n| ") >= 3
+    assert (sweep / "report.csv").exists() and (sweep / "dims.png").exists()
+
+
+def test_bad_value_fails_before_compute_in_one_sentence(tmp_path):
+    result = run_cli("experiment=smoke_tiny", "allocation.lam=-1", f"hydra.run.dir={tmp_path / 'run'}",
+                     f"cache_dir={tmp_path / 'cache'}")
+    assert result.returncode == 2
+    assert "allocation.lam=-1" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "cache").exists()
