@@ -97,3 +97,18 @@ def test_unknown_hub_model_fails_with_one_sentence():
         load_teacher("dofla-tests/no-such-model-anywhere")
     message = str(err.value)
     assert "no-such-model-anywhere" in message and "\n" not in message
+
+
+def test_hybrid_student_generates_like_its_parallel_forward(tiny_model, tmp_path):
+    student = convert(tiny_model, feature_map="learned_prf", dims=[6, 4], window=5, chunk_size=4)
+    student.save_pretrained(tmp_path)
+    student = load_student(tmp_path)
+    assert all(a.window == 5 for a in student.student_attentions())
+    prompt = _ids(batch=1, length=9)
+    out = student.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(10):
+            logits = student(tokens, use_cache=False).logits[:, -1]
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens)

@@ -35,6 +35,7 @@ class ConversionSpec:
     feature_map_options: dict = field(default_factory=dict)
     chunk_size: int = 64
     seed: int = 0
+    window: int = 0
     format_version: int = FORMAT_VERSION
 
 
@@ -97,7 +98,8 @@ def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
                 seed=spec.seed + i, **spec.feature_map_options,
             )
         module.dofla = StudentAttention(
-            geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, feature_map, spec.chunk_size
+            geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, feature_map,
+            spec.chunk_size, spec.window,
         )
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
@@ -109,6 +111,7 @@ def convert(
     feature_map_options: dict | None = None,
     chunk_size: int = 64,
     seed: int = 0,
+    window: int = 0,
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a linear-attention student and return it.
 
@@ -120,7 +123,7 @@ def convert(
         raise ValueError("model is already a dofla student; convert its teacher instead")
     geometry = get_adapter(model).geometry(model.config)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [int(m) for m in dims]
-    spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed)
+    spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window)
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

@@ -16,7 +16,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dofla.attention import (
+    HybridState,
     LinearState,
+    hybrid_attention_chunked,
     linear_attention_chunked,
     linear_attention_recurrent,
     softmax_attention,
@@ -24,6 +26,7 @@ from dofla.attention import (
 from dofla.feature_maps import FeatureMap
 
 ATTN_IMPLEMENTATION = "dofla_linear"
+State = LinearState | HybridState
 
 
 class StudentAttention(nn.Module):
@@ -40,6 +43,7 @@ class StudentAttention(nn.Module):
         head_dim: int,
         feature_map: FeatureMap | None,
         chunk_size: int = 64,
+        window: int = 0,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -47,6 +51,7 @@ class StudentAttention(nn.Module):
         self.head_dim = head_dim
         self.feature_map = feature_map
         self.chunk_size = chunk_size
+        self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid attention)
         # Set by the student model's forward for the duration of a cached call.
         self.cache_layer: RecurrentLayer | None = None
 
@@ -55,8 +60,8 @@ class StudentAttention(nn.Module):
         return 0 if self.feature_map is None else self.feature_map.num_features
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearState | None = None
-    ) -> tuple[torch.Tensor, LinearState | None]:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State | None = None
+    ) -> tuple[torch.Tensor, State | None]:
         """q (B, H, T, d) scaled so the teacher kernel is exp(q·k/sqrt(d)); k, v (B, H_kv, T, d)."""
         if self.feature_map is None:
             return softmax_attention(q, k, v, causal=True), None
@@ -66,6 +71,8 @@ class StudentAttention(nn.Module):
             v = v.repeat_interleave(group, dim=1)
         log_q = self.feature_map.log_features(q)
         log_k = self.feature_map.log_features(k)
+        if self.window > 0:
+            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state)
         if state is not None and q.shape[2] == 1:
             return linear_attention_recurrent(log_q, log_k, v, state=state)
         return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state)
@@ -106,7 +113,7 @@ class RecurrentLayer(CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.state: LinearState | None = None
+        self.state: State | None = None
         self.seen = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:

@@ -1,0 +1,22 @@
+"""Attention kernels: quadratic references (naive) and the linear-time forms (chunked, recurrent)."""
+from dofla.attention.hybrid import HybridState, hybrid_attention_chunked, hybrid_attention_naive
+from dofla.attention.linear import LinearState, linear_attention_chunked, linear_attention_recurrent
+from dofla.attention.naive import (
+    kernel_matrix,
+    linear_attention_naive,
+    log_kernel_matrix,
+    softmax_attention,
+)
+
+__all__ = [
+    "HybridState",
+    "hybrid_attention_chunked",
+    "hybrid_attention_naive",
+    "LinearState",
+    "kernel_matrix",
+    "linear_attention_chunked",
+    "linear_attention_naive",
+    "linear_attention_recurrent",
+    "log_kernel_matrix",
+    "softmax_attention",
+]
