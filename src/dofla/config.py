@@ -30,6 +30,12 @@ class DataConfig:
 class FeatureMapConfig:
     name: str = "learned_prf"
     options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "linear"
+    window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     chunk_size: int = 64
 
 
@@ -74,6 +80,19 @@ class TrainConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Optional LoRA fine-tune of the attention projections after assemble (off by default)."""
+
+    name: str = "none"  # none | lora
+    steps: int = 40
+    batch_size: int = 1
+    lr: float = 2e-4
+    rank: int = 8
+    alpha: int = 16
+    warmup_steps: int = 5
+
+
+@dataclass
 class EvalConfig:
     name: str = "default"
     batch_size: int = 2
@@ -95,15 +114,17 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     feature_map: FeatureMapConfig = field(default_factory=FeatureMapConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     cache_dir: Optional[str] = None  # activation caches (None: DOFLA_CACHE_DIR or the user cache)
     stages: list[str] = field(
-        default_factory=lambda: ["cache", "dof", "allocate", "train", "assemble", "eval", "report"]
+        default_factory=lambda: ["cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report"]
     )
     experiment: Optional[str] = None

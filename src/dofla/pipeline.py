@@ -97,6 +97,9 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         return {}
     with timer("assemble"):
         student = stages.assemble_stage(cfg, teacher, tokenizer, dims, out_dir)
+    if cfg.finetune.name == "lora" and "finetune" in cfg.stages:
+        with timer("finetune"):
+            student = stages.finetune_stage(cfg, student, tokenizer, train_tokens, out_dir)
     if "eval" not in cfg.stages:
         return {}
     with timer("eval"):

@@ -144,7 +144,8 @@ def make_student(cfg: RunConfig, teacher, dims):
 
     return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
                    feature_map_options=dict(cfg.feature_map.options),
-                   chunk_size=cfg.feature_map.chunk_size, seed=cfg.seed)
+                   chunk_size=cfg.attention.chunk_size, seed=cfg.seed,
+                   window=cfg.attention.window)
 
 
 def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path):
@@ -171,13 +172,27 @@ def _save_model_dir(model, tokenizer, target: Path) -> None:
     import shutil
     import tempfile
 
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix="student.tmp"))
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Path):
+    """Optional LoRA fine-tune of the assembled student -> student_finetuned/ (merged weights)."""
+    from dofla.models import load_student
+    from dofla.train.finetune import finetune_lora
+
+    target = out_dir / "student_finetuned"
+    if (target / "config.json").exists():
+        return load_student(target)
+    curve = finetune_lora(student, train_tokens, cfg.finetune, seed=cfg.seed)
+    write_json(out_dir / "finetune_curve.json", curve)
+    _save_model_dir(student, tokenizer, target)
+    return student.eval()
 
 
 def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dofla.config import RunConfig
 
-STAGES = ("cache", "dof", "allocate", "train", "assemble", "eval", "report")
+STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
 LOSS_NAMES = ("l2", "softmax", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
@@ -61,7 +61,10 @@ def validate_config(cfg: RunConfig) -> None:
         ("train.lr_z", cfg.train.lr_z),
         ("train.lr_alpha", cfg.train.lr_alpha),
         ("eval.batch_size", cfg.eval.batch_size),
-        ("feature_map.chunk_size", cfg.feature_map.chunk_size),
+        ("attention.chunk_size", cfg.attention.chunk_size),
+        ("finetune.steps", cfg.finetune.steps),
+        ("finetune.lr", cfg.finetune.lr),
+        ("finetune.rank", cfg.finetune.rank),
     ]:
         _positive(key, value)
     _require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
@@ -79,6 +82,8 @@ def validate_config(cfg: RunConfig) -> None:
     unknown = [s for s in cfg.stages if s not in STAGES]
     _require(not unknown, f"stages={unknown} unknown; valid stages: {', '.join(STAGES)}")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
+    _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
+    _require(cfg.attention.window >= 0, f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
 
 
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from dofla.cli import CONF_DIR, to_run_config
 from dofla.config import RunConfig
 
-GROUPS = ["model", "data", "feature_map", "loss", "allocation", "budget", "train", "eval", "logger", "experiment"]
+GROUPS = ["model", "data", "feature_map", "attention", "finetune", "loss", "allocation", "budget", "train", "eval", "logger", "experiment"]
 
 
 def _options(group: str) -> list[str]:
@@ -33,7 +33,7 @@ def test_default_config_is_the_embedded_pipeline():
 def test_every_option_composes_to_typed_config(group, option):
     cfg = _compose([f"{group}={option}"])
     assert isinstance(cfg, RunConfig)
-    if group in ("feature_map", "data", "eval", "logger", "budget"):
+    if group in ("feature_map", "attention", "finetune", "data", "eval", "logger", "budget"):
         assert getattr(cfg, group).name == option
     if group == "allocation":
         assert cfg.allocation.policy == option

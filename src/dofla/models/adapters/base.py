@@ -36,6 +36,7 @@ class AttentionGeometry:
 
 class Adapter:
     model_type: ClassVar[str]
+    lora_targets: ClassVar[list[str]]
 
     def geometry(self, config) -> AttentionGeometry:
         raise NotImplementedError

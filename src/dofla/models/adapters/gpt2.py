@@ -6,6 +6,8 @@ from dofla.models.adapters.base import ADAPTERS, Adapter, AttentionGeometry
 
 @ADAPTERS.register("gpt2")
 class GPT2Adapter(Adapter):
+    # attention projections a LoRA fine-tune adapts (module-name suffixes, as peft matches them)
+    lora_targets = ["attn.c_attn", "attn.c_proj"]
     model_type = "gpt2"
 
     def geometry(self, config) -> AttentionGeometry:

@@ -6,6 +6,8 @@ from dofla.models.adapters.base import ADAPTERS, Adapter, AttentionGeometry
 
 @ADAPTERS.register("gpt_neox")
 class GPTNeoXAdapter(Adapter):
+    # attention projections a LoRA fine-tune adapts (module-name suffixes, as peft matches them)
+    lora_targets = ["attention.query_key_value", "attention.dense"]
     model_type = "gpt_neox"
 
     def geometry(self, config) -> AttentionGeometry:

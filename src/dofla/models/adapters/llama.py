@@ -7,6 +7,8 @@ from dofla.models.adapters.base import ADAPTERS, Adapter, AttentionGeometry
 @ADAPTERS.register("mistral")
 @ADAPTERS.register("llama")
 class LlamaAdapter(Adapter):
+    # attention projections a LoRA fine-tune adapts (module-name suffixes, as peft matches them)
+    lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     model_type = "llama"
 
     def geometry(self, config) -> AttentionGeometry:
