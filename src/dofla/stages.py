@@ -17,8 +17,6 @@ from dofla.validate import feature_budget
 
 def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
     """Algorithm 1 on the activation cache -> dof.json (shared across runs via the cache dir)."""
-    from dofla.dof import check_degenerate, estimate_layer_dof
-
     a = cfg.allocation
     settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
                 "num_tokens": a.num_tokens, "seed": cfg.seed}
@@ -26,21 +24,36 @@ def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
     shared = Path(cache.path) / f"dof-{digest}.json"
     result = read_json(out_dir / "dof.json") or read_json(shared)
     if result is None or result.get("settings") != settings:
-        per_head, per_layer = [], []
-        from tqdm.auto import tqdm
-
-        for i in tqdm(range(cache.meta["num_layers"]), desc="dof (Algorithm 1)", unit="layer"):
-            q, k = _pooled_activations(cache, i, a.num_tokens)
-            heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i)
-            per_head.append([float(h) for h in heads])
-            per_layer.append(float(value))
-        result = {"settings": settings, "per_head": per_head, "layer_dof": per_layer,
-                  "warning": check_degenerate(per_layer, a.num_samples)}
+        result = _run_algorithm1(cfg, cache, settings, out_dir / "dof.partial.json")
         write_json(shared, result)
     write_json(out_dir / "dof.json", result)
     if result.get("warning"):
         print(f"dofla: warning: {result['warning']}", flush=True)
     return result
+
+
+def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -> dict:
+    """Per-layer DoF, saved after every layer so a killed run redoes only the layers it lacks."""
+    from tqdm.auto import tqdm
+
+    from dofla.dof import check_degenerate, estimate_layer_dof
+    from dofla.faults import kill_point
+
+    a = cfg.allocation
+    partial = read_json(partial_path)
+    done = partial["layers"] if partial and partial.get("settings") == settings else {}
+    for i in tqdm(range(cache.meta["num_layers"]), desc="dof (Algorithm 1)", unit="layer"):
+        if str(i) in done:
+            continue
+        kill_point(f"dof:layer{i}")
+        q, k = _pooled_activations(cache, i, a.num_tokens)
+        heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i)
+        done[str(i)] = {"per_head": [float(h) for h in heads], "layer": float(value)}
+        write_json(partial_path, {"settings": settings, "layers": done})
+    layers = [done[str(i)] for i in range(cache.meta["num_layers"])]
+    per_layer = [layer["layer"] for layer in layers]
+    return {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
+            "layer_dof": per_layer, "warning": check_degenerate(per_layer, a.num_samples)}
 
 
 def _pooled_activations(cache, layer: int, num_tokens: int | None):
@@ -88,7 +101,7 @@ def layer_train_config(cfg: RunConfig):
         batch_size=t.batch_size, lr_z=t.lr_z, lr_alpha=t.lr_alpha, lr_other=t.lr_other,
         warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
         eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
-        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite,
+        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite, window=cfg.attention.window,
     )
 
 
@@ -150,12 +163,14 @@ def make_student(cfg: RunConfig, teacher, dims):
 
 def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path):
     """The student as a Hugging Face model directory, with every layer's trained features."""
+    from dofla.faults import kill_point
     from dofla.models import load_student
 
     target = out_dir / "student"
     if (target / "config.json").exists():
         return load_student(target)
     student = make_student(cfg, teacher, dims)
+    kill_point("assemble")
     for i, attn in enumerate(student.student_attentions()):
         artifact = out_dir / "layers" / f"layer_{i:02d}.pt"
         if artifact.exists():
@@ -196,22 +211,32 @@ def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Pa
 
 
 def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) -> dict:
-    """Held-out perplexity of teacher and student, per-layer attention error -> metrics.json."""
+    """Held-out perplexity of teacher and student, per-layer attention error -> metrics.json.
+
+    Each measurement is saved as it completes (metrics.partial.json), so a killed eval resumes.
+    """
     import math
 
     from dofla.eval import attention_errors, heldout_loss
+    from dofla.faults import kill_point
 
     metrics = read_json(out_dir / "metrics.json")
     if metrics is not None:
         return metrics
-    metrics = {}
+    partial_path = out_dir / "metrics.partial.json"
+    metrics = read_json(partial_path) or {}
     if cfg.eval.perplexity:
         for who, model in (("teacher", teacher), ("student", student)):
+            if f"eval/{who}_loss" in metrics:
+                continue
+            kill_point(f"eval:{who}")
             loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size)
             metrics[f"eval/{who}_loss"] = loss
             metrics[f"eval/{who}_ppl"] = math.exp(loss) if loss < 700 else float("inf")
+            write_json(partial_path, metrics)
         metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
-    if cfg.eval.attention_error:
+    if cfg.eval.attention_error and "eval/attn_error/mean" not in metrics:
+        kill_point("eval:attention")
         errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs])
         for i, err in enumerate(errors):
             metrics[f"eval/attn_error/layer_{i:02d}"] = float(err)

@@ -1,0 +1,187 @@
+"""The activation cache: the teacher's post-RoPE q, k, v per layer, fp16, memory-mapped.
+
+One teacher pass over the distillation tokens, stored under ``root/<key>`` where the key hashes
+everything that determines the activations (model + revision, data, seq_len, tokens, dtype,
+format version). A sweep of many runs builds it once. The build writes into a temporary
+directory and renames it into place, under an inter-process lock, with a manifest of sizes and
+checksums; a truncated, corrupted or foreign cache is reported in one sentence and rebuilt.
+
+Per layer: ``layer_XX_q.npy`` (S, H, L, d), ``layer_XX_k.npy`` / ``layer_XX_v.npy``
+(S, H_kv, L, d): keys and values once per KV head for GQA models.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from filelock import FileLock
+from tqdm.auto import tqdm
+
+from dofla.faults import kill_point
+from dofla.models.adapters import AttentionGeometry, get_adapter
+from dofla.models.capture import capturing
+
+FORMAT_VERSION = 1
+KINDS = ("q", "k", "v")
+
+
+class CacheError(RuntimeError):
+    """The cache cannot be built (e.g. not enough disk); the message says what to do."""
+
+
+def cache_key(fields: dict) -> str:
+    payload = json.dumps({**fields, "format_version": FORMAT_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def predict_cache_bytes(geometry: AttentionGeometry, num_seqs: int, seq_len: int) -> int:
+    """Data bytes (fp16, headers excluded): (H + 2·H_kv)·d·2 per token per layer."""
+    per_token = (geometry.num_heads + 2 * geometry.num_kv_heads) * geometry.head_dim * 2
+    return per_token * num_seqs * seq_len * geometry.num_layers
+
+
+@dataclass
+class LayerActivations:
+    """One layer's read-only fp16 memmaps: q (S, H, L, d), k and v (S, H_kv, L, d)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    def torch(self, indices=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 tensors for the selected sequences."""
+        return tuple(torch.from_numpy(np.asarray(a[indices], dtype=np.float32)) for a in (self.q, self.k, self.v))
+
+
+class ActivationCache:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.key = self.path.name
+        self.meta = json.loads((self.path / "meta.json").read_text())
+
+    def layer(self, i: int) -> LayerActivations:
+        return LayerActivations(*(np.load(self.path / f"layer_{i:02d}_{kind}.npy", mmap_mode="r")
+                                  for kind in KINDS))
+
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.path.glob("*.npy"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_cache(path: Path, fields: dict | None = None) -> str | None:
+    """None when the cache at ``path`` is complete and intact, else what is wrong (one phrase)."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return "its manifest or meta file is missing or unreadable"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"it was written by format version {meta.get('format_version')}, not {FORMAT_VERSION}"
+    if fields is not None and meta.get("fields") != json.loads(json.dumps(fields, default=str)):
+        return "it was written for another model, data or settings (foreign meta)"
+    for name, entry in manifest.items():
+        file = path / name
+        if not file.exists() or file.stat().st_size != entry["size"]:
+            return f"{name} is missing or truncated"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} is corrupted (checksum mismatch)"
+    return None
+
+
+def build_or_load_cache(model, tokens: torch.Tensor, fields: dict, root: Path, batch_size: int = 4,
+                        progress: bool = True) -> ActivationCache:
+    """The cache for ``tokens`` (S, L) under ``root``: reused if intact, else built exactly once."""
+    root = Path(root)
+    key = cache_key(fields)
+    final = root / key
+    if final.exists() and _usable(final, fields):
+        print(f"dofla: reusing activation cache {final}", flush=True)
+        return ActivationCache(final)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{key}.lock")):
+        if final.exists() and _usable(final, fields):  # another job built it while we waited
+            print(f"dofla: reusing activation cache {final} (built by another job)", flush=True)
+            return ActivationCache(final)
+        _build(model, tokens, fields, final, batch_size, progress)
+    return ActivationCache(final)
+
+
+def _usable(path: Path, fields: dict) -> bool:
+    problem = verify_cache(path, fields)
+    if problem is None:
+        return True
+    print(f"dofla: activation cache {path} is not usable ({problem}); rebuilding it", flush=True)
+    return False
+
+
+def _build(model, tokens: torch.Tensor, fields: dict, final: Path, batch_size: int, progress: bool) -> None:
+    adapter = get_adapter(model)
+    geometry = adapter.geometry(model.config)
+    num_seqs, seq_len = tokens.shape
+    predicted = predict_cache_bytes(geometry, num_seqs, seq_len)
+    free = shutil.disk_usage(final.parent).free
+    print(f"dofla: building activation cache {final} ({predicted / 2**20:.1f} MiB, "
+          f"{free / 2**30:.1f} GiB free)", flush=True)
+    if free < predicted * 1.05 + 2**26:
+        raise CacheError(f"the activation cache needs {predicted / 2**30:.2f} GiB but only {free / 2**30:.2f} "
+                         f"GiB are free under {final.parent}; free disk or set cache_dir elsewhere")
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
+    if final.exists():
+        shutil.rmtree(final)
+    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    arrays = _open_arrays(tmp, geometry, num_seqs, seq_len)
+    _fill(model, adapter, tokens, arrays, batch_size, progress)
+    for layer in arrays:
+        for array in layer.values():
+            array.flush()
+    del arrays
+    meta = {"fields": json.loads(json.dumps(fields, default=str)), "format_version": FORMAT_VERSION,
+            "num_layers": geometry.num_layers, "num_seqs": num_seqs, "seq_len": seq_len,
+            "num_heads": geometry.num_heads, "num_kv_heads": geometry.num_kv_heads,
+            "head_dim": geometry.head_dim, "dtype": "float16", "data_bytes": predicted}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.glob("*.npy"))}
+    manifest["meta.json"] = {"size": (tmp / "meta.json").stat().st_size, "sha256": _sha256(tmp / "meta.json")}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, final)
+
+
+def _open_arrays(tmp: Path, g: AttentionGeometry, num_seqs: int, seq_len: int) -> list[dict]:
+    shapes = {"q": (num_seqs, g.num_heads, seq_len, g.head_dim),
+              "k": (num_seqs, g.num_kv_heads, seq_len, g.head_dim),
+              "v": (num_seqs, g.num_kv_heads, seq_len, g.head_dim)}
+    return [{kind: np.lib.format.open_memmap(tmp / f"layer_{i:02d}_{kind}.npy", mode="w+",
+                                             dtype=np.float16, shape=shapes[kind]) for kind in KINDS}
+            for i in range(g.num_layers)]
+
+
+@torch.no_grad()
+def _fill(model, adapter, tokens: torch.Tensor, arrays: list[dict], batch_size: int, progress: bool) -> None:
+    rows = slice(0, 0)
+
+    def write(layer: int, q, k, v) -> None:
+        for kind, value in zip(KINDS, (q, k, v)):
+            arrays[layer][kind][rows] = value.to(torch.float16).cpu().numpy()
+
+    device = next(model.parameters()).device
+    batches = range(0, tokens.shape[0], batch_size)
+    with capturing(model, adapter.attention_modules(model), write):
+        for n, start in enumerate(tqdm(batches, desc="cache (teacher pass)", unit="batch", disable=not progress)):
+            kill_point(f"cache:batch{n}")
+            rows = slice(start, start + batch_size)
+            model(input_ids=tokens[rows].to(device), use_cache=False)

@@ -1,0 +1,105 @@
+"""Hugging Face hub datasets: the paper's Wikipedia and WikiText-103.
+
+Real loading code for users with network access or a filled HF cache. Offline, a load fails in a
+few seconds with one sentence naming the dataset and the fix, never deep inside ``datasets``.
+"""
+from __future__ import annotations
+
+import socket
+from contextlib import contextmanager, nullcontext
+import zlib
+from typing import Iterator
+from urllib.parse import urlparse
+
+from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split, offline
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the hub endpoint accepts a TCP connection within ``timeout`` seconds."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def _forced_offline():
+    """Make ``datasets`` / ``huggingface_hub`` use only the local cache (no retries, no waiting)."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = True):
+    """``datasets.load_dataset`` that uses only the local HF cache when the hub is unreachable,
+    failing within seconds with one sentence instead of retrying for minutes."""
+    import datasets
+
+    label = f"{path} ({name})" if name else path
+    reachable = not offline() and hub_reachable()
+    try:
+        with nullcontext() if reachable else _forced_offline():
+            return datasets.load_dataset(path, name, split=split, streaming=streaming)
+    except Exception as err:  # datasets raises many types; all mean "not available"
+        if not reachable:
+            raise DataError(
+                f"could not download {label}: no network or hub access and it is not in the local "
+                "HF cache; pre-download it with network access (then HF_DATASETS_OFFLINE=1 works), "
+                "or use data=embedded / data=text_files"
+            ) from None
+        raise DataError(f"could not load {label}: {type(err).__name__}: {err}") from None
+
+
+@DATA_SOURCES.register("wikipedia")
+class Wikipedia(DataSource):
+    """A seeded random fraction of English Wikipedia (wikimedia/wikipedia, 20231101.en)."""
+
+    name = "wikipedia"
+    path, config = "wikimedia/wikipedia", "20231101.en"
+
+    def __init__(self, fraction: float = 0.1, seed: int = 0, heldout_every: int = 1000):
+        if not 0 < fraction <= 1:
+            raise DataError(f"data.options.fraction={fraction} must be in (0, 1]")
+        self.fraction, self.seed, self.heldout_every = fraction, seed, heldout_every
+
+    def _keep(self, index: int) -> bool:
+        # a hash of (seed, index) picks the random fraction without materialising the dataset
+        return (zlib.crc32(f"{self.seed}:{index}".encode()) % 1_000_000) < self.fraction * 1_000_000
+
+    def texts(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        rows = load_hub_dataset(self.path, self.config, "train")
+        for i, row in enumerate(rows):
+            if self._keep(i) and ((i % self.heldout_every == 0) == (split == "heldout")):
+                yield row["text"]
+
+    def fingerprint(self) -> str:
+        return f"wikipedia-{self.config}-f{self.fraction}-s{self.seed}-h{self.heldout_every}"
+
+
+@DATA_SOURCES.register("wikitext103")
+class WikiText103(DataSource):
+    """WikiText-103 (raw): train split for distillation, validation split held out."""
+
+    name = "wikitext103"
+    path, config = "Salesforce/wikitext", "wikitext-103-raw-v1"
+
+    def texts(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        rows = load_hub_dataset(self.path, self.config, "train" if split == "train" else "validation")
+        for row in rows:
+            if row["text"].strip():
+                yield row["text"]
+
+    def fingerprint(self) -> str:
+        return f"wikitext103-{self.config}"

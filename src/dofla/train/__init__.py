@@ -1,0 +1,14 @@
+from dofla.train.direct import DirectTrainConfig, train_direct
+from dofla.train.layerwise import (
+    LayerTrainConfig,
+    LayerTrainResult,
+    NonFiniteLossError,
+    run_layerwise,
+    train_layer,
+)
+from dofla.train.losses import LOSSES
+
+__all__ = [
+    "DirectTrainConfig", "train_direct", "LayerTrainConfig", "LayerTrainResult", "NonFiniteLossError",
+    "run_layerwise", "train_layer", "LOSSES",
+]

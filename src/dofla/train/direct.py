@@ -1,0 +1,81 @@
+"""``direct``: train every layer's features end to end on next-token loss (METHOD.md §3).
+
+Only feature-map parameters train; the teacher's weights stay frozen. Checkpointed like the
+layerwise trainer, so a killed run resumes exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dofla.faults import kill_point
+from dofla.train.layerwise import NonFiniteLossError, _save_atomic, param_groups
+
+
+@dataclass
+class DirectTrainConfig:
+    steps: int = 150
+    batch_size: int = 1
+    lr_z: float = 0.02
+    lr_alpha: float = 0.2
+    lr_other: float = 1e-2
+    warmup_steps: int = 10
+    seed: int = 0
+    checkpoint_every: int = 50
+    skip_nonfinite: bool = False
+
+
+def feature_param_groups(student, cfg: DirectTrainConfig) -> list[dict]:
+    """Freeze everything, then return the Adam groups of every layer's feature map."""
+    for p in student.parameters():
+        p.requires_grad_(False)
+    groups = []
+    for attn in student.student_attentions():
+        for p in attn.feature_map.parameters():
+            p.requires_grad_(True)
+        groups += param_groups(attn.feature_map, cfg)
+    return groups
+
+
+def train_direct(student, tokens: torch.Tensor, cfg: DirectTrainConfig,
+                 checkpoint_path: Path | None = None) -> list[dict]:
+    """Next-token training of the student's feature maps on ``tokens`` (S, L); returns the curve."""
+    groups = feature_param_groups(student, cfg)
+    if not groups or cfg.steps == 0:
+        return []
+    optimizer = torch.optim.Adam(groups, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    step, curve = 0, []
+    if checkpoint_path is not None and checkpoint_path.exists():
+        ckpt = torch.load(checkpoint_path, weights_only=False)
+        student.load_state_dict(ckpt["model"], strict=False)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        generator.set_state(ckpt["generator"])
+        step, curve = ckpt["step"], ckpt["curve"]
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    student.train()
+    for step in tqdm(range(step, cfg.steps), desc="train (direct)", unit="step"):
+        kill_point(f"train:direct:step{step}")
+        for group, lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        batch = tokens[torch.randint(tokens.shape[0], (cfg.batch_size,), generator=generator)]
+        loss = student(input_ids=batch, labels=batch, use_cache=False).loss
+        if not torch.isfinite(loss):
+            if not cfg.skip_nonfinite:
+                raise NonFiniteLossError(f"direct training: non-finite loss at step {step}")
+            curve.append({"step": step, "loss": None, "skipped": True})
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        curve.append({"step": step, "loss": loss.item()})
+        if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0:
+            features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
+            _save_atomic({"model": features, "optimizer": optimizer.state_dict(),
+                          "generator": generator.get_state(), "step": step + 1, "curve": curve},
+                         checkpoint_path)
+    student.eval()
+    return curve

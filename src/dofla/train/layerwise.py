@@ -1,0 +1,196 @@
+"""Train one layer's feature map on its own, from cached teacher queries and keys.
+
+No teacher forward pass: the loss compares the teacher's attention kernel on cached q, k with the
+student's. Adam with the paper's learning rates (z 0.02, α 0.2), warm-up, early stopping on
+held-out sequences of the cache, checkpoints every few steps so a killed run resumes exactly.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from dofla.faults import kill_point
+from dofla.train.losses import LOSSES
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step produced NaN/inf; the message names the layer and the step."""
+
+
+@dataclass
+class LayerTrainConfig:
+    loss: str = "softmax"
+    loss_options: dict = field(default_factory=dict)
+    steps: int = 150
+    batch_size: int = 2
+    lr_z: float = 0.02
+    lr_alpha: float = 0.2
+    lr_other: float = 1e-2
+    warmup_steps: int = 10
+    schedule: str = "constant"  # constant | cosine (after warm-up)
+    heldout_fraction: float = 0.1
+    eval_every: int = 25
+    patience: int = 0  # evaluations without improvement before stopping; 0 = never stop early
+    seed: int = 0
+    checkpoint_every: int = 50
+    skip_nonfinite: bool = False
+    window: int = 0
+
+
+@dataclass
+class LayerTrainResult:
+    state_dict: dict
+    curve: list[dict]
+    best_step: int
+    initial_heldout_loss: float
+    final_heldout_loss: float
+    steps_run: int
+    seconds: float
+
+
+def param_groups(feature_map, cfg: LayerTrainConfig) -> list[dict]:
+    """Adam groups: z at lr_z, α at lr_alpha (the paper's), anything else at lr_other."""
+    named = getattr(feature_map, "param_groups", None)
+    if named is not None:
+        lrs = {"z": cfg.lr_z, "alpha": cfg.lr_alpha}
+        return [{"params": g["params"], "lr": lrs.get(g["name"], cfg.lr_other)} for g in named()]
+    params = [p for p in feature_map.parameters() if p.requires_grad]
+    return [{"params": params, "lr": cfg.lr_other}] if params else []
+
+
+def lr_factor(step: int, cfg: LayerTrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def split_sequences(num_seqs: int, heldout_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, held-out indices) of the cache's sequences (at least one of each if possible)."""
+    order = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(seed))
+    held = min(num_seqs - 1, max(1, round(heldout_fraction * num_seqs))) if heldout_fraction > 0 else 0
+    return order[held:], order[:held] if held else order[:1]
+
+
+def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig) -> torch.Tensor:
+    """q (B, H, L, d), k (B, H_kv, L, d) -> the configured loss (GQA keys expanded per group)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    loss_fn = LOSSES.get(cfg.loss)
+    return loss_fn(feature_map.log_features(q), feature_map.log_features(k), q, k,
+                   window=cfg.window, **cfg.loss_options)
+
+
+@torch.no_grad()
+def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig) -> float:
+    losses = [layer_loss(feature_map, q[b], k[b], cfg).item() * len(b) for b in index.split(cfg.batch_size)]
+    return sum(losses) / len(index)
+
+
+def _save_atomic(payload: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    os.close(fd)
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
+                checkpoint_path: Path | None = None, desc: str = "layer") -> LayerTrainResult:
+    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state."""
+    start_time = time.perf_counter()
+    train_idx, held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
+    groups = param_groups(feature_map, cfg)
+    initial = heldout_loss(feature_map, q, k, held_idx, cfg)
+    state = {"step": 0, "curve": [], "best": initial, "best_step": 0, "bad_evals": 0,
+             "best_state": {n: t.clone() for n, t in feature_map.state_dict().items()}}
+    if not groups or cfg.steps == 0:
+        return _result(feature_map, state, initial, start_time)
+    optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    if checkpoint_path is not None and checkpoint_path.exists():
+        ckpt = torch.load(checkpoint_path, weights_only=False)
+        feature_map.load_state_dict(ckpt["feature_map"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        generator.set_state(ckpt["generator"])
+        state = ckpt["state"]
+    base_lrs = [g["lr"] for g in groups]
+    bar = tqdm(range(state["step"], cfg.steps), desc=desc, unit="step", leave=False)
+    for step in bar:
+        kill_point(f"train:{desc}:step{step}")
+        for group, lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = lr * lr_factor(step, cfg)
+        batch = train_idx[torch.randint(len(train_idx), (cfg.batch_size,), generator=generator)]
+        loss = layer_loss(feature_map, q[batch], k[batch], cfg)
+        if not torch.isfinite(loss):
+            if not cfg.skip_nonfinite:
+                raise NonFiniteLossError(f"{desc}: non-finite training loss at step {step}; "
+                                         "lower the learning rates or set train.skip_nonfinite=true")
+            state["curve"].append({"step": step, "loss": None, "skipped": True})
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            state["curve"].append({"step": step, "loss": loss.item()})
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        state["step"] = step + 1
+        if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+            if _evaluate(feature_map, q, k, held_idx, cfg, state):
+                break
+        if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
+            _save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
+                          "generator": generator.get_state(), "state": state}, checkpoint_path)
+    bar.close()
+    return _result(feature_map, state, initial, start_time)
+
+
+def _evaluate(feature_map, q, k, held_idx, cfg, state) -> bool:
+    """Record the held-out loss, keep the best state; True when early stopping triggers."""
+    value = heldout_loss(feature_map, q, k, held_idx, cfg)
+    state["curve"][-1]["heldout_loss"] = value
+    if value < state["best"]:
+        state.update(best=value, best_step=state["step"], bad_evals=0,
+                     best_state={n: t.clone() for n, t in feature_map.state_dict().items()})
+    else:
+        state["bad_evals"] += 1
+    return cfg.patience > 0 and state["bad_evals"] >= cfg.patience
+
+
+def _result(feature_map, state, initial: float, start_time: float) -> LayerTrainResult:
+    feature_map.load_state_dict(state["best_state"])
+    return LayerTrainResult(state_dict=state["best_state"], curve=state["curve"], best_step=state["best_step"],
+                            initial_heldout_loss=initial, final_heldout_loss=state["best"],
+                            steps_run=state["step"], seconds=time.perf_counter() - start_time)
+
+
+def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                  layers: list[int], cfg: LayerTrainConfig, out_dir: Path) -> dict[int, dict]:
+    """Train each requested layer independently; one artifact ``layer_XX.pt`` per layer.
+
+    Layers whose artifact exists are loaded, not retrained (resume / per-layer parallel jobs).
+    """
+    out_dir = Path(out_dir)
+    summaries = {}
+    for i in tqdm(layers, desc=f"train ({cfg.loss})", unit="layer"):
+        artifact = out_dir / f"layer_{i:02d}.pt"
+        if artifact.exists():
+            summaries[i] = torch.load(artifact, weights_only=False)["summary"]
+            continue
+        q, k = activations(i)
+        result = train_layer(feature_maps[i], q, k, cfg, out_dir / f"layer_{i:02d}.ckpt", desc=f"layer{i}")
+        summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
+                   "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
+                   "steps_run": result.steps_run, "seconds": result.seconds}
+        _save_atomic({"state_dict": result.state_dict, "curve": result.curve, "summary": summary}, artifact)
+        (out_dir / f"layer_{i:02d}.ckpt").unlink(missing_ok=True)
+        summaries[i] = summary
+    return summaries

@@ -1,0 +1,72 @@
+"""Layerwise distillation losses (METHOD.md §3), computed stably in log space.
+
+All take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
+heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.
+``window > 0`` trains a hybrid layer: keys i−W < j ≤ i are exact softmax, only older keys use K̂.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dofla.registry import Registry
+
+LOSSES: Registry = Registry("layerwise loss")
+
+
+def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) via shifted exponentials (no overflow).
+
+    With c_m = max_j log_k[j, m] and r_i = max_m(log_q[i, m] + c_m) (both detached),
+    K̂_ij = e^{r_i} · Σ_m exp(log_q + c − r)_im exp(log_k − c)_jm.
+    """
+    c = log_k.detach().amax(dim=2, keepdim=True)
+    u = log_q + c
+    r = u.detach().amax(dim=-1, keepdim=True)
+    s = torch.exp(u - r) @ torch.exp(log_k - c).transpose(-1, -2)
+    return r + torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))
+
+
+def teacher_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+
+
+def _masks(length: int, causal: bool, window: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, approximated): which (i, j) the row sees, and which of those use K̂."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool, device=device)
+    approximated = visible & (j <= i - window) if window > 0 else visible
+    return visible, approximated
+
+
+@LOSSES.register("softmax")
+def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0) -> torch.Tensor:
+    """Cross-entropy from the teacher's attention distribution to the student's (the paper's)."""
+    s = teacher_logits(q, k)
+    visible, approx = _masks(s.shape[-1], causal, window, s.device)
+    student = torch.where(approx, log_student_kernel(log_q, log_k), s).masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    log_p_hat = torch.log_softmax(student, dim=-1).masked_fill(~visible, 0.0)
+    return -(p * log_p_hat).sum(-1).mean()
+
+
+@LOSSES.register("l2")
+def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str = "row_max") -> torch.Tensor:
+    """Mean over rows of Σ_j (K_ij − K̂_ij)² on the approximated pairs.
+
+    ``scale="row_max"`` divides row i of both kernels by the teacher's max_j K_ij (finite at real
+    norms); ``"none"`` is the paper's literal form, in float64 (it overflows fp32 on real models).
+    """
+    if scale not in ("row_max", "none"):
+        raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max' or 'none'")
+    s = teacher_logits(q, k)
+    visible, approx = _masks(s.shape[-1], causal, window, s.device)
+    log_hat = log_student_kernel(log_q, log_k)
+    if scale == "row_max":
+        top = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
+        diff = torch.exp(s - top) - torch.exp(log_hat - top)
+    else:
+        diff = torch.exp(s.double()) - torch.exp(log_hat.double())
+    return (diff.pow(2) * approx).sum(-1).mean().to(s.dtype)

@@ -1,0 +1,49 @@
+"""Kill the real CLI with SIGKILL inside each stage, re-run the same command, get the same result.
+
+``DOFLA_KILL_AT=<point>`` makes the process SIGKILL itself at that point (see dofla.faults): a
+real kill at a deterministic place, with no handler or cleanup running.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+KILL_POINTS = ["cache:batch1", "dof:layer1", "train:layer1:step4", "assemble", "eval:student", "eval:attention"]
+
+
+def _run(run_dir, cache_dir, kill_at=None):
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("DOFLA_KILL_AT", None)
+    if kill_at:
+        env["DOFLA_KILL_AT"] = kill_at
+    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}"]
+    return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def _outputs(run_dir):
+    return {name: json.loads((run_dir / name).read_text()) for name in ("allocation.json", "metrics.json")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("baseline")
+    result = _run(root / "run", root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _outputs(root / "run")
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_killed_run_resumes_to_identical_results(point, tmp_path, uninterrupted):
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    killed = _run(run_dir, cache_dir, kill_at=point)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
+    assert not (run_dir / "metrics.json").exists()
+    resumed = _run(run_dir, cache_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _outputs(run_dir) == uninterrupted
