@@ -5,39 +5,12 @@ few seconds with one sentence naming the dataset and the fix, never deep inside 
 """
 from __future__ import annotations
 
-import socket
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 import zlib
 from typing import Iterator
-from urllib.parse import urlparse
 
-from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split, offline
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the hub endpoint accepts a TCP connection within ``timeout`` seconds."""
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-@contextmanager
-def _forced_offline():
-    """Make ``datasets`` / ``huggingface_hub`` use only the local cache (no retries, no waiting)."""
-    import datasets
-    from huggingface_hub import constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split
+from dofla.hub import forced_offline, hub_reachable
 
 
 def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = True):
@@ -46,9 +19,9 @@ def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = 
     import datasets
 
     label = f"{path} ({name})" if name else path
-    reachable = not offline() and hub_reachable()
+    reachable = hub_reachable()
     try:
-        with nullcontext() if reachable else _forced_offline():
+        with nullcontext() if reachable else forced_offline():
             return datasets.load_dataset(path, name, split=split, streaming=streaming)
     except Exception as err:  # datasets raises many types; all mean "not available"
         if not reachable:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import importlib.util
 from importlib import metadata
 from pathlib import Path
@@ -163,7 +162,3 @@ def _bad_line(path: Path, number: int, err: Exception, field: str) -> str:
 def build_source(name: str, **options) -> DataSource:
     return DATA_SOURCES.get(name)(**options)
 
-
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
-        os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", "", "false")

@@ -57,16 +57,18 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
     """Mean over rows of Σ_j (K_ij − K̂_ij)² on the approximated pairs.
 
     ``scale="row_max"`` divides row i of both kernels by the teacher's max_j K_ij (finite at real
-    norms); ``"none"`` is the paper's literal form, in float64 (it overflows fp32 on real models).
+    norms); ``"none"`` is the paper's literal form. Both are computed in float64 (the literal form
+    overflows fp32 on real models).
     """
     if scale not in ("row_max", "none"):
         raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max' or 'none'")
     s = teacher_logits(q, k)
     visible, approx = _masks(s.shape[-1], causal, window, s.device)
     log_hat = log_student_kernel(log_q, log_k)
+    s, log_hat = s.double(), log_hat.double()  # squares of exponentials: fp64 range
     if scale == "row_max":
         top = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
-        diff = torch.exp(s - top) - torch.exp(log_hat - top)
-    else:
-        diff = torch.exp(s.double()) - torch.exp(log_hat.double())
-    return (diff.pow(2) * approx).sum(-1).mean().to(s.dtype)
+        s, log_hat = s - top, log_hat - top
+    # a wildly overestimating student must give a huge but finite loss, not inf
+    diff = torch.exp(s.clamp_max(300)) - torch.exp(log_hat.clamp_max(300))
+    return torch.where(approx, diff.pow(2), 0.0).sum(-1).mean().to(q.dtype)
