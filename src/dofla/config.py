@@ -76,6 +76,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     skip_nonfinite: bool = False
     layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
+    layer_dir: Optional[str] = None  # layer artifacts (None: <run>/layers); share it across parallel jobs
     direct_batch_size: int = 1
 
 

@@ -93,10 +93,14 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         return {}
     with timer("train"):
         stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
+    if cfg.train.layers is not None and len(set(cfg.train.layers)) < geometry.num_layers:
+        print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
+              "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
+        return {}
     if "assemble" not in cfg.stages:
         return {}
     with timer("assemble"):
-        student = stages.assemble_stage(cfg, teacher, tokenizer, dims, out_dir)
+        student = stages.assemble_stage(cfg, teacher, tokenizer, dims, out_dir, cache.key)
     if cfg.finetune.name == "lora" and "finetune" in cfg.stages:
         with timer("finetune"):
             student = stages.finetune_stage(cfg, student, tokenizer, train_tokens, out_dir)

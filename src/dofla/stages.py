@@ -105,12 +105,24 @@ def layer_train_config(cfg: RunConfig):
     )
 
 
+def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:
+    """Where layer artifacts live: the run's ``layers/``, or a directory shared by parallel jobs."""
+    return Path(cfg.train.layer_dir).expanduser() if cfg.train.layer_dir else out_dir / "layers"
+
+
+def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
+    """Everything that determines a layer's trained features (not which job trained it)."""
+    train = {k: v for k, v in asdict(cfg.train).items() if k not in ("layers", "layer_dir", "checkpoint_every")}
+    return {"feature_map": asdict(cfg.feature_map), "loss": asdict(cfg.loss), "window": cfg.attention.window,
+            "train": train, "seed": cfg.seed, "cache_key": cache_key}
+
+
 def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path) -> dict:
     """Layerwise (l2 / softmax, from the cache) or end-to-end (direct) feature training."""
     layers = list(range(len(dims))) if cfg.train.layers is None else list(cfg.train.layers)
-    layer_dir = out_dir / "layers"
+    meta = artifact_meta(cfg, cache.key)
     if cfg.loss.name == "direct":
-        return _train_direct(cfg, geometry, dims, teacher, train_tokens, layer_dir)
+        return _train_direct(cfg, dims, teacher, train_tokens, layer_dir(cfg, out_dir), meta)
     from dofla.train import run_layerwise
 
     feature_maps = build_feature_maps(cfg, geometry, dims)
@@ -119,14 +131,14 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
         acts = cache.layer(i)
         return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
 
-    results = run_layerwise(feature_maps, activations, layers, layer_train_config(cfg), layer_dir)
-    return {i: r for i, r in results.items()}
+    return run_layerwise(feature_maps, activations, layers, layer_train_config(cfg), layer_dir(cfg, out_dir), meta)
 
 
-def _train_direct(cfg, geometry, dims, teacher, train_tokens, layer_dir: Path) -> dict:
+def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict) -> dict:
+    from dofla.artifacts import save_artifact
     from dofla.train import DirectTrainConfig, train_direct
 
-    done = layer_dir / "direct_done.json"
+    done = directory / "direct_done.json"
     if done.exists():
         return read_json(done)
     student = make_student(cfg, teacher, dims)
@@ -134,22 +146,13 @@ def _train_direct(cfg, geometry, dims, teacher, train_tokens, layer_dir: Path) -
     dcfg = DirectTrainConfig(**{k: v for k, v in asdict(lcfg).items()
                                 if k in DirectTrainConfig.__dataclass_fields__})
     dcfg.batch_size = cfg.train.direct_batch_size
-    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=layer_dir / "direct_ckpt.pt")
+    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt")
     for i, attn in enumerate(student.student_attentions()):
-        _save_layer_state(layer_dir / f"layer_{i:02d}.pt", attn.feature_map.state_dict(), curve)
+        layer_meta = {**meta, "layer": i, "num_features": attn.feature_map.num_features}
+        save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
+                                                         "curve": curve}, layer_meta)
     write_json(done, {"steps": len(curve), "curve": curve})
     return read_json(done)
-
-
-def _save_layer_state(path: Path, state: dict, curve) -> None:
-    import os
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    os.close(fd)
-    torch.save({"state_dict": state, "curve": curve}, tmp)
-    os.replace(tmp, path)
 
 
 def make_student(cfg: RunConfig, teacher, dims):
@@ -161,8 +164,9 @@ def make_student(cfg: RunConfig, teacher, dims):
                    window=cfg.attention.window)
 
 
-def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path):
+def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str):
     """The student as a Hugging Face model directory, with every layer's trained features."""
+    from dofla.artifacts import load_artifact
     from dofla.faults import kill_point
     from dofla.models import load_student
 
@@ -171,10 +175,13 @@ def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path):
         return load_student(target)
     student = make_student(cfg, teacher, dims)
     kill_point("assemble")
+    meta = artifact_meta(cfg, cache_key)
     for i, attn in enumerate(student.student_attentions()):
-        artifact = out_dir / "layers" / f"layer_{i:02d}.pt"
-        if artifact.exists():
-            attn.feature_map.load_state_dict(torch.load(artifact, weights_only=False)["state_dict"])
+        artifact = layer_dir(cfg, out_dir) / f"layer_{i:02d}.pt"
+        layer_meta = {**meta, "layer": i, "num_features": attn.num_features}
+        trained = None if attn.feature_map is None else load_artifact(artifact, layer_meta)
+        if trained is not None:
+            attn.feature_map.load_state_dict(trained["state_dict"])
         elif attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters()):
             print(f"dofla: layer {i} has no trained features ({artifact.name} missing); "
                   "it keeps its initial features", flush=True)

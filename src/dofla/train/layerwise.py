@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from dofla.artifacts import load_artifact, save_artifact
 from dofla.faults import kill_point
 from dofla.train.losses import LOSSES
 
@@ -173,24 +174,29 @@ def _result(feature_map, state, initial: float, start_time: float) -> LayerTrain
 
 
 def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                  layers: list[int], cfg: LayerTrainConfig, out_dir: Path) -> dict[int, dict]:
-    """Train each requested layer independently; one artifact ``layer_XX.pt`` per layer.
+                  layers: list[int], cfg: LayerTrainConfig, out_dir: Path, meta: dict | None = None) -> dict[int, dict]:
+    """Train each requested layer independently; one verified artifact ``layer_XX.pt`` per layer.
 
-    Layers whose artifact exists are loaded, not retrained (resume / per-layer parallel jobs).
+    Layers whose artifact exists and verifies (same ``meta``) are loaded, not retrained (resume,
+    or per-layer parallel jobs sharing ``out_dir``).
     """
     out_dir = Path(out_dir)
     summaries = {}
     for i in tqdm(layers, desc=f"train ({cfg.loss})", unit="layer"):
         artifact = out_dir / f"layer_{i:02d}.pt"
-        if artifact.exists():
-            summaries[i] = torch.load(artifact, weights_only=False)["summary"]
+        layer_meta = {**(meta or {}), "layer": i, "num_features": feature_maps[i].num_features}
+        existing = load_artifact(artifact, layer_meta)
+        if existing is not None:
+            feature_maps[i].load_state_dict(existing["state_dict"])
+            summaries[i] = existing["summary"]
             continue
         q, k = activations(i)
         result = train_layer(feature_maps[i], q, k, cfg, out_dir / f"layer_{i:02d}.ckpt", desc=f"layer{i}")
         summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
                    "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
                    "steps_run": result.steps_run, "seconds": result.seconds}
-        _save_atomic({"state_dict": result.state_dict, "curve": result.curve, "summary": summary}, artifact)
+        save_artifact(artifact, {"state_dict": result.state_dict, "curve": result.curve, "summary": summary},
+                      layer_meta)
         (out_dir / f"layer_{i:02d}.ckpt").unlink(missing_ok=True)
         summaries[i] = summary
     return summaries
