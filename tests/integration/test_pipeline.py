@@ -64,3 +64,13 @@ def test_bad_value_fails_before_compute_in_one_sentence(tmp_path):
     assert result.returncode == 2
     assert "allocation.lam=-1" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_sweep_through_submitit_local_launcher(tmp_path):
+    """The same launcher plugin a SLURM user picks (submitit), run locally for real."""
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof", "hydra/launcher=submitit_local",
+                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", f"cache_dir={tmp_path / 'cache'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list(sweep.rglob("metrics.json"))) == 2
+    assert (sweep / "report.md").exists()

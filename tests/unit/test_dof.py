@@ -24,10 +24,12 @@ def _activations(n=300, heads=4, kv_heads=2, d=16, scale=1.0, seed=0):
     return torch.randn(n, heads, d, generator=g) * scale, torch.randn(n, kv_heads, d, generator=g) * scale
 
 
+@pytest.mark.parametrize("method", ["cholesky", "eigh"])
 @pytest.mark.parametrize("gram_norm", ["none", "J", "trace"])
-def test_eigenvalue_route_equals_dense_trace_reference(gram_norm):
+def test_fast_routes_equal_dense_trace_reference(gram_norm, method):
     q, k = _activations(scale=0.7)
-    per_head, layer = estimate_layer_dof(q, k, lam=1e-2, num_samples=128, gram_norm=gram_norm, seed=3)
+    per_head, layer = estimate_layer_dof(q, k, lam=1e-2, num_samples=128, gram_norm=gram_norm, seed=3,
+                                         method=method)
     g = torch.Generator().manual_seed(3)
     for h in range(q.shape[1]):
         x = sample_pool(q, k, h, 128, g)

@@ -1,6 +1,7 @@
 from dofla.dof.algorithm import (
     GRAM_NORMS,
     check_degenerate,
+    dof_by_cholesky,
     dof_dense_reference,
     dof_from_eigenvalues,
     estimate_layer_dof,
@@ -10,6 +11,6 @@ from dofla.dof.algorithm import (
 from dofla.dof.allocate import ALLOCATION_POLICIES, allocate_dims
 
 __all__ = [
-    "GRAM_NORMS", "check_degenerate", "dof_dense_reference", "dof_from_eigenvalues",
+    "GRAM_NORMS", "check_degenerate", "dof_by_cholesky", "dof_dense_reference", "dof_from_eigenvalues",
     "estimate_layer_dof", "gram_matrix", "sample_pool", "ALLOCATION_POLICIES", "allocate_dims",
 ]

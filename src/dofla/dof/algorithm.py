@@ -49,6 +49,19 @@ def dof_from_eigenvalues(mu: torch.Tensor, lam: float) -> torch.Tensor:
     return (mu / (mu + lam)).sum(-1)
 
 
+def dof_by_cholesky(gram: torch.Tensor, lam: float) -> torch.Tensor:
+    """tr G(G+λI)⁻¹ = J − λ·tr (G+λI)⁻¹, with tr A⁻¹ = ‖L⁻¹‖²_F from A = LLᵀ (batched).
+
+    Several times faster than an eigenvalue solve; G+λI is positive definite (its smallest
+    eigenvalue is ≥ λ), so the factorisation is stable in float64.
+    """
+    j = gram.shape[-1]
+    eye = torch.eye(j, dtype=gram.dtype, device=gram.device)
+    chol = torch.linalg.cholesky(gram + lam * eye)
+    inv_l = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False)
+    return j - lam * inv_l.pow(2).sum((-1, -2))
+
+
 def dof_dense_reference(gram: torch.Tensor, lam: float) -> float:
     """tr G (G + λI)⁻¹ with a linear solve: the plain reference the eigenvalue route must match."""
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
@@ -56,17 +69,24 @@ def dof_dense_reference(gram: torch.Tensor, lam: float) -> float:
 
 
 def estimate_layer_dof(q: torch.Tensor, k: torch.Tensor, lam: float, num_samples: int,
-                       gram_norm: str = "trace", seed: int = 0) -> tuple[list[float], float]:
+                       gram_norm: str = "trace", seed: int = 0,
+                       method: str = "cholesky") -> tuple[list[float], float]:
     """Per-head DoF and the layer value (max over heads) for one layer's q (N, H, d), k (N, H_kv, d).
 
-    All heads go through one batched symmetric eigenvalue solve (only eigenvalues are needed).
+    All heads are batched; ``method="cholesky"`` (default) uses the trace identity, ``"eigh"`` the
+    eigenvalues (the paper's statement); tests check both against the dense reference.
     """
     if lam <= 0 or num_samples < 1:
         raise ValueError(f"need lambda > 0 and num_samples ≥ 1, got {lam} and {num_samples}")
     generator = torch.Generator().manual_seed(seed)
     x = torch.stack([sample_pool(q, k, h, num_samples, generator) for h in range(q.shape[1])])
-    mu = torch.linalg.eigvalsh(gram_matrix(x, gram_norm))  # (H, J)
-    per_head = dof_from_eigenvalues(mu, lam).tolist()
+    gram = gram_matrix(x, gram_norm)  # (H, J, J)
+    if method == "cholesky":
+        per_head = dof_by_cholesky(gram, lam).tolist()
+    elif method == "eigh":
+        per_head = dof_from_eigenvalues(torch.linalg.eigvalsh(gram), lam).tolist()
+    else:
+        raise ValueError(f"method={method!r} must be 'cholesky' or 'eigh'")
     return per_head, max(per_head)
 
 
