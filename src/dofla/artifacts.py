@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dofla.record import write_json
+
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".json")
@@ -24,19 +26,22 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_artifact(path: Path, payload: dict, meta: dict) -> None:
-    """torch.save ``payload`` to ``path`` atomically, then its sidecar (size, sha256, meta)."""
+def torch_save_atomic(payload: Any, path: Path) -> None:
+    """torch.save to a temporary name, then rename: a kill never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
     os.close(fd)
-    torch.save({**payload, "meta": meta}, tmp)
-    record = {"size": Path(tmp).stat().st_size, "sha256": _sha256(Path(tmp)), "meta": meta}
+    torch.save(payload, tmp)
     os.replace(tmp, path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, sort_keys=True, default=str)
-    os.replace(tmp, _sidecar(path))
+
+
+def save_artifact(path: Path, payload: dict, meta: dict) -> None:
+    """Save ``payload`` atomically, then its sidecar (size, sha256, meta)."""
+    path = Path(path)
+    torch_save_atomic({**payload, "meta": meta}, path)
+    record = {"size": path.stat().st_size, "sha256": _sha256(path), "meta": meta}
+    write_json(_sidecar(path), record)
 
 
 def artifact_problem(path: Path, meta: dict) -> str | None:

@@ -12,7 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.faults import kill_point
-from dofla.train.layerwise import NonFiniteLossError, _save_atomic, param_groups
+from dofla.artifacts import torch_save_atomic
+from dofla.train.layerwise import NonFiniteLossError, param_groups
 
 
 @dataclass
@@ -74,7 +75,7 @@ def train_direct(student, tokens: torch.Tensor, cfg: DirectTrainConfig,
         curve.append({"step": step, "loss": loss.item()})
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0:
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
-            _save_atomic({"model": features, "optimizer": optimizer.state_dict(),
+            torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
                           "generator": generator.get_state(), "step": step + 1, "curve": curve},
                          checkpoint_path)
     student.eval()

@@ -7,8 +7,6 @@ held-out sequences of the cache, checkpoints every few steps so a killed run res
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from dofla.artifacts import load_artifact, save_artifact
+from dofla.artifacts import load_artifact, save_artifact, torch_save_atomic
 from dofla.faults import kill_point
 from dofla.train.losses import LOSSES
 
@@ -97,14 +95,6 @@ def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig) 
     return sum(losses) / len(index)
 
 
-def _save_atomic(payload: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    os.close(fd)
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                 checkpoint_path: Path | None = None, desc: str = "layer") -> LayerTrainResult:
     """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state."""
@@ -148,7 +138,7 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
             if _evaluate(feature_map, q, k, held_idx, cfg, state):
                 break
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
-            _save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
+            torch_save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
                           "generator": generator.get_state(), "state": state}, checkpoint_path)
     bar.close()
     return _result(feature_map, state, initial, start_time)
