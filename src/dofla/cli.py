@@ -25,10 +25,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user causes (bad config, missing data or model): one sentence, no traceback."""
     from dofla.data import DataError
     from dofla.models import ModelLoadError
+    from dofla.cache import CacheError
     from dofla.registry import UnknownNameError
+    from dofla.train import NonFiniteLossError
     from dofla.validate import ConfigError
 
-    return (ConfigError, DataError, ModelLoadError, UnknownNameError)
+    return (ConfigError, DataError, ModelLoadError, UnknownNameError, CacheError, NonFiniteLossError)
 
 
 def to_run_config(dcfg: DictConfig) -> RunConfig:

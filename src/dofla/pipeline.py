@@ -92,7 +92,11 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "train" not in cfg.stages:
         return {}
     with timer("train"):
-        stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
+        summaries = stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
+    if cfg.loss.name != "direct":
+        write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
+        for i, summary in summaries.items():
+            tracker.log({f"train/layer_{i:02d}/{k}": v for k, v in summary.items() if "loss" in k})
     if cfg.train.layers is not None and len(set(cfg.train.layers)) < geometry.num_layers:
         print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
               "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)

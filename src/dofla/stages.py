@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -136,16 +136,13 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
 
 def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict) -> dict:
     from dofla.artifacts import save_artifact
-    from dofla.train import DirectTrainConfig, train_direct
+    from dofla.train import train_direct
 
     done = directory / "direct_done.json"
     if done.exists():
         return read_json(done)
     student = make_student(cfg, teacher, dims)
-    lcfg = layer_train_config(cfg)
-    dcfg = DirectTrainConfig(**{k: v for k, v in asdict(lcfg).items()
-                                if k in DirectTrainConfig.__dataclass_fields__})
-    dcfg.batch_size = cfg.train.direct_batch_size
+    dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
     curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt")
     for i, attn in enumerate(student.student_attentions()):
         layer_meta = {**meta, "layer": i, "num_features": attn.feature_map.num_features}

@@ -9,7 +9,6 @@ from dofla.attention import linear_attention_chunked, softmax_attention
 from dofla.feature_maps import build_feature_map
 from dofla.models import convert
 from dofla.train import (
-    DirectTrainConfig,
     LayerTrainConfig,
     NonFiniteLossError,
     run_layerwise,
@@ -102,7 +101,7 @@ def test_direct_training_moves_only_feature_parameters():
     student = convert(build_tiny_model("llama"), feature_map="learned_prf", dims=[8, 8])
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
     tokens = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(0))
-    curve = train_direct(student, tokens, DirectTrainConfig(steps=25, batch_size=3, warmup_steps=2))
+    curve = train_direct(student, tokens, LayerTrainConfig(steps=25, batch_size=3, warmup_steps=2))
     changed = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(".dofla.feature_map." in n for n in changed)
     assert sum(c["loss"] for c in curve[-5:]) < sum(c["loss"] for c in curve[:5])

@@ -9,6 +9,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig, ax, path: Path, legend: bool = True) -> Path:
+    """Legend, layout, PNG, close: the end of every plot here."""
+    if legend:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _label(run: dict) -> str:
     return " ".join(run["overrides"]) or run["dir"].name
 
@@ -22,11 +32,7 @@ def plot_dims(runs: list[dict], path: Path) -> Path | None:
     for run in runs:
         ax.plot(run["allocation"]["dims"], marker="o", ms=3, label=_label(run))
     ax.set(xlabel="layer", ylabel="feature dimension M", title="per-layer feature dims")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def plot_attention_error(runs: list[dict], path: Path) -> Path | None:
@@ -42,11 +48,7 @@ def plot_attention_error(runs: list[dict], path: Path) -> Path | None:
     for run, errs in series:
         ax.plot(errs, marker="o", ms=3, label=_label(run))
     ax.set(xlabel="layer", ylabel="relative error", title="attention output error vs softmax")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
 
 
 def plot_dof_heatmap(runs: list[dict], path: Path) -> Path | None:
@@ -58,10 +60,7 @@ def plot_dof_heatmap(runs: list[dict], path: Path) -> Path | None:
     image = ax.imshow(table, aspect="auto", cmap="viridis")
     ax.set(xlabel="head", ylabel="layer", title="degrees of freedom per (layer, head)")
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, legend=False)
 
 
 def plot_perplexity(runs: list[dict], path: Path) -> Path | None:
@@ -74,11 +73,23 @@ def plot_perplexity(runs: list[dict], path: Path) -> Path | None:
     ax.axhline(runs[0]["metrics"]["eval/teacher_ppl"], color="k", ls="--", label="teacher")
     ax.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=7)
     ax.set(ylabel="held-out perplexity", yscale="log", title="student vs teacher perplexity")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path)
+
+
+def plot_training(runs: list[dict], path: Path) -> Path | None:
+    """Per-layer held-out distillation loss before and after layerwise training, per run."""
+    runs = [r for r in runs if r.get("train")]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for n, run in enumerate(runs):
+        layers = sorted(run["train"])
+        color = f"C{n % 10}"
+        ax.plot([run["train"][k]["initial_heldout_loss"] for k in layers], ls=":", color=color)
+        ax.plot([run["train"][k]["final_heldout_loss"] for k in layers], marker="o", ms=3, color=color,
+                label=_label(run))
+    ax.set(xlabel="layer", ylabel="held-out loss", title="layerwise training: before (dotted) and after")
+    return _save(fig, ax, path)
 
 
 def write_plots(runs: list[dict], root: Path) -> list[Path]:
@@ -87,5 +98,6 @@ def write_plots(runs: list[dict], root: Path) -> list[Path]:
         plot_dims(runs, root / "dims.png"),
         plot_attention_error(runs, root / "attn_error.png"),
         plot_perplexity(runs, root / "perplexity.png"),
+        plot_training(runs, root / "training.png"),
     ]
     return [p for p in made if p is not None]

@@ -36,6 +36,7 @@ def load_run(run_dir: Path) -> dict:
         "allocation": read_json(run_dir / "allocation.json") or {},
         "dof": read_json(run_dir / "dof.json") or {},
         "timings": read_json(run_dir / "timings.json") or {},
+        "train": read_json(run_dir / "train_summary.json") or {},
     }
 
 

@@ -1,4 +1,4 @@
-from dofla.train.direct import DirectTrainConfig, train_direct
+from dofla.train.direct import train_direct
 from dofla.train.layerwise import (
     LayerTrainConfig,
     LayerTrainResult,
@@ -9,6 +9,6 @@ from dofla.train.layerwise import (
 from dofla.train.losses import LOSSES
 
 __all__ = [
-    "DirectTrainConfig", "train_direct", "LayerTrainConfig", "LayerTrainResult", "NonFiniteLossError",
+    "train_direct", "LayerTrainConfig", "LayerTrainResult", "NonFiniteLossError",
     "run_layerwise", "train_layer", "LOSSES",
 ]

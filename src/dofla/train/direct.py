@@ -1,11 +1,11 @@
 """``direct``: train every layer's features end to end on next-token loss (METHOD.md §3).
 
-Only feature-map parameters train; the teacher's weights stay frozen. Checkpointed like the
-layerwise trainer, so a killed run resumes exactly.
+Only feature-map parameters train; the teacher's weights stay frozen. Uses the layerwise
+trainer's config (steps, batch size, learning rates, warm-up, seed) and is checkpointed like it,
+so a killed run resumes exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,23 +13,10 @@ from tqdm.auto import tqdm
 
 from dofla.faults import kill_point
 from dofla.artifacts import torch_save_atomic
-from dofla.train.layerwise import NonFiniteLossError, param_groups
+from dofla.train.layerwise import LayerTrainConfig, NonFiniteLossError, param_groups
 
 
-@dataclass
-class DirectTrainConfig:
-    steps: int = 150
-    batch_size: int = 1
-    lr_z: float = 0.02
-    lr_alpha: float = 0.2
-    lr_other: float = 1e-2
-    warmup_steps: int = 10
-    seed: int = 0
-    checkpoint_every: int = 50
-    skip_nonfinite: bool = False
-
-
-def feature_param_groups(student, cfg: DirectTrainConfig) -> list[dict]:
+def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
     """Freeze everything, then return the Adam groups of every layer's feature map."""
     for p in student.parameters():
         p.requires_grad_(False)
@@ -41,7 +28,7 @@ def feature_param_groups(student, cfg: DirectTrainConfig) -> list[dict]:
     return groups
 
 
-def train_direct(student, tokens: torch.Tensor, cfg: DirectTrainConfig,
+def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
                  checkpoint_path: Path | None = None) -> list[dict]:
     """Next-token training of the student's feature maps on ``tokens`` (S, L); returns the curve."""
     groups = feature_param_groups(student, cfg)
