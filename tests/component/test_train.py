@@ -90,7 +90,7 @@ def test_run_layerwise_writes_artifacts_then_skips(tmp_path):
     fms = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
     cfg = LayerTrainConfig(steps=4, eval_every=2)
     run_layerwise(fms, activations, [0, 1], cfg, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer_00.pt", "layer_01.pt"]
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["layer_00.pt", "layer_01.pt"]
     run_layerwise(fms, activations, [0, 1], cfg, tmp_path)
     assert seen == [0, 1]
 
