@@ -69,3 +69,23 @@ def test_resolved_config_roundtrips_through_yaml():
     cfg = _compose(["experiment=smoke_tiny"])
     assert cfg.model.source == "tiny:llama" and cfg.data.seq_len == 64
     assert OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+@pytest.mark.parametrize("variant", _options("variant"))
+def test_every_paper_grid_cell_composes(variant):
+    cfg = _compose(["experiment=paper_gpt2", f"+variant={variant}"])
+    assert cfg.model.source == "gpt2" and cfg.allocation.gram_norm == "J" and cfg.allocation.lam == 0.0625
+    policy, _, loss = variant.partition("_") if not variant.startswith("dof_clip") else ("dof_clip", "", variant[9:])
+    if variant not in ("performer", "dijiang"):
+        assert (cfg.allocation.policy, cfg.loss.name, cfg.feature_map.name) == (policy, loss, "learned_prf")
+    else:
+        assert cfg.feature_map.name == variant and cfg.allocation.policy == "fix"
+
+
+@pytest.mark.parametrize("experiment", ["paper_gpt2", "paper_pythia1b", "paper_grid_smollm2"])
+def test_paper_grids_list_all_eleven_cells(experiment):
+    from omegaconf import OmegaConf
+
+    text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
+    grid = OmegaConf.create(text)["hydra"]["sweeper"]["params"]["+variant"].split(",")
+    assert sorted(grid) == sorted(_options("variant")) and len(grid) == 11
