@@ -11,8 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _save(fig, ax, path: Path, legend: bool = True) -> Path:
     """Legend, layout, PNG, close: the end of every plot here."""
-    if legend:
-        ax.legend(fontsize=7)
+    if legend:  # outside the axes, so it never hides a curve
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -20,7 +20,7 @@ def _save(fig, ax, path: Path, legend: bool = True) -> Path:
 
 
 def _label(run: dict) -> str:
-    return " ".join(run["overrides"]) or run["dir"].name
+    return run.get("label") or " ".join(run["overrides"]) or run["dir"].name
 
 
 def plot_dims(runs: list[dict], path: Path) -> Path | None:
@@ -28,7 +28,7 @@ def plot_dims(runs: list[dict], path: Path) -> Path | None:
     runs = [r for r in runs if r["allocation"].get("dims")]
     if not runs:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for run in runs:
         ax.plot(run["allocation"]["dims"], marker="o", ms=3, label=_label(run))
     ax.set(xlabel="layer", ylabel="feature dimension M", title="per-layer feature dims")
@@ -44,7 +44,7 @@ def plot_attention_error(runs: list[dict], path: Path) -> Path | None:
             series.append((run, [v for _, v in errs]))
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for run, errs in series:
         ax.plot(errs, marker="o", ms=3, label=_label(run))
     ax.set(xlabel="layer", ylabel="relative error", title="attention output error vs softmax")
@@ -69,7 +69,8 @@ def plot_perplexity(runs: list[dict], path: Path) -> Path | None:
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(runs)), 4))
-    ax.bar(range(len(runs)), [r["metrics"]["eval/student_ppl"] for r in runs])
+    bars = ax.bar(range(len(runs)), [r["metrics"]["eval/student_ppl"] for r in runs])
+    ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.axhline(runs[0]["metrics"]["eval/teacher_ppl"], color="k", ls="--", label="teacher")
     ax.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=7)
     ax.set(ylabel="held-out perplexity", yscale="log", title="student vs teacher perplexity")
@@ -81,7 +82,7 @@ def plot_training(runs: list[dict], path: Path) -> Path | None:
     runs = [r for r in runs if r.get("train")]
     if not runs:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for n, run in enumerate(runs):
         layers = sorted(run["train"])
         color = f"C{n % 10}"
@@ -93,6 +94,13 @@ def plot_training(runs: list[dict], path: Path) -> Path | None:
 
 
 def write_plots(runs: list[dict], root: Path) -> list[Path]:
+    from dofla.report.tables import distinguishing_overrides
+
+    keys = distinguishing_overrides(runs)
+    for run in runs:  # label each curve by what tells the runs apart, nothing else
+        given = dict(o.partition("=")[::2] for o in run["overrides"])
+        label = " ".join(f"{k.split('.')[-1]}={given[k]}" for k in keys if k in given and "dir" not in k)
+        run["label"] = label[:60] or run["dir"].name
     made = [
         plot_dof_heatmap(runs, root / "dof_heatmap.png"),
         plot_dims(runs, root / "dims.png"),

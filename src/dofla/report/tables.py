@@ -114,9 +114,10 @@ def write_report(root: Path, console: Console | None = None) -> Path:
     md += [f"> note: {n}" for n in notes]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
-    _print_table(table_rows, head, console or Console(), title=f"dofla report: {root}")
+    console = console or Console(width=max(160, Console().width))
+    _print_table(table_rows, head, console, title=f"dofla report: {root}")
     for note in notes:
-        (console or Console()).print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {note}")
     return root / "report.md"
 
 
