@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Row, matmul_gflops, peak_rss_mib, print_rows, run_isolated, save_rows, timeit
+from benchmarks.common import Row, matmul_gflops, peak_rss_during, print_rows, run_isolated, save_rows, timeit
 from dofla.attention import linear_attention_chunked
 from dofla.feature_maps import build_feature_map
 
@@ -43,9 +43,8 @@ def chunked_flops(t: int, m: int, dv: int, chunk: int) -> float:
 
 def one_memory_point(kind: str, t: int) -> dict:
     q, k, v, fm = inputs(t)
-    base = peak_rss_mib()
-    (linear_layer if kind == "linear" else lambda *a: sdpa_layer(*a[:3]))(q, k, v, fm)
-    return {"peak_mib": peak_rss_mib() - base}
+    run = (lambda: linear_layer(q, k, v, fm)) if kind == "linear" else (lambda: sdpa_layer(q, k, v))
+    return {"peak_mib": peak_rss_during(run)}
 
 
 def main(seq_len: int = 16384, repeats: int = 3) -> list[Row]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,28 @@ def matmul_gflops(n: int = 2048) -> float:
     return 2 * n**3 / timeit(lambda: a @ b, repeats=5) / 1e9
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_during(fn) -> float:
+    """Peak resident memory (MiB) above the level before ``fn()``, sampled every millisecond."""
+    import threading
+
+    import psutil
+
+    process = psutil.Process()
+    base = process.memory_info().rss
+    peak = [base]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    fn()
+    done.set()
+    thread.join()
+    return (max(peak[0], process.memory_info().rss) - base) / 2**20
 
 
 def run_isolated(module: str, *args: str) -> dict:
