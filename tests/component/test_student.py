@@ -20,6 +20,16 @@ def _ids(batch=2, length=33, seed=1):
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@torch.no_grad()
+def _greedy_by_parallel_forward(model, prompt, steps):
+    """Greedy continuation re-running the full parallel forward on the whole prefix each step."""
+    tokens = prompt
+    for _ in range(steps):
+        logits = model(tokens, use_cache=False).logits[:, -1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
 def test_softmax_reference_reproduces_teacher_logits(tiny_model):
     ids = _ids()
     with torch.no_grad():
@@ -56,12 +66,7 @@ def test_greedy_generate_matches_parallel_argmax(tiny_model):
     student = convert(tiny_model, feature_map="learned_prf", dims=[6, 4])
     prompt = _ids(batch=1, length=9)
     out = student.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    tokens = prompt
-    with torch.no_grad():
-        for _ in range(12):
-            logits = student(tokens, use_cache=False).logits[:, -1]
-            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, tokens)
+    assert torch.equal(out, _greedy_by_parallel_forward(student, prompt, 12))
 
 
 def test_decoding_state_does_not_grow(tiny_model):
@@ -106,9 +111,4 @@ def test_hybrid_student_generates_like_its_parallel_forward(tiny_model, tmp_path
     assert all(a.window == 5 for a in student.student_attentions())
     prompt = _ids(batch=1, length=9)
     out = student.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
-    tokens = prompt
-    with torch.no_grad():
-        for _ in range(10):
-            logits = student(tokens, use_cache=False).logits[:, -1]
-            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, tokens)
+    assert torch.equal(out, _greedy_by_parallel_forward(student, prompt, 10))
