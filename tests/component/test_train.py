@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dofla.eval.metrics import relative_error
-from dofla.attention import linear_attention_chunked, softmax_attention
+from dofla.eval import layer_attention_error
 from dofla.feature_maps import build_feature_map
 from dofla.models import convert
+from dofla.models.tiny import build_tiny_model
 from dofla.train import (
     LayerTrainConfig,
     NonFiniteLossError,
@@ -15,6 +15,10 @@ from dofla.train import (
     train_direct,
     train_layer,
 )
+
+
+class Killed(Exception):
+    """Stands in, in-process, for the SIGKILL of the CLI-level resume test."""
 
 
 def realistic_qk(seqs=8, heads=3, kv_heads=1, length=48, d=16, seed=0):
@@ -27,11 +31,16 @@ def realistic_qk(seqs=8, heads=3, kv_heads=1, length=48, d=16, seed=0):
 
 
 def _attention_error(fm, q, k):
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    v = torch.randn_like(k)
-    with torch.no_grad():
-        out, _ = linear_attention_chunked(fm.log_features(q), fm.log_features(k), v)
-    return relative_error(out, softmax_attention(q, k, v))
+    values = torch.randn(k.shape, generator=torch.Generator().manual_seed(5))
+    return layer_attention_error(fm, q, k, values)
+
+
+def _kill_at(monkeypatch, module: str, point: str) -> None:
+    def interrupt(name):
+        if name == point:
+            raise Killed
+
+    monkeypatch.setattr(f"dofla.train.{module}.kill_point", interrupt)
 
 
 def test_training_reduces_heldout_loss_and_attention_error():
@@ -42,7 +51,14 @@ def test_training_reduces_heldout_loss_and_attention_error():
     result = train_layer(fm, q, k, cfg)
     assert result.final_heldout_loss < result.initial_heldout_loss
     assert _attention_error(fm, q[-2:], k[-2:]) < before
-    assert result.curve[-1]["step"] == 59
+    assert result.curve[-1]["step"] == 59 and "heldout_loss" in result.curve[-1]
+
+
+def test_untrainable_feature_map_returns_its_initial_loss():
+    q, k = realistic_qk()
+    result = train_layer(build_feature_map("performer", 3, 16, 8), q, k, LayerTrainConfig(steps=50))
+    assert result.steps_run == 0 and result.curve == []
+    assert result.final_heldout_loss == result.initial_heldout_loss
 
 
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, monkeypatch):
@@ -50,33 +66,28 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, monkeypatch):
     cfg = LayerTrainConfig(steps=12, eval_every=4, checkpoint_every=6, warmup_steps=2)
     full = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg)
     ckpt = tmp_path / "layer.ckpt"
-
-    class Killed(Exception):
-        pass
-
-    def interrupt(point):  # stands in for the SIGKILL of the CLI-level test, in-process
-        if point == "train:layer:step8":
-            raise Killed
-
-    monkeypatch.setattr("dofla.train.layerwise.kill_point", interrupt)
+    _kill_at(monkeypatch, "layerwise", "train:layer:step8")
     with pytest.raises(Killed):
         train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, checkpoint_path=ckpt)
     monkeypatch.undo()
     resumed = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, checkpoint_path=ckpt)
     for name in full.state_dict:
         assert torch.equal(full.state_dict[name], resumed.state_dict[name])
-    assert full.curve == resumed.curve
+    assert full.curve == resumed.curve and full.best_step == resumed.best_step
 
 
 def test_non_finite_loss_is_reported_with_layer_and_step():
     q, k = realistic_qk()
-    q[0, 0, 0, 0] = float("nan")
+    q[0, 0, 0, 0] = float("inf")
     cfg = LayerTrainConfig(steps=20, heldout_fraction=0.0, batch_size=8)
     with pytest.raises(NonFiniteLossError, match="layer7: non-finite training loss at step 0"):
         train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, desc="layer7")
-    skipped = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k,
-                          LayerTrainConfig(steps=3, heldout_fraction=0.0, batch_size=8, skip_nonfinite=True))
+    fm = build_feature_map("learned_prf", 3, 16, 8)
+    initial = {n: t.clone() for n, t in fm.state_dict().items()}
+    skipped = train_layer(fm, q, k, LayerTrainConfig(steps=3, heldout_fraction=0.0, batch_size=8,
+                                                     skip_nonfinite=True))
     assert all(c.get("skipped") for c in skipped.curve)
+    assert all(torch.equal(initial[n], t) for n, t in fm.state_dict().items())
 
 
 def test_run_layerwise_writes_artifacts_then_skips(tmp_path):
@@ -89,19 +100,41 @@ def test_run_layerwise_writes_artifacts_then_skips(tmp_path):
 
     fms = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
     cfg = LayerTrainConfig(steps=4, eval_every=2)
-    run_layerwise(fms, activations, [0, 1], cfg, tmp_path)
+    first = run_layerwise(fms, activations, [0, 1], cfg, tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["layer_00.pt", "layer_01.pt"]
-    run_layerwise(fms, activations, [0, 1], cfg, tmp_path)
-    assert seen == [0, 1]
+    fresh = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
+    second = run_layerwise(fresh, activations, [0, 1], cfg, tmp_path)
+    assert seen == [0, 1] and first == second
+    assert all(torch.equal(a.z, b.z) for a, b in zip(fms, fresh))
+
+
+def _tiny_student():
+    return convert(build_tiny_model("llama"), feature_map="learned_prf", dims=[8, 8])
+
+
+def _tokens():
+    return torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(0))
 
 
 def test_direct_training_moves_only_feature_parameters():
-    from dofla.models.tiny import build_tiny_model
-
-    student = convert(build_tiny_model("llama"), feature_map="learned_prf", dims=[8, 8])
+    student = _tiny_student()
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
-    tokens = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(0))
-    curve = train_direct(student, tokens, LayerTrainConfig(steps=25, batch_size=3, warmup_steps=2))
+    curve = train_direct(student, _tokens(), LayerTrainConfig(steps=25, batch_size=3, warmup_steps=2))
     changed = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(".dofla.feature_map." in n for n in changed)
     assert sum(c["loss"] for c in curve[-5:]) < sum(c["loss"] for c in curve[:5])
+
+
+def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch):
+    cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2, checkpoint_every=3)
+    full_student = _tiny_student()
+    full = train_direct(full_student, _tokens(), cfg)
+    ckpt = tmp_path / "direct.ckpt"
+    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    with pytest.raises(Killed):
+        train_direct(_tiny_student(), _tokens(), cfg, checkpoint_path=ckpt)
+    monkeypatch.undo()
+    student = _tiny_student()
+    assert train_direct(student, _tokens(), cfg, checkpoint_path=ckpt) == full
+    expected = full_student.state_dict()
+    assert all(torch.equal(t, expected[n]) for n, t in student.state_dict().items())

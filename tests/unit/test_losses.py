@@ -46,6 +46,48 @@ def test_softmax_loss_is_teacher_entropy_when_student_is_exact():
     assert exact_log_kernel.shape == (1, 2, 32, 32)
 
 
+def _entropy(s, causal=True):
+    """Mean row entropy of the teacher's (causal) attention distribution; s (B, H, L, L) scores."""
+    mask = torch.ones(s.shape[-1], s.shape[-1]).tril().bool() if causal else torch.ones(s.shape[-2:]).bool()
+    p = torch.softmax(s.masked_fill(~mask, -math.inf), -1)
+    return -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_loss_is_teacher_entropy_for_an_exact_feature_kernel(causal):
+    """One feature per key: Φ(k_j) = e_j, Φ(q_i)_j = exp(s_ij), so K̂ = K exactly through the K̂ path."""
+    q, k = _qk(3.0, t=24, d=16)  # |x|²/sqrt(d) ≈ 36: the shifts must keep this exact
+    s = q @ k.transpose(-1, -2) / 4.0
+    log_q = s
+    log_k = torch.full((1, 2, 24, 24), -1e4) + 1e4 * torch.eye(24)
+    loss = LOSSES.get("softmax")(log_q, log_k, q, k, causal=causal)
+    assert torch.allclose(loss, _entropy(s, causal), atol=1e-4)
+
+
+def test_softmax_loss_fast_path_matches_log_softmax_reference():
+    q, k = _qk(2.0, d=16)
+    fm = build_feature_map("learned_prf", 2, 16, 24)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    mask = torch.ones(32, 32).tril().bool()
+    s = q @ k.transpose(-1, -2) / 4.0
+    p = torch.softmax(s.masked_fill(~mask, -math.inf), -1)
+    log_p_hat = torch.log_softmax(log_kernel_matrix(lq, lk).masked_fill(~mask, -math.inf), -1)
+    reference = -(p * log_p_hat.masked_fill(~mask, 0.0)).sum(-1).mean()
+    assert torch.allclose(LOSSES.get("softmax")(lq, lk, q, k), reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("feature_map", ["performer", "learned_prf", "hedgehog", "elu1"])
+def test_cross_entropy_bounds_teacher_entropy_and_l2_is_nonnegative(feature_map):
+    q, k = _qk(4.2)
+    fm = build_feature_map(feature_map, 2, 64, 32)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    teacher_entropy = _entropy(q @ k.transpose(-1, -2) / 8.0)
+    assert LOSSES.get("softmax")(lq, lk, q, k) >= teacher_entropy - 1e-4  # Gibbs: CE(p, p̂) ≥ H(p)
+    for scale in ("row_max", "none"):
+        value = LOSSES.get("l2")(lq, lk, q, k, scale=scale)
+        assert torch.isfinite(value) and value >= 0
+
+
 def test_l2_scales_agree_on_which_student_is_better():
     q, k = _qk(0.5, d=16)
     good = build_feature_map("performer", 2, 16, 4096, seed=1)

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from dofla.faults import kill_point
 from dofla.artifacts import torch_save_atomic
-from dofla.train.layerwise import LayerTrainConfig, NonFiniteLossError, param_groups
+from dofla.train.layerwise import LayerTrainConfig, apply_step, lr_factor, param_groups
 
 
 def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
@@ -44,26 +44,24 @@ def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
         generator.set_state(ckpt["generator"])
         step, curve = ckpt["step"], ckpt["curve"]
     base_lrs = [g["lr"] for g in optimizer.param_groups]
-    student.train()
-    for step in tqdm(range(step, cfg.steps), desc="train (direct)", unit="step"):
+    # eval mode: the frozen network's dropout would only add noise to the target the features chase
+    student.eval()
+    bar = tqdm(range(step, cfg.steps), desc="train (direct)", unit="step")
+    for step in bar:
         kill_point(f"train:direct:step{step}")
         for group, lr in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+            group["lr"] = lr * lr_factor(step, cfg)
         batch = tokens[torch.randint(tokens.shape[0], (cfg.batch_size,), generator=generator)]
         loss = student(input_ids=batch, labels=batch, use_cache=False).loss
-        if not torch.isfinite(loss):
-            if not cfg.skip_nonfinite:
-                raise NonFiniteLossError(f"direct training: non-finite loss at step {step}")
+        if apply_step(optimizer, loss, f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite):
+            curve.append({"step": step, "loss": loss.item()})
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        else:
             curve.append({"step": step, "loss": None, "skipped": True})
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        curve.append({"step": step, "loss": loss.item()})
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0:
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
             torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
                           "generator": generator.get_state(), "step": step + 1, "curve": curve},
                          checkpoint_path)
-    student.eval()
+    bar.close()
     return curve

@@ -95,6 +95,28 @@ def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig) 
     return sum(losses) / len(index)
 
 
+def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool) -> bool:
+    """Backward + Adam step; False (step skipped) or NonFiniteLossError when loss or a gradient is NaN/inf.
+
+    Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be finite while its
+    gradient overflows the fp32 features, and one inf gradient would turn every parameter NaN.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    finite = bool(torch.isfinite(loss))
+    if finite:
+        loss.backward()
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
+    if finite:
+        optimizer.step()
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    if not skip_nonfinite:
+        raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
+                                 "or set train.skip_nonfinite=true")
+    return False
+
+
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                 checkpoint_path: Path | None = None, desc: str = "layer") -> LayerTrainResult:
     """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state."""
@@ -122,17 +144,11 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
             group["lr"] = lr * lr_factor(step, cfg)
         batch = train_idx[torch.randint(len(train_idx), (cfg.batch_size,), generator=generator)]
         loss = layer_loss(feature_map, q[batch], k[batch], cfg)
-        if not torch.isfinite(loss):
-            if not cfg.skip_nonfinite:
-                raise NonFiniteLossError(f"{desc}: non-finite training loss at step {step}; "
-                                         "lower the learning rates or set train.skip_nonfinite=true")
-            state["curve"].append({"step": step, "loss": None, "skipped": True})
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+        if apply_step(optimizer, loss, f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite):
             state["curve"].append({"step": step, "loss": loss.item()})
             bar.set_postfix(loss=f"{loss.item():.4f}")
+        else:
+            state["curve"].append({"step": step, "loss": None, "skipped": True})
         state["step"] = step + 1
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
             if _evaluate(feature_map, q, k, held_idx, cfg, state):

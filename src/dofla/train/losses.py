@@ -15,17 +15,27 @@ from dofla.registry import Registry
 LOSSES: Registry = Registry("layerwise loss")
 
 
-def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) via shifted exponentials (no overflow).
+def shifted_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S (B, H, L, L) and r (B, H, L, 1) with K̂_ij = e^{r_i} S_ij, computed without overflow.
 
-    With c_m = max_j log_k[j, m] and r_i = max_m(log_q[i, m] + c_m) (both detached),
-    K̂_ij = e^{r_i} · Σ_m exp(log_q + c − r)_im exp(log_k − c)_jm.
+    With c_m = max_j log_k[j, m] and r_i = max_m(log_q[i, m] + c_m) (both detached, so they are
+    constants of the graph), S_ij = Σ_m exp(log_q + c − r)_im exp(log_k − c)_jm ≤ M.
     """
     c = log_k.detach().amax(dim=2, keepdim=True)
     u = log_q + c
     r = u.detach().amax(dim=-1, keepdim=True)
-    s = torch.exp(u - r) @ torch.exp(log_k - c).transpose(-1, -2)
-    return r + torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))
+    return torch.exp(u - r) @ torch.exp(log_k - c).transpose(-1, -2), r
+
+
+def _log_floor(s: torch.Tensor) -> torch.Tensor:
+    """log with a floor at the dtype's smallest normal: an underflowed entry costs a large finite loss."""
+    return torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))
+
+
+def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) via shifted exponentials (no overflow)."""
+    s, r = shifted_student_kernel(log_q, log_k)
+    return r + _log_floor(s)
 
 
 def teacher_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -43,7 +53,23 @@ def _masks(length: int, causal: bool, window: int, device) -> tuple[torch.Tensor
 
 @LOSSES.register("softmax")
 def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0) -> torch.Tensor:
-    """Cross-entropy from the teacher's attention distribution to the student's (the paper's)."""
+    """Cross-entropy from the teacher's attention distribution p to the student's p̂ (the paper's).
+
+    Without a window the row shift e^{r_i} cancels in p̂, so CE_i = log Σ_j S_ij − Σ_j p_ij log S_ij:
+    no (L, L) log-softmax, which is most of the cost on CPU.
+    """
+    if window > 0:
+        return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window)
+    s = teacher_logits(q, k)
+    visible, _ = _masks(s.shape[-1], causal, window, s.device)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    shifted, _ = shifted_student_kernel(log_q, log_k)
+    normaliser = _log_floor((shifted.tril() if causal else shifted).sum(-1))
+    return (normaliser - (p * _log_floor(shifted)).sum(-1)).mean()
+
+
+def _hybrid_softmax_loss(log_q, log_k, q, k, causal: bool, window: int) -> torch.Tensor:
+    """The softmax loss when the last ``window`` keys are exact: both kernels need their true scale."""
     s = teacher_logits(q, k)
     visible, approx = _masks(s.shape[-1], causal, window, s.device)
     student = torch.where(approx, log_student_kernel(log_q, log_k), s).masked_fill(~visible, float("-inf"))
@@ -57,8 +83,9 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
     """Mean over rows of Σ_j (K_ij − K̂_ij)² on the approximated pairs.
 
     ``scale="row_max"`` divides row i of both kernels by the teacher's max_j K_ij (finite at real
-    norms); ``"none"`` is the paper's literal form. Both are computed in float64 (the literal form
-    overflows fp32 on real models).
+    norms); ``"none"`` is the paper's literal form. Both are computed in float64; the literal form
+    is also returned in float64, because at real norms (K up to e^70) its value overflows fp32.
+    Its gradient can still overflow the fp32 features; the trainer reports that as non-finite.
     """
     if scale not in ("row_max", "none"):
         raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max' or 'none'")
@@ -71,4 +98,5 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
         s, log_hat = s - top, log_hat - top
     # a wildly overestimating student must give a huge but finite loss, not inf
     diff = torch.exp(s.clamp_max(300)) - torch.exp(log_hat.clamp_max(300))
-    return torch.where(approx, diff.pow(2), 0.0).sum(-1).mean().to(q.dtype)
+    loss = torch.where(approx, diff.pow(2), 0.0).sum(-1).mean()
+    return loss.to(q.dtype) if scale == "row_max" else loss
