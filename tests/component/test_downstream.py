@@ -1,0 +1,167 @@
+"""Downstream evaluation on tiny local lm-eval tasks (piqa/arc schemas), offline skips, MQAR."""
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+import yaml
+
+from dofla.eval.downstream import DOWNSTREAM7, DownstreamUnavailable, evaluate_tasks
+from dofla.eval.mmlu_dev import mmlu_dev_questions, write_mmlu_dev_task
+from dofla.eval.mqar import id_ranges, make_mqar_batch, mqar_accuracy, mqar_curve
+from dofla.eval.task_finetune import FinetuneProtocolConfig, pad_batch, run_finetune_protocol
+from dofla.models import convert
+from dofla.models.tiny import build_tiny_model
+
+ACC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
+# The same prompt/choice/target fields as lm-eval's piqa.yaml and arc_easy.yaml, on local JSON.
+SCHEMAS = {
+    "piqa_local": {"doc_to_text": "Question: {{goal}}\nAnswer:", "doc_to_target": "label",
+                   "doc_to_choice": "{{[sol1, sol2]}}"},
+    "arc_local": {"doc_to_text": "Question: {{question}}\nAnswer:",
+                  "doc_to_target": "{{choices.label.index(answerKey)}}",
+                  "doc_to_choice": "{{choices.text}}"},
+}
+
+
+def piqa_doc(i: int) -> dict:
+    return {"goal": f"To warm cup {i},", "sol1": "heat it.", "sol2": "freeze it.", "label": i % 2}
+
+
+def arc_doc(i: int) -> dict:
+    return {"question": f"What is {i} plus one?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": [str(i + 1 + k) for k in range(4)], "label": list("ABCD")}}
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    for name, make in (("piqa_local", piqa_doc), ("arc_local", arc_doc)):
+        files = {}
+        for split, n in (("train", 12), ("validation", 10)):
+            files[split] = str(root / f"{name}_{split}.jsonl")
+            (root / f"{name}_{split}.jsonl").write_text("".join(json.dumps(make(i)) + "\n" for i in range(n)))
+        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files},
+                  "output_type": "multiple_choice", "training_split": "train",
+                  "validation_split": "validation", "metric_list": ACC_METRICS, **SCHEMAS[name]}
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def teacher_student():
+    teacher = build_tiny_model("gpt2", seed=0)
+    return teacher, convert(copy.deepcopy(teacher), feature_map="learned_prf")
+
+
+def assert_unit_interval(metrics: dict) -> None:
+    assert metrics and all(0.0 <= v <= 1.0 for v in metrics.values()), metrics
+
+
+def test_local_tasks_run_on_teacher_and_student(task_dir, teacher_student, byte_tokenizer):
+    for model in teacher_student:
+        result = evaluate_tasks(model, byte_tokenizer, ["piqa_local", "arc_local"], limit=8,
+                                task_dirs=[task_dir])
+        assert result.ran == ["piqa_local", "arc_local"] and not result.skipped
+        for task in result.ran:
+            assert {f"downstream/{task}/acc", f"downstream/{task}/acc_norm"} <= set(result.metrics)
+        assert_unit_interval(result.metrics)
+        expected = (result.acc("piqa_local") + result.acc("arc_local")) / 2
+        assert result.metrics["downstream/avg_acc"] == pytest.approx(expected)
+
+
+def test_real_tasks_offline_are_skipped_in_one_sentence(task_dir, teacher_student, byte_tokenizer,
+                                                        monkeypatch, tmp_path, capsys):
+    # An empty cache and offline mode make the outcome the same on any machine, network or not.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    teacher = teacher_student[0]
+    start = time.monotonic()
+    result = evaluate_tasks(teacher, byte_tokenizer, [*DOWNSTREAM7, "piqa_local"], limit=4,
+                            task_dirs=[task_dir])
+    with pytest.raises(DownstreamUnavailable):
+        evaluate_tasks(teacher, byte_tokenizer, list(DOWNSTREAM7), limit=4)
+    assert time.monotonic() - start < 60
+    assert result.ran == ["piqa_local"] and set(result.skipped) == set(DOWNSTREAM7)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("downstream task")]
+    assert len(lines) == 2 * len(DOWNSTREAM7)
+    assert all(ln.endswith("run once with network access to cache it") for ln in lines)
+    assert "downstream task mmlu skipped: its dataset cais/mmlu (57 configs)" in "\n".join(lines)
+
+
+def test_missing_local_data_file_is_skipped(tmp_path, teacher_student, byte_tokenizer):
+    config = {"task": "gone_local", "dataset_path": "json", "output_type": "multiple_choice",
+              "dataset_kwargs": {"data_files": {"validation": str(tmp_path / "absent.jsonl")}},
+              "validation_split": "validation", "metric_list": ACC_METRICS, **SCHEMAS["piqa_local"]}
+    (tmp_path / "gone.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(DownstreamUnavailable):
+        evaluate_tasks(teacher_student[0], byte_tokenizer, ["gone_local"], task_dirs=[tmp_path])
+
+
+def test_offline_mmlu_dev_task_builds_and_runs(tmp_path, teacher_student, byte_tokenizer):
+    docs, unparsed = mmlu_dev_questions()
+    assert len(docs) >= 250 and unparsed <= 5
+    assert all(len(d["choices"]) == 4 and 0 <= d["answer"] < 4 for d in docs)
+    name = write_mmlu_dev_task(tmp_path)
+    result = evaluate_tasks(teacher_student[0], byte_tokenizer, [name], limit=10, task_dirs=[tmp_path])
+    assert result.ran == [name]
+    assert_unit_interval(result.metrics)
+
+
+def test_pad_batch_labels_only_the_continuation():
+    input_ids, labels = pad_batch([([1, 2, 3], [4, 5]), ([6], [7])], max_length=4)
+    assert input_ids.tolist() == [[2, 3, 4, 5], [6, 7, 0, 0]]
+    assert labels.tolist() == [[-100, -100, 4, 5], [-100, 7, -100, -100]]
+
+
+def test_finetune_protocol_end_to_end(task_dir, teacher_student, byte_tokenizer):
+    teacher, student = teacher_student
+    before = [p.clone() for p in teacher.parameters()]
+    cfg = FinetuneProtocolConfig(lr_grid=(1e-4, 1e-3), epochs=1, batch_size=4, train_limit=8,
+                                 eval_limit=6, task_dirs=(str(task_dir),))
+    result = run_finetune_protocol(teacher, {"fix": student}, byte_tokenizer, ["piqa_local"], cfg)
+    assert set(result.scores) == {"teacher", "fix"} and result.lrs["piqa_local"] in cfg.lr_grid
+    for name in ("teacher", "fix"):
+        score = result.scores[name]["piqa_local"]
+        assert len(score.epoch_accs) == 1 and score.chosen_epoch == 1 and 0 <= score.acc <= 1
+    flat = result.flat()
+    assert {"finetuned/teacher/avg_acc", "finetuned/fix/avg_acc", "finetuned/lr/piqa_local"} <= set(flat)
+    assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))  # copies trained
+
+
+def test_mqar_batch_is_deterministic_and_well_formed():
+    ids, positions, targets = make_mqar_batch(257, 64, num_pairs=10, num_queries=6, num_examples=3, seed=1)
+    again = make_mqar_batch(257, 64, num_pairs=10, num_queries=6, num_examples=3, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip((ids, positions, targets), again))
+    keys, values, _ = id_ranges(257)
+    assert ids.shape == (3, 64) and positions.shape == targets.shape == (3, 6)
+    query_keys = ids.gather(1, positions)
+    assert all(k in keys for k in query_keys.flatten().tolist())
+    assert torch.equal(ids.gather(1, positions + 1), targets)
+    assert all(t in values for t in targets.flatten().tolist())
+
+
+def recall_oracle(input_ids: torch.Tensor) -> torch.Tensor:
+    """Perfect recall: at every position, predict the token that followed the same token earlier."""
+    logits = torch.zeros(*input_ids.shape, 257)
+    for b, row in enumerate(input_ids.tolist()):
+        seen = {}
+        for t, tok in enumerate(row):
+            if tok in seen:
+                logits[b, t, seen[tok]] = 1.0
+            if t + 1 < len(row) and tok not in seen:
+                seen[tok] = row[t + 1]
+    return logits
+
+
+def test_mqar_oracle_recalls_and_random_model_is_at_chance(teacher_student):
+    assert mqar_accuracy(recall_oracle, 257, 64, 12, 8, num_examples=4, seed=0) == 1.0
+    num_values = len(id_ranges(257)[1])
+    acc = mqar_accuracy(teacher_student[0], 257, 128, 32, 32, num_examples=8, seed=0)
+    assert acc < 6 / num_values  # chance is 1/num_values ≈ 0.014; an untrained model cannot recall
+    curve = mqar_curve(teacher_student[1], 257, seq_lens=(32, 64, 1024), num_examples=2)
+    assert list(curve) == [32, 64] and all(0 <= v <= 1 for v in curve.values())
