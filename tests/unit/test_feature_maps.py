@@ -164,3 +164,27 @@ def test_elu1_starts_at_one_plus_elu():
     x = _inputs(norm=30.0)  # large norms: both branches, far from zero
     phi = build_feature_map("elu1", H, D, D)(x)
     torch.testing.assert_close(phi, 1 + torch.nn.functional.elu(x))
+
+
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_prf_fast_form_matches_reference_values_and_gradients(x_grad):
+    """The fused PRF (folded scale, in-place bias) equals the term-by-term formula, gradients too."""
+    from dofla.feature_maps.performer import prf_log_features, prf_log_features_reference
+
+    fm = build_feature_map("learned_prf", H, D, 7, seed=2)
+    with torch.no_grad():
+        fm.alpha_param.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(3))
+    x = (_inputs(seed=4) * 2).double().requires_grad_(x_grad)
+    fm = fm.double()
+    w = torch.randn(B, H, T, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    results = []
+    for form in (prf_log_features, prf_log_features_reference):
+        out = form(x, fm.z, fm.log_alpha())
+        leaves = [fm.z, fm.alpha_param] + ([x] if x_grad else [])
+        results.append((out, torch.autograd.grad((out * w).sum(), leaves)))
+    (fast, fast_grads), (ref, ref_grads) = results
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(fast_grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # the no-grad route (norm instead of squares) agrees as well
+        torch.testing.assert_close(prf_log_features(x, fm.z, None), prf_log_features_reference(x, fm.z, None))

@@ -29,16 +29,35 @@ def draw_prf_directions(num_heads: int, num_features: int, head_dim: int, seed: 
 def prf_log_features(
     x: torch.Tensor, z: torch.Tensor, log_alpha: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """log Φ(x): x (B, H, T, d), z (H, M, d), log_alpha (H, M) or None (α = 1) -> (B, H, T, M)."""
+    """log Φ(x): x (B, H, T, d), z (H, M, d), log_alpha (H, M) or None (α = 1) -> (B, H, T, M).
+
+    One matrix product plus two in-place passes: the 1/d^{1/4} scale is folded into z, and
+    ½ log(α/M) into one (H, 1, M) bias (both tiny). Autograd-safe: the product's backward does
+    not need its output. :func:`prf_log_features_reference` is the formula written out.
+    """
     x = compute_dtype(x)
     d, m = x.shape[-1], z.shape[1]
-    z = z.to(x.dtype)
-    proj = torch.einsum("bhtd,hmd->bhtm", x, z) / d**0.25
-    sq_norm = x.pow(2).sum(-1, keepdim=True) / (2.0 * math.sqrt(d))
-    log_weight = -0.5 * math.log(m)  # ½ log(1/M); α enters below when present
-    out = proj - sq_norm + log_weight
+    bias = torch.full((z.shape[0], 1, m), -0.5 * math.log(m), dtype=x.dtype, device=x.device)
     if log_alpha is not None:
-        out = out + 0.5 * log_alpha.to(x.dtype)[:, None, :]  # (H, 1, M) broadcasts over B and T
+        bias = bias + 0.5 * log_alpha.to(x.dtype)[:, None, :]
+    out = torch.matmul(x, (z.to(x.dtype) / d**0.25).transpose(-1, -2))
+    if torch.is_grad_enabled() and x.requires_grad:
+        sq_norm = x.square().sum(-1, keepdim=True)  # the norm's gradient is NaN at x = 0
+    else:
+        sq_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()  # one read of x
+    return out.sub_(sq_norm.mul_(0.5 / math.sqrt(d))).add_(bias)
+
+
+def prf_log_features_reference(
+    x: torch.Tensor, z: torch.Tensor, log_alpha: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The formula of the module docstring, term by term (tests compare the fast form with it)."""
+    x = compute_dtype(x)
+    d, m = x.shape[-1], z.shape[1]
+    proj = torch.einsum("bhtd,hmd->bhtm", x, z.to(x.dtype)) / d**0.25
+    out = proj - x.pow(2).sum(-1, keepdim=True) / (2.0 * math.sqrt(d)) - 0.5 * math.log(m)
+    if log_alpha is not None:
+        out = out + 0.5 * log_alpha.to(x.dtype)[:, None, :]
     return out
 
 
