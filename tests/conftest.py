@@ -1,10 +1,13 @@
 """Shared fixtures: tiny random models of the three architectures, built locally, never downloaded."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,3 +30,38 @@ def tiny_model(arch):
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     return build_byte_tokenizer()
+
+
+# Local lm-eval tasks in the same prompt/choice/target fields as lm-eval's piqa.yaml and
+# arc_easy.yaml, on JSON files the tests write: the downstream path runs offline for real.
+ACC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
+SCHEMAS = {
+    "piqa_local": {"doc_to_text": "Question: {{goal}}\nAnswer:", "doc_to_target": "label",
+                   "doc_to_choice": "{{[sol1, sol2]}}"},
+    "arc_local": {"doc_to_text": "Question: {{question}}\nAnswer:",
+                  "doc_to_target": "{{choices.label.index(answerKey)}}",
+                  "doc_to_choice": "{{choices.text}}"},
+}
+
+
+def _piqa_doc(i: int) -> dict:
+    return {"goal": f"To warm cup {i},", "sol1": "heat it.", "sol2": "freeze it.", "label": i % 2}
+
+
+def _arc_doc(i: int) -> dict:
+    return {"question": f"What is {i} plus one?", "answerKey": "ABCD"[i % 4],
+            "choices": {"text": [str(i + 1 + k) for k in range(4)], "label": list("ABCD")}}
+
+
+def write_local_tasks(root: Path) -> Path:
+    """piqa_local and arc_local (train 12 / validation 10 docs each) as lm-eval YAML + JSONL in ``root``."""
+    for name, make in (("piqa_local", _piqa_doc), ("arc_local", _arc_doc)):
+        files = {}
+        for split, n in (("train", 12), ("validation", 10)):
+            files[split] = str(root / f"{name}_{split}.jsonl")
+            Path(files[split]).write_text("".join(json.dumps(make(i)) + "\n" for i in range(n)))
+        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files},
+                  "output_type": "multiple_choice", "training_split": "train",
+                  "validation_split": "validation", "metric_list": ACC_METRICS, **SCHEMAS[name]}
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return root

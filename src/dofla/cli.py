@@ -26,11 +26,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from dofla.data import DataError
     from dofla.models import ModelLoadError
     from dofla.cache import CacheError
+    from dofla.eval.suite import TaskPlanError
     from dofla.registry import UnknownNameError
     from dofla.train import NonFiniteLossError
     from dofla.validate import ConfigError
 
-    return (ConfigError, DataError, ModelLoadError, UnknownNameError, CacheError, NonFiniteLossError)
+    return (ConfigError, DataError, ModelLoadError, UnknownNameError, CacheError, NonFiniteLossError,
+            TaskPlanError)
 
 
 def to_run_config(dcfg: DictConfig) -> RunConfig:

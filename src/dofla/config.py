@@ -6,7 +6,7 @@ called from a notebook: ``pipeline.run(RunConfig(...), out_dir)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -100,6 +100,19 @@ class EvalConfig:
     attn_error_seqs: int = 2
     perplexity: bool = True
     attention_error: bool = True
+    # lm-eval tasks, zero-shot on teacher and student (mmlu_dev_offline is built locally from
+    # lm-eval's own files; downstream7 lists the paper's seven). Unavailable data is skipped.
+    tasks: List[str] = field(default_factory=list)
+    task_limit: Optional[int] = None  # first N documents of each task (None: all)
+    task_batch_size: int = 8
+    task_dirs: List[str] = field(default_factory=list)  # extra lm-eval task YAML folders
+    protocol: str = "zeroshot"  # zeroshot | finetune (the paper's per-task fine-tune, METHOD §5)
+    finetune_lr_grid: List[float] = field(default_factory=lambda: [1e-5, 3e-5, 1e-4])
+    finetune_epochs: int = 3
+    finetune_train_limit: Optional[int] = None  # first N training documents per task
+    mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
+    mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])
+    mqar_examples: int = 16
 
 
 @dataclass

@@ -63,6 +63,12 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     out_dir = Path(out_dir)
     validate_config(cfg)
     validate_output_dir(out_dir)
+    plan = None
+    if cfg.eval.tasks and "eval" in cfg.stages:  # before any model loads: unknown names, missing data
+        from dofla.eval.suite import plan_tasks
+
+        others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
+        plan = plan_tasks(cfg.eval, out_dir, others_requested=others)
     tracker = tracker or NullTracker()
     torch.manual_seed(cfg.seed)
     record = build_record(cfg, overrides)
@@ -111,7 +117,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "eval" not in cfg.stages:
         return {}
     with timer("eval"):
-        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir)
+        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan)
     timings = read_json(out_dir / "timings.json") or {}
     timings.update({f"time/{k}": v for k, v in timer.seconds.items()})
     write_json(out_dir / "timings.json", timings)

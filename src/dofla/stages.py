@@ -214,14 +214,16 @@ def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Pa
     return student.eval()
 
 
-def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) -> dict:
-    """Held-out perplexity of teacher and student, per-layer attention error -> metrics.json.
+def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
+               tokenizer=None, plan=None) -> dict:
+    """Held-out perplexity, per-layer attention error, lm-eval tasks (``plan``, from
+    :func:`dofla.eval.suite.plan_tasks`) and MQAR for teacher and student -> metrics.json.
 
     Each measurement is saved as it completes (metrics.partial.json), so a killed eval resumes.
     """
     import math
 
-    from dofla.eval import attention_errors, heldout_loss
+    from dofla.eval import attention_errors, heldout_loss, suite
     from dofla.faults import kill_point
 
     metrics = read_json(out_dir / "metrics.json")
@@ -229,8 +231,9 @@ def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) 
         return metrics
     partial_path = out_dir / "metrics.partial.json"
     metrics = read_json(partial_path) or {}
+    models = (("teacher", teacher), ("student", student))
     if cfg.eval.perplexity:
-        for who, model in (("teacher", teacher), ("student", student)):
+        for who, model in models:
             if f"eval/{who}_loss" in metrics:
                 continue
             kill_point(f"eval:{who}")
@@ -245,5 +248,29 @@ def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path) 
         for i, err in enumerate(errors):
             metrics[f"eval/attn_error/layer_{i:02d}"] = float(err)
         metrics["eval/attn_error/mean"] = float(sum(errors) / len(errors))
+        write_json(partial_path, metrics)
+    if plan is not None and plan.runnable:
+        for who, model in models:
+            if not any(k.startswith(f"tasks/{who}/") for k in metrics):
+                kill_point(f"eval:tasks:{who}")
+                metrics.update(suite.zero_shot(model, tokenizer, who, plan, cfg.eval))
+                write_json(partial_path, metrics)
+        if cfg.eval.protocol == "finetune" and not any(k.startswith("finetuned/") for k in metrics):
+            metrics.update(suite.finetune_protocol(teacher, student, tokenizer, plan, cfg.eval, cfg.seed))
+            write_json(partial_path, metrics)
+        _task_gap(metrics)
+    if plan is not None:
+        write_json(out_dir / "tasks_skipped.json", plan.skipped)
+    if cfg.eval.mqar:
+        for who, model in models:
+            if not any(k.startswith(f"mqar/{who}/") for k in metrics):
+                metrics.update(suite.mqar(model, who, cfg.eval, cfg.seed))
+                write_json(partial_path, metrics)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def _task_gap(metrics: dict) -> None:
+    """tasks/acc_gap: teacher minus student average accuracy (what the distillation lost)."""
+    if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:
+        metrics["tasks/acc_gap"] = metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"]

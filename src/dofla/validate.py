@@ -84,6 +84,32 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
     _require(cfg.attention.window >= 0, f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    _validate_eval(cfg)
+
+
+def _validate_eval(cfg: RunConfig) -> None:
+    ev = cfg.eval
+    _one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
+    _require(all(isinstance(t, str) and t for t in ev.tasks),
+             f"eval.tasks={list(ev.tasks)!r} must be a list of lm-eval task names")
+    _require(ev.protocol == "zeroshot" or ev.tasks,
+             "eval.protocol=finetune needs tasks to fine-tune on; set eval.tasks=[...] or eval=downstream7")
+    if ev.task_limit is not None:
+        _positive("eval.task_limit", ev.task_limit)
+    if ev.finetune_train_limit is not None:
+        _positive("eval.finetune_train_limit", ev.finetune_train_limit)
+    _positive("eval.task_batch_size", ev.task_batch_size)
+    _positive("eval.finetune_epochs", ev.finetune_epochs)
+    _require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
+    for lr in ev.finetune_lr_grid:
+        _positive("eval.finetune_lr_grid entry", lr)
+    for folder in ev.task_dirs:
+        _require(Path(folder).expanduser().is_dir(),
+                 f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
+    if ev.mqar:
+        _positive("eval.mqar_examples", ev.mqar_examples)
+        _require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
+                 f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 
 
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:

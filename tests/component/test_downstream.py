@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
 
 import pytest
@@ -15,40 +14,13 @@ from dofla.eval.mqar import id_ranges, make_mqar_batch, mqar_accuracy, mqar_curv
 from dofla.eval.task_finetune import FinetuneProtocolConfig, pad_batch, run_finetune_protocol
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model
+from tests.conftest import ACC_METRICS, SCHEMAS, write_local_tasks
 
-ACC_METRICS = [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]
-# The same prompt/choice/target fields as lm-eval's piqa.yaml and arc_easy.yaml, on local JSON.
-SCHEMAS = {
-    "piqa_local": {"doc_to_text": "Question: {{goal}}\nAnswer:", "doc_to_target": "label",
-                   "doc_to_choice": "{{[sol1, sol2]}}"},
-    "arc_local": {"doc_to_text": "Question: {{question}}\nAnswer:",
-                  "doc_to_target": "{{choices.label.index(answerKey)}}",
-                  "doc_to_choice": "{{choices.text}}"},
-}
-
-
-def piqa_doc(i: int) -> dict:
-    return {"goal": f"To warm cup {i},", "sol1": "heat it.", "sol2": "freeze it.", "label": i % 2}
-
-
-def arc_doc(i: int) -> dict:
-    return {"question": f"What is {i} plus one?", "answerKey": "ABCD"[i % 4],
-            "choices": {"text": [str(i + 1 + k) for k in range(4)], "label": list("ABCD")}}
 
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tasks")
-    for name, make in (("piqa_local", piqa_doc), ("arc_local", arc_doc)):
-        files = {}
-        for split, n in (("train", 12), ("validation", 10)):
-            files[split] = str(root / f"{name}_{split}.jsonl")
-            (root / f"{name}_{split}.jsonl").write_text("".join(json.dumps(make(i)) + "\n" for i in range(n)))
-        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files},
-                  "output_type": "multiple_choice", "training_split": "train",
-                  "validation_split": "validation", "metric_list": ACC_METRICS, **SCHEMAS[name]}
-        (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    return root
+    return write_local_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="module")

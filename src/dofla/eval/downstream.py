@@ -178,15 +178,20 @@ def run_lm_eval(lm, task: str, manager, limit: int | None) -> dict:
 
 
 def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
-                   task_dirs: list[Path] = (), probe_timeout_s: float = 60.0) -> TaskResults:
+                   task_dirs: list[Path] = (), probe_timeout_s: float = 60.0,
+                   hub_reachable: bool | None = None) -> TaskResults:
     """Zero-shot acc / acc_norm per task on ``model``; tasks whose data cannot be had are skipped.
 
-    Raises ``DownstreamUnavailable`` when none of ``tasks`` can run.
+    ``hub_reachable`` given means the caller already ran :func:`availability` and ``tasks`` are
+    the runnable ones (no second probe). Raises ``DownstreamUnavailable`` when none can run.
     """
     from lm_eval.models.huggingface import HFLM
 
     dirs = tuple(str(Path(d).resolve()) for d in task_dirs)
-    runnable, skipped, reachable = availability(list(tasks), dirs, probe_timeout_s)
+    if hub_reachable is None:
+        runnable, skipped, reachable = availability(list(tasks), dirs, probe_timeout_s)
+    else:
+        runnable, skipped, reachable = list(tasks), {}, hub_reachable
     for reason in skipped.values():
         print(reason, flush=True)
     if not runnable:

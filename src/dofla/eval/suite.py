@@ -1,0 +1,103 @@
+"""The eval stage's task part: which lm-eval tasks can run (decided before any model loads),
+zero-shot scores of teacher and student, the paper's fine-tune protocol, and the MQAR probe.
+
+Metric names: ``tasks/<who>/<task>/acc|acc_norm``, ``tasks/<who>/avg_acc`` (who = teacher |
+student), ``finetuned/<who>/<task>/acc`` and ``finetuned/lr/<task>`` for the protocol,
+``mqar/<who>/T<len>`` for recall. Skipped tasks go to ``tasks_skipped.json`` with their reason
+(keyed ``finetune/<task>`` when only the protocol skipped it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dofla.config import EvalConfig
+
+# `eval.tasks=[downstream7]` stands for the paper's seven tasks.
+ALIASES = {"downstream7": ("piqa", "logiqa", "arc_easy", "arc_challenge", "winogrande", "mmlu", "wsc")}
+
+
+class TaskPlanError(ValueError):
+    """The requested tasks cannot give anything here (unknown names, or no data for any)."""
+
+
+@dataclass
+class TaskPlan:
+    runnable: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)  # task -> one-sentence reason
+    task_dirs: tuple[str, ...] = ()
+    hub_reachable: bool = False
+
+
+def expand_tasks(names: list[str]) -> list[str]:
+    """Task names with aliases expanded, duplicates dropped, order kept."""
+    out = [t for name in names for t in ALIASES.get(name, (name,))]
+    return list(dict.fromkeys(out))
+
+
+def plan_tasks(ev: EvalConfig, out_dir: Path, others_requested: bool) -> TaskPlan:
+    """Build local tasks, check every task's data without loading it, print one line per skip.
+
+    Raises :class:`TaskPlanError` for an unknown task name, or when no task can run and the run
+    was asked for nothing else (``others_requested`` false).
+    """
+    from dofla.eval.downstream import availability, dataset_specs, manager_for
+    from dofla.eval.mmlu_dev import MMLU_DEV_TASK, write_mmlu_dev_task
+
+    tasks = expand_tasks(list(ev.tasks))
+    dirs = [str(Path(d).expanduser().resolve()) for d in ev.task_dirs]
+    if MMLU_DEV_TASK in tasks:
+        local = out_dir / "lm_eval_tasks"
+        write_mmlu_dev_task(local)
+        dirs.append(str(local.resolve()))
+    dirs_t = tuple(dirs)
+    unknown = []
+    for task in tasks:
+        try:
+            dataset_specs(manager_for(task, dirs_t), task)
+        except KeyError:
+            unknown.append(task)
+    if unknown:
+        raise TaskPlanError(f"eval.tasks has unknown lm-eval task(s) {unknown}; use lm-eval task names "
+                            f"(e.g. {', '.join(ALIASES['downstream7'])}, {MMLU_DEV_TASK}) or add "
+                            "their YAML folder to eval.task_dirs")
+    runnable, skipped, reachable = availability(tasks, dirs_t)
+    for reason in skipped.values():
+        print(reason, flush=True)
+    if not runnable and not others_requested:
+        raise TaskPlanError(f"none of eval.tasks {tasks} can run here (their datasets are neither "
+                            "reachable nor cached) and nothing else was asked for; run once with network "
+                            "access, or use eval.tasks=[mmlu_dev_offline], which needs no download")
+    return TaskPlan(runnable, skipped, dirs_t, reachable)
+
+
+def zero_shot(model, tokenizer, who: str, plan: TaskPlan, ev: EvalConfig) -> dict[str, float]:
+    """``tasks/<who>/...`` metrics of one model on the plan's runnable tasks."""
+    from dofla.eval.downstream import evaluate_tasks
+
+    result = evaluate_tasks(model, tokenizer, plan.runnable, limit=ev.task_limit,
+                            batch_size=ev.task_batch_size, task_dirs=list(plan.task_dirs),
+                            hub_reachable=plan.hub_reachable)
+    plan.skipped.update(result.skipped)
+    return {f"tasks/{who}/{key.removeprefix('downstream/')}": value for key, value in result.metrics.items()}
+
+
+def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, ev: EvalConfig, seed: int) -> dict[str, float]:
+    """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused."""
+    from dofla.eval.task_finetune import FinetuneProtocolConfig, run_finetune_protocol
+
+    cfg = FinetuneProtocolConfig(lr_grid=tuple(ev.finetune_lr_grid), epochs=ev.finetune_epochs,
+                                 train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
+                                 eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs)
+    result = run_finetune_protocol(teacher, {"student": student}, tokenizer, plan.runnable, cfg)
+    plan.skipped.update({f"finetune/{task}": why for task, why in result.skipped.items()})
+    return result.flat()
+
+
+def mqar(model, who: str, ev: EvalConfig, seed: int) -> dict[str, float]:
+    """``mqar/<who>/T<len>``: recall accuracy at each length (lengths past the context are dropped)."""
+    from dofla.eval.mqar import mqar_curve
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    curve = mqar_curve(model, vocab, tuple(ev.mqar_seq_lens), ev.mqar_examples, seed)
+    return {f"mqar/{who}/T{length}": acc for length, acc in curve.items()}

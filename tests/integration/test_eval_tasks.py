@@ -1,0 +1,70 @@
+"""lm-eval tasks, the fine-tune protocol and MQAR through the real ``dofla`` command (tiny Llama).
+
+Local JSON tasks stand in for the hub datasets; the hub ones are asked for with an empty cache
+in offline mode, so the "cannot be downloaded" path is the same on every machine.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import write_local_tasks
+from tests.integration.test_pipeline import run_cli
+
+
+@pytest.fixture
+def offline_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+
+
+def _args(tmp_path, *extra: str) -> list[str]:
+    return ["experiment=smoke_tiny", f"hydra.run.dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}",
+            *extra]
+
+
+def test_tasks_protocol_and_mqar_in_one_run(tmp_path, offline_env):
+    (tmp_path / "tasks").mkdir()
+    tasks = write_local_tasks(tmp_path / "tasks")
+    result = run_cli(*_args(
+        tmp_path, "eval.tasks=[piqa_local,mmlu_dev_offline,piqa]", f"eval.task_dirs=[{tasks}]",
+        "eval.task_limit=6", "eval.protocol=finetune", "eval.finetune_lr_grid=[1e-4,1e-3]",
+        "eval.finetune_epochs=2", "eval.finetune_train_limit=8", "eval.mqar=true",
+        "eval.mqar_seq_lens=[16,32]", "eval.mqar_examples=4"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    metrics = json.loads((run / "metrics.json").read_text())
+    for who in ("teacher", "student"):
+        for task in ("piqa_local", "mmlu_dev_offline"):
+            for metric in ("acc", "acc_norm"):
+                assert 0 <= metrics[f"tasks/{who}/{task}/{metric}"] <= 1
+        assert metrics[f"tasks/{who}/avg_acc"] == pytest.approx(
+            (metrics[f"tasks/{who}/piqa_local/acc"] + metrics[f"tasks/{who}/mmlu_dev_offline/acc"]) / 2)
+        assert set(k for k in metrics if k.startswith(f"mqar/{who}/")) == {f"mqar/{who}/T16", f"mqar/{who}/T32"}
+    assert metrics["tasks/acc_gap"] == pytest.approx(metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"])
+    # the protocol: a learning rate picked on the teacher from the grid, both models fine-tuned
+    assert metrics["finetuned/lr/piqa_local"] in (1e-4, 1e-3)
+    assert {"finetuned/teacher/piqa_local/acc", "finetuned/student/piqa_local/acc"} <= set(metrics)
+    # piqa from the hub cannot be had: one sentence, the run went on
+    skipped = json.loads((run / "tasks_skipped.json").read_text())
+    assert set(skipped) == {"piqa", "finetune/mmlu_dev_offline"} and "cannot be downloaded" in skipped["piqa"]
+    assert "no training split" in skipped["finetune/mmlu_dev_offline"]
+    assert "downstream task piqa skipped" in result.stdout
+    assert "mmlu_dev_offline" in (run / "report.md").read_text()
+
+
+def test_only_unavailable_tasks_asked_stops_before_any_model_loads(tmp_path, offline_env):
+    result = run_cli(*_args(tmp_path, "eval.tasks=[piqa,wsc]", "eval.perplexity=false",
+                            "eval.attention_error=false"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "none of eval.tasks ['piqa', 'wsc'] can run here" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "cache").exists()
+
+
+def test_unknown_task_name_is_one_sentence(tmp_path):
+    result = run_cli(*_args(tmp_path, "eval.tasks=[piqaa]"))
+    assert result.returncode == 2
+    assert "unknown lm-eval task(s) ['piqaa']" in result.stderr and "Traceback" not in result.stderr
