@@ -93,6 +93,73 @@ def plot_training(runs: list[dict], path: Path) -> Path | None:
     return _save(fig, ax, path)
 
 
+def plot_tasks(runs: list[dict], path: Path) -> Path | None:
+    """Zero-shot accuracy per task: one bar per run, the teacher as a black tick per task."""
+    per_run = []
+    for run in runs:
+        acc = {k.split("/")[2]: v for k, v in run["metrics"].items()
+               if k.startswith("tasks/student/") and k.endswith("/acc")}
+        if acc:
+            per_run.append((run, acc))
+    if not per_run:
+        return None
+    tasks = sorted({t for _, acc in per_run for t in acc})
+    width = 0.8 / len(per_run)
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) * max(1, len(per_run) / 3)), 4))
+    for n, (run, acc) in enumerate(per_run):
+        xs = [i - 0.4 + width * (n + 0.5) for i in range(len(tasks))]
+        ax.bar(xs, [acc.get(t, float("nan")) for t in tasks], width, label=_label(run))
+    for i, task in enumerate(tasks):
+        teacher = [r["metrics"].get(f"tasks/teacher/{task}/acc") for r, _ in per_run]
+        teacher = [t for t in teacher if t is not None]
+        if teacher:
+            ax.hlines(sum(teacher) / len(teacher), i - 0.45, i + 0.45, colors="k", linestyles="--",
+                      label="teacher" if i == 0 else None)
+    ax.set_xticks(range(len(tasks)), tasks, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1), title="downstream tasks: students vs teacher")
+    return _save(fig, ax, path)
+
+
+def plot_mqar(runs: list[dict], path: Path) -> Path | None:
+    """Associative-recall accuracy vs sequence length, per run, the teacher dashed."""
+    def curve(run, who):
+        pts = sorted((int(k.rsplit("/T", 1)[1]), v) for k, v in run["metrics"].items()
+                     if k.startswith(f"mqar/{who}/T"))
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    runs = [r for r in runs if any(k.startswith("mqar/student/") for k in r["metrics"])]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*curve(runs[0], "teacher"), "k--", marker="s", ms=4, label="teacher")
+    for run in runs:
+        ax.plot(*curve(run, "student"), marker="o", ms=3, label=_label(run))
+    lengths = sorted({t for run in runs for t in curve(run, "student")[0]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(t) for t in lengths])
+    ax.minorticks_off()
+    ax.set(xlabel="sequence length", ylabel="recall accuracy", ylim=(0, 1.02),
+           title="multi-query associative recall (MQAR)")
+    return _save(fig, ax, path)
+
+
+def plot_gap_closed(runs: list[dict], path: Path) -> Path | None:
+    """Fraction of the fix→teacher perplexity gap each DoF policy closes at equal budget."""
+    from dofla.report.tables import gap_closed
+
+    closed = [c for c in gap_closed(runs) if c["gap_closed"] is not None]
+    if not closed:
+        return None
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(closed)), 4))
+    bars = ax.bar(range(len(closed)), [c["gap_closed"] for c in closed],
+                  color=["C1" if c["gap_closed"] >= 0 else "C3" for c in closed])
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(closed)), [_label(c["run"]) for c in closed], rotation=30, ha="right", fontsize=7)
+    ax.set(ylabel="(ppl_fix − ppl) / (ppl_fix − ppl_teacher)", title="fix→teacher gap closed by each policy")
+    return _save(fig, ax, path, legend=False)
+
+
 def write_plots(runs: list[dict], root: Path) -> list[Path]:
     from dofla.report.tables import distinguishing_overrides
 
@@ -107,5 +174,8 @@ def write_plots(runs: list[dict], root: Path) -> list[Path]:
         plot_attention_error(runs, root / "attn_error.png"),
         plot_perplexity(runs, root / "perplexity.png"),
         plot_training(runs, root / "training.png"),
+        plot_tasks(runs, root / "tasks.png"),
+        plot_mqar(runs, root / "mqar.png"),
+        plot_gap_closed(runs, root / "gap_closed.png"),
     ]
     return [p for p in made if p is not None]

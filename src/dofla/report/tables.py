@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dofla.record import read_json
 
-SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean")
+SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
+                   "tasks/teacher/avg_acc", "tasks/student/avg_acc", "tasks/acc_gap")
 # Parts of the reproducibility record that should match across runs being compared.
 RECORD_KEYS = ("git", "packages", "device", "cache_key")
 
@@ -80,6 +83,41 @@ def rows(runs: list[dict], root: Path) -> list[dict]:
     return out
 
 
+def _signature(config: dict) -> str:
+    """The run's configuration without its allocation policy and its paths: runs with equal
+    signatures differ only in how the budget was spread over the layers."""
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if "dir" not in k and k not in ("experiment",)}
+        return node
+    config = strip(config)
+    config.get("allocation", {}).pop("policy", None)
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def gap_closed(runs: list[dict]) -> list[dict]:
+    """Per non-``fix`` run with a ``fix`` twin (same config but the policy): the fraction of the
+    fix→teacher perplexity gap it closes, (ppl_fix − ppl) / (ppl_fix − ppl_teacher)."""
+    fix = {}
+    for run in runs:
+        config = run["record"].get("config", {})
+        if config.get("allocation", {}).get("policy") == "fix" and "eval/student_ppl" in run["metrics"]:
+            fix[_signature(config)] = run
+    out = []
+    for run in runs:
+        config = run["record"].get("config", {})
+        policy = config.get("allocation", {}).get("policy")
+        twin = fix.get(_signature(config)) if config else None
+        m = run["metrics"]
+        if policy in (None, "fix") or twin is None or "eval/student_ppl" not in m:
+            continue
+        ppl_fix, teacher = twin["metrics"]["eval/student_ppl"], m["eval/teacher_ppl"]
+        gap = ppl_fix - teacher
+        out.append({"run": run, "policy": policy, "fix_ppl": ppl_fix, "ppl": m["eval/student_ppl"],
+                    "teacher_ppl": teacher, "gap_closed": (ppl_fix - m["eval/student_ppl"]) / gap if gap else None})
+    return out
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -111,22 +149,27 @@ def write_report(root: Path, console: Console | None = None) -> Path:
     plots = write_plots(runs, root)
     notes = record_differences(runs)
     md = [f"# dofla report: {root}", "", markdown_table(table_rows, head), ""]
+    closed = gap_closed(runs)
+    if closed:
+        md += ["Fraction of the fix→teacher perplexity gap closed (same configuration, `fix` twin):", "",
+               markdown_table([{**c, "run": c["run"].get("label") or c["run"]["dir"].name} for c in closed],
+                              ["run", "policy", "fix_ppl", "ppl", "teacher_ppl", "gap_closed"]), ""]
     md += [f"> note: {n}" for n in notes]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (root / "report.md").write_text("\n".join(md) + "\n")
     console = console or Console(width=max(160, Console().width))
     _print_table(table_rows, head, console, title=f"dofla report: {root}")
     for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     return root / "report.md"
 
 
 def _print_table(table_rows, columns, console: Console, title: str) -> None:
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for c in columns:
-        table.add_column(c.removeprefix("eval/"))
-    for r in table_rows:
-        table.add_row(*[_fmt(r.get(c)) for c in columns])
+        table.add_column(escape(c.removeprefix("eval/")))
+    for r in table_rows:  # cells hold override values such as "[a,b]": never markup
+        table.add_row(*[escape(_fmt(r.get(c))) for c in columns])
     console.print(table)
 
 
@@ -135,7 +178,7 @@ def print_run_summary(run_dir: Path, console: Console | None = None) -> str:
     console = console or Console()
     run = load_run(Path(run_dir))
     m, alloc = run["metrics"], run["allocation"]
-    top = Table(title=f"dofla run: {run_dir}")
+    top = Table(title=escape(f"dofla run: {run_dir}"))
     for col in ("", "teacher", "student"):
         top.add_column(col)
     top.add_row("held-out ppl", _fmt(m.get("eval/teacher_ppl")), _fmt(m.get("eval/student_ppl")))
