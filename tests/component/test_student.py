@@ -13,6 +13,8 @@ from dofla.models import (
     get_adapter,
     load_student,
 )
+from dofla.attention import linear_attention_naive
+from dofla.feature_maps import HeadBlockFeatureMap
 from dofla.models.loading import ModelLoadError, load_teacher
 
 
@@ -112,3 +114,52 @@ def test_hybrid_student_generates_like_its_parallel_forward(tiny_model, tmp_path
     prompt = _ids(batch=1, length=9)
     out = student.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
     assert torch.equal(out, _greedy_by_parallel_forward(student, prompt, 10))
+
+
+# --- per-head dims (dof_head): heads of equal dim share one block, nothing is padded ---------------
+
+HEAD_DIMS = [[8, 16, 8, 24], [16, 16, 16, 16]]  # layer 0: three blocks; layer 1: one (a plain map)
+
+
+def test_per_head_dims_are_blocks_without_padding(tiny_model):
+    student = convert(tiny_model, feature_map="learned_prf", dims=HEAD_DIMS, seed=2)
+    first, second = (a.feature_map for a in student.student_attentions())
+    assert isinstance(first, HeadBlockFeatureMap) and not isinstance(second, HeadBlockFeatureMap)
+    assert first.heads == [[0, 2], [1], [3]]
+    assert [(b.num_heads, b.num_features) for b in first.blocks] == [(2, 8), (1, 16), (1, 24)]
+    q = torch.randn(2, 4, 7, 16)  # the features computed are exactly the per-head dims
+    assert sum(b.log_features(q[:, h]).shape[-1] * len(h) for b, h in zip(first.blocks, first.heads)) == 56
+
+
+def test_per_head_attention_equals_each_blocks_naive_attention(tiny_model):
+    student = convert(tiny_model, feature_map="learned_prf", dims=HEAD_DIMS, chunk_size=4)
+    attn = student.student_attentions()[0]
+    geometry = get_adapter(tiny_model).geometry(tiny_model.config)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, geometry.num_heads, 13, geometry.head_dim, generator=g)
+    k = torch.randn(2, geometry.num_kv_heads, 13, geometry.head_dim, generator=g)
+    v = torch.randn(2, geometry.num_kv_heads, 13, geometry.head_dim, generator=g)
+    with torch.no_grad():
+        out, _ = attn(q, k, v)
+        group = geometry.num_heads // geometry.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        for block, heads in zip(attn.feature_map.blocks, attn.feature_map.heads):
+            ref = linear_attention_naive(block.log_features(q[:, heads]), block.log_features(k[:, heads]),
+                                         v[:, heads])
+            assert torch.allclose(out[:, heads], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_per_head_student_saves_loads_and_generates(tiny_model, tmp_path):
+    student = convert(tiny_model, feature_map="learned_prf", dims=HEAD_DIMS, seed=1)
+    with torch.no_grad():
+        for p in student.student_attentions()[0].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    student.save_pretrained(tmp_path)
+    reloaded = load_student(tmp_path)
+    assert reloaded.student_attentions()[0].feature_map.head_dims == HEAD_DIMS[0]
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(student(ids, use_cache=False).logits, reloaded(ids, use_cache=False).logits)
+    prompt = _ids(batch=1, length=9)
+    out = reloaded.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    assert torch.equal(out, _greedy_by_parallel_forward(reloaded, prompt, 10))

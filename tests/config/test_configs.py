@@ -43,11 +43,11 @@ def test_every_option_composes_to_typed_config(group, option):
 
 def test_option_file_names_match_registries():
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES
+    from dofla.dof import ALLOCATION_POLICIES, PER_HEAD_POLICIES
     from dofla.feature_maps import FEATURE_MAPS
 
     assert set(_options("feature_map")) == set(FEATURE_MAPS.names())
-    assert set(_options("allocation")) <= set(ALLOCATION_POLICIES.names())
+    assert set(_options("allocation")) <= {*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES}
     assert set(_options("data")) == set(DATA_SOURCES.names())
 
 
@@ -75,7 +75,7 @@ def test_resolved_config_roundtrips_through_yaml():
 def test_every_paper_grid_cell_composes(variant):
     cfg = _compose(["experiment=paper_gpt2", f"+variant={variant}"])
     assert cfg.model.source == "gpt2" and cfg.allocation.gram_norm == "J" and cfg.allocation.lam == 0.0625
-    policy, _, loss = variant.partition("_") if not variant.startswith("dof_clip") else ("dof_clip", "", variant[9:])
+    policy, _, loss = variant.rpartition("_")
     if variant not in ("performer", "dijiang"):
         assert (cfg.allocation.policy, cfg.loss.name, cfg.feature_map.name) == (policy, loss, "learned_prf")
     else:
@@ -83,9 +83,9 @@ def test_every_paper_grid_cell_composes(variant):
 
 
 @pytest.mark.parametrize("experiment", ["paper_gpt2", "paper_pythia1b", "paper_grid_smollm2"])
-def test_paper_grids_list_all_eleven_cells(experiment):
+def test_paper_grids_list_all_fourteen_cells(experiment):
     from omegaconf import OmegaConf
 
     text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
     grid = OmegaConf.create(text)["hydra"]["sweeper"]["params"]["+variant"].split(",")
-    assert sorted(grid) == sorted(_options("variant")) and len(grid) == 11
+    assert sorted(grid) == sorted(_options("variant")) and len(grid) == 14

@@ -10,6 +10,7 @@ import torch
 
 from dofla.dof import (
     allocate_dims,
+    allocate_head_dims,
     check_degenerate,
     dof_by_cholesky,
     dof_dense_reference,
@@ -148,6 +149,27 @@ def test_invalid_allocation_inputs_raise(args):
     layer_dof, budget, policy, head_dim = args
     with pytest.raises(ValueError):
         allocate_dims(layer_dof, budget, policy, head_dim)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dof_head_is_proportional_per_head_in_quanta(seed):
+    g = torch.Generator().manual_seed(seed)
+    per_head = (torch.rand(12, 9, generator=g) * 50 + 1).tolist()
+    dims = allocate_head_dims(per_head, 64, 64, quantum=8)
+    flat, dof = [m for layer in dims for m in layer], [n for layer in per_head for n in layer]
+    assert all(m % 8 == 0 and m >= 8 for m in flat)
+    assert abs(sum(flat) / len(flat) - 64) <= 4  # rounding to a quantum: within half of one
+    order = sorted(range(len(dof)), key=dof.__getitem__)
+    assert [flat[i] for i in order] == sorted(flat)  # more DoF never gets fewer features
+    # quantum 1 is the layer rule applied to heads: every head at its own t⁻¹·N
+    assert allocate_head_dims([[2.0, 6.0], [4.0, 4.0]], 16, 64, quantum=1) == [[8, 24], [16, 16]]
+
+
+@pytest.mark.parametrize("args", [([], 64, 64, 8), ([[1.0]], 0, 64, 8), ([[-1.0, 2.0]], 64, 64, 8),
+                                  ([[0.0, 0.0]], 64, 64, 8), ([[1.0]], 64, 64, 0)])
+def test_invalid_head_allocation_inputs_raise(args):
+    with pytest.raises(ValueError):
+        allocate_head_dims(*args)
 
 
 def test_unknown_policy_lists_valid_names():

@@ -8,6 +8,8 @@ from dofla.registry import Registry
 
 Policy = Callable[[list[float], float, int], list[int]]
 ALLOCATION_POLICIES: Registry[Policy] = Registry("allocation policy")
+# Policies that give every (layer, head) its own dim, from Algorithm 1's per-head DoF.
+PER_HEAD_POLICIES = ("dof_head",)
 
 
 @ALLOCATION_POLICIES.register("fix")
@@ -48,3 +50,29 @@ def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head
     if head_dim < 1:
         raise ValueError(f"head_dim={head_dim} is not valid; it must be a positive head size")
     return policy_fn([float(n) for n in layer_dof], float(budget), int(head_dim))
+
+
+def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim: int,
+                       quantum: int = 8) -> list[list[int]]:
+    """``dof_head``: per-(layer, head) dims ∝ each head's own DoF, mean over all heads ≈ C.
+
+    Beyond the paper (which shares one dim per layer): M_lh = t⁻¹·N_lh with t⁻¹ = C / mean(N),
+    rounded to a multiple of ``quantum`` (at least one quantum), so a layer's heads fall into a few
+    blocks of equal dimension and the saved features are really not computed. ``head_dim`` is
+    accepted for the common signature; dims are not capped.
+    """
+    flat = [float(n) for layer in per_head_dof for n in layer]
+    if not flat:
+        raise ValueError("per-head DoF is empty; run Algorithm 1 (the dof stage) first")
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
+    bad = [n for n in flat if not (math.isfinite(n) and n >= 0)]
+    if bad:
+        raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
+    if quantum < 1:
+        raise ValueError(f"allocation.head_quantum={quantum} must be a positive number of features")
+    mean = sum(flat) / len(flat)
+    if mean <= 0:
+        raise ValueError("every head has zero degrees of freedom; dof_head allocation is undefined")
+    scale = budget / mean
+    return [[max(quantum, quantum * round(scale * n / quantum)) for n in layer] for layer in per_head_dof]

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from dofla.feature_maps import build_feature_map
+from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.student_attention import (
     ATTN_IMPLEMENTATION,
@@ -30,10 +30,10 @@ FORMAT_VERSION = 1
 class ConversionSpec:
     """Everything needed to rebuild a student's attention from its teacher (saved in config.json)."""
 
-    dims: list[int]
+    dims: list  # per layer: one int (every head) or a list of per-head ints (dof_head)
     feature_map: str = "learned_prf"
     feature_map_options: dict = field(default_factory=dict)
-    chunk_size: int = 64
+    chunk_size: int = 128
     seed: int = 0
     window: int = 0
     format_version: int = FORMAT_VERSION
@@ -93,8 +93,8 @@ def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
     for i, module in enumerate(modules):
         feature_map = None
         if spec.feature_map != "softmax":
-            feature_map = build_feature_map(
-                spec.feature_map, geometry.num_heads, geometry.head_dim, int(spec.dims[i]),
+            feature_map = build_layer_feature_map(
+                spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
                 seed=spec.seed + i, **spec.feature_map_options,
             )
         module.dofla = StudentAttention(
@@ -107,28 +107,32 @@ def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
 def convert(
     model: PreTrainedModel,
     feature_map: str = "learned_prf",
-    dims: list[int] | None = None,
+    dims: list | None = None,
     feature_map_options: dict | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 128,
     seed: int = 0,
     window: int = 0,
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a linear-attention student and return it.
 
     ``dims`` holds one feature dimension per layer (default: the head size everywhere, the paper's
-    ``fix`` policy). ``feature_map="softmax"`` swaps in the exact softmax reference instead.
+    ``fix`` policy), or for a layer a list of per-head dims (heads of equal dim share one block). ``feature_map="softmax"`` swaps in the exact softmax reference instead.
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
         raise ValueError("model is already a dofla student; convert its teacher instead")
     geometry = get_adapter(model).geometry(model.config)
-    dims = [geometry.head_dim] * geometry.num_layers if dims is None else [int(m) for m in dims]
+    dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
     spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window)
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)
     model.__class__ = student_class(type(model))
     return model.to(device)
+
+
+def _layer_dims(m):
+    return int(m) if isinstance(m, (int, float)) else [int(x) for x in m]
 
 
 def load_student(path: str | Path, **kwargs) -> PreTrainedModel:

@@ -23,17 +23,18 @@ from dofla.attention import (
     linear_attention_recurrent,
     softmax_attention,
 )
-from dofla.feature_maps import FeatureMap
+from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
+from dofla.feature_maps.blocks import BlockState, for_each_block
 
 ATTN_IMPLEMENTATION = "dofla_linear"
-State = LinearState | HybridState
+State = LinearState | HybridState | BlockState
 
 
 class StudentAttention(nn.Module):
     """Linear attention (or the softmax reference) for one layer, layout (B, H, T, D).
 
     ``feature_map`` is None for ``mode="softmax"``, the exact reference used to check that a
-    conversion reproduces the teacher.
+    conversion reproduces the teacher; a :class:`HeadBlockFeatureMap` gives heads their own dims.
     """
 
     def __init__(
@@ -41,8 +42,8 @@ class StudentAttention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        feature_map: FeatureMap | None,
-        chunk_size: int = 64,
+        feature_map: FeatureMap | HeadBlockFeatureMap | None,
+        chunk_size: int = 128,
         window: int = 0,
     ):
         super().__init__()
@@ -56,7 +57,7 @@ class StudentAttention(nn.Module):
         self.cache_layer: RecurrentLayer | None = None
 
     @property
-    def num_features(self) -> int:
+    def num_features(self) -> float:
         return 0 if self.feature_map is None else self.feature_map.num_features
 
     def forward(
@@ -69,8 +70,12 @@ class StudentAttention(nn.Module):
         if group > 1:  # GQA: each query head reads the keys/values of its group, as the teacher does
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        log_q = self.feature_map.log_features(q)
-        log_k = self.feature_map.log_features(k)
+        return for_each_block(self.feature_map, self._attend, q, k, v, state=state)
+
+    def _attend(self, feature_map: FeatureMap, q, k, v, state: State | None = None):
+        """Linear (or hybrid) attention of heads sharing one feature map."""
+        log_q = feature_map.log_features(q)
+        log_k = feature_map.log_features(k)
         if self.window > 0:
             return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state)
         if state is not None and q.shape[2] == 1:
