@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
 
+from dofla import distributed
 from dofla.faults import kill_point
 from dofla.models.adapters import AttentionGeometry, get_adapter
 from dofla.models.capture import capturing
@@ -107,6 +108,8 @@ def build_or_load_cache(model, tokens: torch.Tensor, fields: dict, root: Path, b
     root = Path(root)
     key = cache_key(fields)
     final = root / key
+    if distributed.world() > 1:
+        return _build_or_load_distributed(model, tokens, fields, final, batch_size, progress)
     if final.exists() and _usable(final, fields):
         print(f"dofla: reusing activation cache {final}", flush=True)
         return ActivationCache(final)
@@ -127,10 +130,70 @@ def _usable(path: Path, fields: dict) -> bool:
     return False
 
 
+def _build_or_load_distributed(model, tokens, fields: dict, final: Path, batch_size: int,
+                               progress: bool) -> ActivationCache:
+    """Under torchrun: rank 0 checks / locks / creates the files, each rank fills its batches,
+    rank 0 seals the manifest. Same batches as one process, so the same bytes."""
+    lock = FileLock(str(final.parent / f"{final.name}.lock"))
+    ready, problem = None, None
+    if distributed.is_main():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        ready = final.exists() and _usable(final, fields)
+    try:
+        if distributed.broadcast(ready):
+            if distributed.is_main():
+                print(f"dofla: reusing activation cache {final}", flush=True)
+            return ActivationCache(final)
+        adapter = get_adapter(model)
+        geometry = adapter.geometry(model.config)
+        tmp = final.parent / f"{final.name}.tmp-dist"
+        if distributed.is_main():
+            try:
+                _prepare(final, tmp, geometry, *tokens.shape)
+                _flush(_open_arrays(tmp, geometry, *tokens.shape))  # create the files for every rank
+            except BaseException as err:
+                problem = str(err)
+                distributed.broadcast(problem)
+                raise
+        problem = distributed.broadcast(problem)
+        if problem is not None:
+            raise CacheError(problem)
+        arrays = _open_arrays(tmp, geometry, *tokens.shape, mode="r+")
+        starts = distributed.mine(range(0, tokens.shape[0], batch_size))
+        _fill(model, adapter, tokens, arrays, batch_size, progress and distributed.is_main(), starts)
+        _flush(arrays)
+        distributed.barrier()
+        if distributed.is_main():
+            _seal(tmp, final, fields, geometry, *tokens.shape)
+        distributed.barrier()
+    finally:
+        if distributed.is_main():
+            lock.release()
+    return ActivationCache(final)
+
+
 def _build(model, tokens: torch.Tensor, fields: dict, final: Path, batch_size: int, progress: bool) -> None:
     adapter = get_adapter(model)
     geometry = adapter.geometry(model.config)
     num_seqs, seq_len = tokens.shape
+    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+    _prepare(final, tmp, geometry, num_seqs, seq_len)
+    arrays = _open_arrays(tmp, geometry, num_seqs, seq_len)
+    _fill(model, adapter, tokens, arrays, batch_size, progress, range(0, num_seqs, batch_size))
+    _flush(arrays)
+    _seal(tmp, final, fields, geometry, num_seqs, seq_len)
+
+
+def _flush(arrays: list[dict]) -> None:
+    for layer in arrays:
+        for array in layer.values():
+            array.flush()
+    arrays.clear()
+
+
+def _prepare(final: Path, tmp: Path, geometry: AttentionGeometry, num_seqs: int, seq_len: int) -> None:
+    """Check the disk, clear killed builds and an unusable old cache, create the temp dir."""
     predicted = predict_cache_bytes(geometry, num_seqs, seq_len)
     free = shutil.disk_usage(final.parent).free
     print(f"dofla: building activation cache {final} ({predicted / 2**20:.1f} MiB, "
@@ -142,14 +205,12 @@ def _build(model, tokens: torch.Tensor, fields: dict, final: Path, batch_size: i
         shutil.rmtree(stale, ignore_errors=True)  # a build that was killed
     if final.exists():
         shutil.rmtree(final)
-    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    arrays = _open_arrays(tmp, geometry, num_seqs, seq_len)
-    _fill(model, adapter, tokens, arrays, batch_size, progress)
-    for layer in arrays:
-        for array in layer.values():
-            array.flush()
-    del arrays
+
+
+def _seal(tmp: Path, final: Path, fields: dict, geometry: AttentionGeometry, num_seqs: int, seq_len: int) -> None:
+    """meta.json and the checksum manifest, then the atomic rename into place."""
+    predicted = predict_cache_bytes(geometry, num_seqs, seq_len)
     meta = {"fields": json.loads(json.dumps(fields, default=str)), "format_version": FORMAT_VERSION,
             "num_layers": geometry.num_layers, "num_seqs": num_seqs, "seq_len": seq_len,
             "num_heads": geometry.num_heads, "num_kv_heads": geometry.num_kv_heads,
@@ -161,17 +222,22 @@ def _build(model, tokens: torch.Tensor, fields: dict, final: Path, batch_size: i
     os.replace(tmp, final)
 
 
-def _open_arrays(tmp: Path, g: AttentionGeometry, num_seqs: int, seq_len: int) -> list[dict]:
+def _open_arrays(tmp: Path, g: AttentionGeometry, num_seqs: int, seq_len: int, mode: str = "w+") -> list[dict]:
     shapes = {"q": (num_seqs, g.num_heads, seq_len, g.head_dim),
               "k": (num_seqs, g.num_kv_heads, seq_len, g.head_dim),
               "v": (num_seqs, g.num_kv_heads, seq_len, g.head_dim)}
-    return [{kind: np.lib.format.open_memmap(tmp / f"layer_{i:02d}_{kind}.npy", mode="w+",
+    if mode == "r+":  # files made by another rank: open, do not create
+        return [{kind: np.lib.format.open_memmap(tmp / f"layer_{i:02d}_{kind}.npy", mode="r+") for kind in KINDS}
+                for i in range(g.num_layers)]
+    return [{kind: np.lib.format.open_memmap(tmp / f"layer_{i:02d}_{kind}.npy", mode=mode,
                                              dtype=np.float16, shape=shapes[kind]) for kind in KINDS}
             for i in range(g.num_layers)]
 
 
 @torch.no_grad()
-def _fill(model, adapter, tokens: torch.Tensor, arrays: list[dict], batch_size: int, progress: bool) -> None:
+def _fill(model, adapter, tokens: torch.Tensor, arrays: list[dict], batch_size: int, progress: bool,
+          starts) -> None:
+    """Teacher forward over the batches beginning at ``starts``; q, k, v rows into ``arrays``."""
     rows = slice(0, 0)
 
     def write(layer: int, q, k, v) -> None:
@@ -179,9 +245,8 @@ def _fill(model, adapter, tokens: torch.Tensor, arrays: list[dict], batch_size: 
             arrays[layer][kind][rows] = value.to(torch.float16).cpu().numpy()
 
     device = next(model.parameters()).device
-    batches = range(0, tokens.shape[0], batch_size)
     with capturing(model, adapter.attention_modules(model), write):
-        for n, start in enumerate(tqdm(batches, desc="cache (teacher pass)", unit="batch", disable=not progress)):
-            kill_point(f"cache:batch{n}")
+        for start in tqdm(starts, desc="cache (teacher pass)", unit="batch", disable=not progress):
+            kill_point(f"cache:batch{start // batch_size}")
             rows = slice(start, start + batch_size)
             model(input_ids=tokens[rows].to(device), use_cache=False)

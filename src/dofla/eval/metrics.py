@@ -6,16 +6,25 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from dofla import distributed
 from dofla.attention import linear_attention_chunked, softmax_attention
 from dofla.models import capture_qkv
+from dofla.feature_maps.blocks import for_each_block
 
 
 @torch.no_grad()
-def heldout_loss(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "eval loss") -> float:
-    """Mean next-token NLL over every predicted position of ``tokens`` (S, L): S·(L−1) positions."""
+def heldout_loss(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "eval loss",
+                 data_parallel: bool = False) -> float:
+    """Mean next-token NLL over every predicted position of ``tokens`` (S, L): S·(L−1) positions.
+
+    ``data_parallel``: under torchrun each rank scores its share of the batches and the sums are
+    added across ranks (every rank must call it).
+    """
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for start in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, unit="batch", leave=False):
+    starts = range(0, tokens.shape[0], batch_size)
+    starts = distributed.mine(starts) if data_parallel else starts
+    for start in tqdm(starts, desc=desc, unit="batch", leave=False, disable=not distributed.is_main()):
         batch = tokens[start : start + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
@@ -23,6 +32,8 @@ def heldout_loss(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "
         )
         total += nll.item()
         count += batch[:, 1:].numel()
+    if data_parallel:
+        total, count = distributed.sum_across([total, count])
     return total / count
 
 
@@ -39,34 +50,44 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 @torch.no_grad()
 def layer_attention_error(feature_map, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          chunk_size: int = 64) -> float:
+                          chunk_size: int = 128) -> float:
     """Causal relative error of linear attention with ``feature_map`` against softmax attention.
 
     q (B, H, L, d); k, v (B, H_kv, L, d) with GQA keys/values expanded per query group.
     """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    approx, _ = linear_attention_chunked(feature_map.log_features(q), feature_map.log_features(k), v,
-                                         chunk_size=chunk_size)
+    def attend(fm, q, k, v, state=None):
+        return linear_attention_chunked(fm.log_features(q), fm.log_features(k), v, chunk_size=chunk_size)
+
+    approx, _ = for_each_block(feature_map, attend, q, k, v)
     return relative_error(approx, softmax_attention(q, k, v, causal=True))
 
 
 @torch.no_grad()
-def attention_errors(teacher, student, tokens: torch.Tensor, batch_size: int = 1) -> list[float]:
+def attention_errors(teacher, student, tokens: torch.Tensor, batch_size: int = 1,
+                     data_parallel: bool = False) -> list[float]:
     """Per layer, ||y_student − y_softmax|| / ||y_softmax|| on the teacher's q, k, v of ``tokens`` (S, L).
 
     Every layer sees the teacher's own activations, so each error is that layer's alone. Squared
     norms are summed over batches of ``batch_size`` sequences (memory: one batch's q, k, v of all
     layers), so the result is the error over all of ``tokens``, not a mean of per-batch ratios.
+    ``data_parallel``: batches shared out across torchrun ranks, sums added across them.
     """
     device = next(teacher.parameters()).device
-    sums: list[list[float]] | None = None
-    for batch in tqdm(tokens.split(batch_size), desc="attention error", unit="batch", leave=False):
+    num_layers = len(student.student_attentions())
+    sums = [[0.0, 0.0] for _ in range(num_layers)]
+    batches = tokens.split(batch_size)
+    batches = distributed.mine(batches) if data_parallel else batches
+    for batch in tqdm(batches, desc="attention error", unit="batch", leave=False, disable=not distributed.is_main()):
         layers = capture_qkv(teacher, batch.to(device))
         batch_sums = []
         for (q, k, v), attn in zip(layers, student.student_attentions()):
             exact = softmax_attention(q, k, v, causal=True)
             approx, _ = attn(q, k, v)
             batch_sums.append([(approx - exact).norm().item() ** 2, exact.norm().item() ** 2])
-        sums = batch_sums if sums is None else [[a + c, b + d] for (a, b), (c, d) in zip(sums, batch_sums)]
+        sums = [[a + c, b + d] for (a, b), (c, d) in zip(sums, batch_sums)]
+    if data_parallel:
+        flat = distributed.sum_across([x for pair in sums for x in pair])
+        sums = [flat[2 * i: 2 * i + 2] for i in range(num_layers)]
     return [math.sqrt(num / max(den, 1e-30)) for num, den in sums]

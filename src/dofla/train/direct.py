@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dofla import distributed
 from dofla.faults import kill_point
 from dofla.artifacts import torch_save_atomic
 from dofla.train.layerwise import LayerTrainConfig, apply_step, lr_factor, param_groups
@@ -46,19 +47,22 @@ def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     # eval mode: the frozen network's dropout would only add noise to the target the features chase
     student.eval()
-    bar = tqdm(range(step, cfg.steps), desc="train (direct)", unit="step")
+    bar = tqdm(range(step, cfg.steps), desc="train (direct)", unit="step", disable=not distributed.is_main())
     for step in bar:
         kill_point(f"train:direct:step{step}")
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * lr_factor(step, cfg)
         batch = tokens[torch.randint(tokens.shape[0], (cfg.batch_size,), generator=generator)]
+        batch = batch[distributed.rank()::distributed.world()]  # torchrun: this rank's part of the batch
         loss = student(input_ids=batch, labels=batch, use_cache=False).loss
-        if apply_step(optimizer, loss, f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite):
-            curve.append({"step": step, "loss": loss.item()})
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+        if apply_step(optimizer, loss, f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
+                      data_parallel=True):
+            value = distributed.sum_across([loss.item()])[0] / distributed.world()  # the whole batch's loss
+            curve.append({"step": step, "loss": value})
+            bar.set_postfix(loss=f"{value:.4f}")
         else:
             curve.append({"step": step, "loss": None, "skipped": True})
-        if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0:
+        if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
             torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
                           "generator": generator.get_state(), "step": step + 1, "curve": curve},

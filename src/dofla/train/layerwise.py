@@ -16,7 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, save_artifact, torch_save_atomic
+from dofla import distributed
 from dofla.faults import kill_point
+from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.train.losses import LOSSES
 
 
@@ -85,8 +87,13 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
     """q (B, H, L, d), k (B, H_kv, L, d) -> the configured loss (GQA keys expanded per group)."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     loss_fn = LOSSES.get(cfg.loss)
-    return loss_fn(feature_map.log_features(q), feature_map.log_features(k), q, k,
-                   window=cfg.window, **cfg.loss_options)
+    total = 0.0
+    for block, heads in blocks(feature_map):  # per-head dims: the heads-weighted mean over blocks
+        qb, kb = (q, k) if heads is None else (q[:, heads], k[:, heads])
+        loss = loss_fn(block.log_features(qb), block.log_features(kb), qb, kb, window=cfg.window,
+                       **cfg.loss_options)
+        total = total + loss * (qb.shape[1] / q.shape[1])
+    return total
 
 
 @torch.no_grad()
@@ -95,17 +102,25 @@ def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig) 
     return sum(losses) / len(index)
 
 
-def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool) -> bool:
+def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool,
+               data_parallel: bool = False) -> bool:
     """Backward + Adam step; False (step skipped) or NonFiniteLossError when loss or a gradient is NaN/inf.
 
     Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be finite while its
     gradient overflows the fp32 features, and one inf gradient would turn every parameter NaN.
+    ``data_parallel``: under torchrun, gradients are averaged across the ranks before the step and
+    all ranks agree on skipping (every rank must call it).
     """
     optimizer.zero_grad(set_to_none=True)
     finite = bool(torch.isfinite(loss))
+    if data_parallel:
+        finite = distributed.all_true(finite)
     if finite:
         loss.backward()
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if data_parallel:
+            distributed.average_gradients(params)
+        grads = [p.grad for p in params if p.grad is not None]
         finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
     if finite:
         optimizer.step()
@@ -190,7 +205,7 @@ def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.T
     summaries = {}
     for i in tqdm(layers, desc=f"train ({cfg.loss})", unit="layer"):
         artifact = out_dir / f"layer_{i:02d}.pt"
-        layer_meta = {**(meta or {}), "layer": i, "num_features": feature_maps[i].num_features}
+        layer_meta = {**(meta or {}), "layer": i, "num_features": feature_dims(feature_maps[i])}
         existing = load_artifact(artifact, layer_meta)
         if existing is not None:
             feature_maps[i].load_state_dict(existing["state_dict"])
@@ -200,7 +215,7 @@ def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.T
         result = train_layer(feature_maps[i], q, k, cfg, out_dir / f"layer_{i:02d}.ckpt", desc=f"layer{i}")
         summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
                    "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
-                   "steps_run": result.steps_run, "seconds": result.seconds}
+                   "steps_run": result.steps_run, "seconds": result.seconds, "curve": result.curve}
         save_artifact(artifact, {"state_dict": result.state_dict, "curve": result.curve, "summary": summary},
                       layer_meta)
         (out_dir / f"layer_{i:02d}.ckpt").unlink(missing_ok=True)

@@ -1,0 +1,125 @@
+"""Data parallelism through torchrun (``torch.distributed``), the same configs as one process.
+
+``torchrun --nproc_per_node=N -m dofla ...`` (or several nodes with torchrun's usual rendezvous
+flags) starts N copies of the pipeline. :func:`init` joins them into one process group (NCCL on
+GPUs, gloo on CPUs). Then:
+
+- the activation cache is built once: rank 0 creates the files, every rank runs the teacher on
+  its share of the batches and writes its rows, rank 0 seals the manifest;
+- layerwise training spreads the layers over the ranks (layer i on rank i mod N);
+- ``direct`` training splits every batch across the ranks and averages the gradients, so each step
+  is the single-process step on the same batch;
+- perplexity and attention error sum their per-batch terms across ranks;
+- everything else (Algorithm 1, allocation, assembly, lm-eval tasks, reports) runs on rank 0 while
+  the others wait, and every file is written by rank 0 alone.
+
+A single process (no torchrun) takes none of these paths: every helper here is then a no-op.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Iterable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def init() -> None:
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); otherwise do nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    # Ranks wait for each other while one trains its layers: allow hours, not the default 30 min.
+    timeout = timedelta(minutes=float(os.environ.get("DOFLA_DIST_TIMEOUT_MIN", "720")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if world() > 1:
+        dist.barrier()
+
+
+def mine(items: Iterable[T]) -> list[T]:
+    """This rank's share of ``items`` (item n goes to rank n mod world)."""
+    return [item for n, item in enumerate(items) if n % world() == rank()]
+
+
+def sum_across(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over all ranks (float64, so the order barely matters)."""
+    if world() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Replace each gradient by its mean over the ranks (DDP's all-reduce, done by hand)."""
+    if world() == 1:
+        return
+    for p in params:
+        if p.grad is None:  # every rank must join every all-reduce
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(world())
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main_first(fn, *args, **kwargs):
+    """Run ``fn`` on rank 0, then on the others (which then find its artifacts and just read them).
+
+    A failure on rank 0 reaches the other ranks as an error instead of leaving them waiting.
+    """
+    if world() == 1:
+        return fn(*args, **kwargs)
+    if is_main():
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:
+            broadcast(f"{type(err).__name__}: {err}")
+            raise
+        broadcast(None)
+        return result
+    failure = broadcast(None)
+    if failure is not None:
+        raise RuntimeError(f"rank 0 failed ({failure}); see its output")
+    return fn(*args, **kwargs)
+
+
+def all_true(flag: bool) -> bool:
+    """True when ``flag`` is true on every rank."""
+    return sum_across([float(bool(flag))])[0] == world()
