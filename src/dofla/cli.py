@@ -43,16 +43,20 @@ def to_run_config(dcfg: DictConfig) -> RunConfig:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main_hydra(dcfg: DictConfig) -> None:
+    from dofla import distributed
     from dofla.pipeline import run
-    from dofla.tracking import build_tracker
+    from dofla.tracking import NullTracker, build_tracker
 
     cfg = to_run_config(dcfg)
     hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
+    distributed.init()  # under torchrun: one process group; every rank uses rank 0's run directory
+    out_dir = Path(distributed.broadcast(hydra_cfg.runtime.output_dir))
     overrides = list(hydra_cfg.overrides.task)
     try:
-        tracker = build_tracker(cfg.logger, OmegaConf.to_container(dcfg, resolve=True), out_dir,
-                                name=",".join(overrides) or "default")
+        tracker = NullTracker()
+        if distributed.is_main():
+            tracker = build_tracker(cfg.logger, OmegaConf.to_container(dcfg, resolve=True), out_dir,
+                                    name=",".join(overrides) or "default")
         try:
             run(cfg, out_dir, overrides, tracker)
         finally:
@@ -67,6 +71,9 @@ def main() -> None:
         sys.exit(f"dofla: error: config directory {CONF_DIR} not found; install dofla from a "
                  "source checkout with `pip install -e .`")
     main_hydra()
+    from dofla import distributed
+
+    distributed.finish()
 
 
 def report_main() -> None:

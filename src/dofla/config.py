@@ -36,7 +36,7 @@ class FeatureMapConfig:
 class AttentionConfig:
     name: str = "linear"
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
-    chunk_size: int = 64
+    chunk_size: int = 128  # fastest of 16..256 on CPU at T = 16K (benchmarks/bench_attention.py)
 
 
 @dataclass
@@ -52,6 +52,7 @@ class AllocationConfig:
     num_samples: int = 1024  # J, vectors per head for Algorithm 1
     gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
+    head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
 
 
 @dataclass

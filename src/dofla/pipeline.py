@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from dofla import distributed
 from dofla.config import RunConfig
+from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import build_record, read_json, write_json
-from dofla.validate import validate_against_model, validate_config, validate_output_dir
+from dofla.validate import validate_against_model, validate_config, validate_output_dir, validate_world
 
 
 class StageTimer:
@@ -52,6 +54,25 @@ def load_data(cfg: RunConfig, tokenizer):
     return train, heldout, source.fingerprint()
 
 
+def log_allocation(tracker, dof: dict, dims: list) -> None:
+    """The DoF table (per layer and head) and the dims, as scalars and tables."""
+    tracker.log({"allocation/mean_dim": mean_dim(dims),
+                 **{f"allocation/dim/layer_{i:02d}": layer_mean_dim(d) for i, d in enumerate(dims)},
+                 **{f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"])}})
+    tracker.log_table("dof_table", ["layer", "head", "dof", "dim"], [
+        [i, h, n, d if isinstance(d, int) else d[h]]
+        for i, (heads, d) in enumerate(zip(dof["per_head"], dims)) for h, n in enumerate(heads)])
+
+
+def log_training(tracker, summaries: dict) -> None:
+    """Per-layer held-out losses as scalars; every layer's training curve as one table."""
+    for i, summary in sorted(summaries.items()):
+        tracker.log({f"train/layer_{i:02d}/{k}": v for k, v in summary.items() if k.endswith("loss")})
+    tracker.log_table("train_curves", ["layer", "step", "loss", "heldout_loss"], [
+        [i, point["step"], point.get("loss"), point.get("heldout_loss")]
+        for i, summary in sorted(summaries.items()) for point in summary.get("curve", [])])
+
+
 def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
     """Run the configured stages in ``out_dir``; returns the metrics (also in metrics.json)."""
     from dofla import stages
@@ -62,9 +83,11 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
 
     out_dir = Path(out_dir)
     validate_config(cfg)
+    validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
     plan = None
-    if cfg.eval.tasks and "eval" in cfg.stages:  # before any model loads: unknown names, missing data
+    main = distributed.is_main()  # under torchrun: rank 0 writes every file, see dofla.distributed
+    if cfg.eval.tasks and "eval" in cfg.stages and main:  # before any model loads: unknown names, missing data
         from dofla.eval.suite import plan_tasks
 
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
@@ -88,36 +111,42 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
             fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
         cache = build_or_load_cache(teacher, train_tokens, fields, cache_root(cfg))
     record["cache_key"] = cache.key
-    write_json(out_dir / "run.json", record)
+    record["world_size"] = distributed.world()
+    if main:
+        write_json(out_dir / "run.json", record)
 
     with timer("dof"):
-        dof = stages.dof_stage(cfg, cache, out_dir)
+        dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir)
     with timer("allocate"):
-        dims = stages.allocate_stage(cfg, dof, geometry.head_dim, geometry.num_layers, out_dir)
-    tracker.log({"allocation/mean_dim": sum(dims) / len(dims)})
+        dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry.head_dim, geometry.num_layers,
+                                      out_dir)
+    log_allocation(tracker, dof, dims)
     if "train" not in cfg.stages:
         return {}
     with timer("train"):
         summaries = stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
-    if cfg.loss.name != "direct":
+    if cfg.loss.name != "direct" and main:
         write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
-        for i, summary in summaries.items():
-            tracker.log({f"train/layer_{i:02d}/{k}": v for k, v in summary.items() if "loss" in k})
+        log_training(tracker, summaries)
     if cfg.train.layers is not None and len(set(cfg.train.layers)) < geometry.num_layers:
-        print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
-              "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
+        if main:
+            print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
+                  "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
         return {}
     if "assemble" not in cfg.stages:
         return {}
     with timer("assemble"):
-        student = stages.assemble_stage(cfg, teacher, tokenizer, dims, out_dir, cache.key)
+        student = distributed.main_first(stages.assemble_stage, cfg, teacher, tokenizer, dims, out_dir, cache.key)
     if cfg.finetune.name == "lora" and "finetune" in cfg.stages:
         with timer("finetune"):
-            student = stages.finetune_stage(cfg, student, tokenizer, train_tokens, out_dir)
+            student = distributed.main_first(stages.finetune_stage, cfg, student, tokenizer, train_tokens, out_dir)
     if "eval" not in cfg.stages:
         return {}
     with timer("eval"):
-        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan)
+        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan,
+                                    teacher_scores=cache_root(cfg) / "teacher_scores")
+    if not main:
+        return metrics
     timings = read_json(out_dir / "timings.json") or {}
     timings.update({f"time/{k}": v for k, v in timer.seconds.items()})
     write_json(out_dir / "timings.json", timings)

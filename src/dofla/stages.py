@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from dofla import distributed
 from dofla.config import RunConfig
+from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
 from dofla.validate import feature_budget
 
@@ -67,27 +69,32 @@ def _pooled_activations(cache, layer: int, num_tokens: int | None):
     return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)
 
 
-def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, out_dir: Path) -> list[int]:
-    """Per-layer feature dims from the policy and budget -> allocation.json."""
-    from dofla.dof import allocate_dims
+def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, out_dir: Path) -> list:
+    """Feature dims from the policy and budget -> allocation.json: one int per layer, or for
+    ``dof_head`` one list of per-head ints per layer."""
+    from dofla.dof import PER_HEAD_POLICIES, allocate_dims, allocate_head_dims
+    from dofla.feature_maps import mean_dim
 
+    a = cfg.allocation
     budget = feature_budget(cfg, head_dim)
-    dims = allocate_dims(dof["layer_dof"], budget, cfg.allocation.policy, head_dim)
+    if a.policy in PER_HEAD_POLICIES:
+        dims = allocate_head_dims(dof["per_head"], budget, head_dim, a.head_quantum)
+    else:
+        dims = allocate_dims(dof["layer_dof"], budget, a.policy, head_dim)
     assert len(dims) == num_layers
     write_json(out_dir / "allocation.json", {
-        "policy": cfg.allocation.policy, "budget": budget, "lambda": cfg.allocation.lam,
-        "gram_norm": cfg.allocation.gram_norm, "dims": dims, "layer_dof": dof["layer_dof"],
-        "mean_dim": sum(dims) / len(dims),
+        "policy": a.policy, "budget": budget, "lambda": a.lam, "gram_norm": a.gram_norm, "dims": dims,
+        "layer_dof": dof["layer_dof"], "mean_dim": mean_dim(dims),
     })
     return dims
 
 
-def build_feature_maps(cfg: RunConfig, geometry, dims: list[int]):
-    from dofla.feature_maps import build_feature_map
+def build_feature_maps(cfg: RunConfig, geometry, dims: list):
+    from dofla.feature_maps import build_layer_feature_map
 
     return [
-        build_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
-                          seed=cfg.seed + i, **cfg.feature_map.options)
+        build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
+                                seed=cfg.seed + i, **cfg.feature_map.options)
         for i, m in enumerate(dims)
     ]
 
@@ -131,7 +138,13 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
         acts = cache.layer(i)
         return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
 
-    return run_layerwise(feature_maps, activations, layers, layer_train_config(cfg), layer_dir(cfg, out_dir), meta)
+    train_cfg, directory = layer_train_config(cfg), layer_dir(cfg, out_dir)
+    if distributed.world() == 1:
+        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta)
+    # torchrun: layer i on rank i mod N, then every rank reads all the artifacts
+    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta)
+    distributed.barrier()
+    return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta)
 
 
 def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict) -> dict:
@@ -144,11 +157,13 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict)
     student = make_student(cfg, teacher, dims)
     dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
     curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt")
-    for i, attn in enumerate(student.student_attentions()):
-        layer_meta = {**meta, "layer": i, "num_features": attn.feature_map.num_features}
-        save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
-                                                         "curve": curve}, layer_meta)
-    write_json(done, {"steps": len(curve), "curve": curve})
+    if distributed.is_main():  # under torchrun every rank holds the same features
+        for i, attn in enumerate(student.student_attentions()):
+            layer_meta = {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
+            save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
+                                                             "curve": curve}, layer_meta)
+        write_json(done, {"steps": len(curve), "curve": curve})
+    distributed.barrier()
     return read_json(done)
 
 
@@ -175,11 +190,13 @@ def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cach
     meta = artifact_meta(cfg, cache_key)
     for i, attn in enumerate(student.student_attentions()):
         artifact = layer_dir(cfg, out_dir) / f"layer_{i:02d}.pt"
-        layer_meta = {**meta, "layer": i, "num_features": attn.num_features}
-        trained = None if attn.feature_map is None else load_artifact(artifact, layer_meta)
+        if attn.feature_map is None:
+            continue
+        layer_meta = {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
+        trained = load_artifact(artifact, layer_meta)
         if trained is not None:
             attn.feature_map.load_state_dict(trained["state_dict"])
-        elif attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters()):
+        elif any(p.requires_grad for p in attn.feature_map.parameters()):
             print(f"dofla: layer {i} has no trained features ({artifact.name} missing); "
                   "it keeps its initial features", flush=True)
     _save_model_dir(student, tokenizer, target)
@@ -215,45 +232,61 @@ def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Pa
 
 
 def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
-               tokenizer=None, plan=None) -> dict:
+               tokenizer=None, plan=None, teacher_scores: Path | None = None) -> dict:
     """Held-out perplexity, per-layer attention error, lm-eval tasks (``plan``, from
     :func:`dofla.eval.suite.plan_tasks`) and MQAR for teacher and student -> metrics.json.
+    ``teacher_scores``: a directory where the teacher's task scores are kept across runs (every run
+    of a sweep has the same teacher; it is scored once).
 
     Each measurement is saved as it completes (metrics.partial.json), so a killed eval resumes.
+    Under torchrun, perplexity and attention error are shared across the ranks; the tasks, MQAR
+    and every file are rank 0's.
     """
     import math
 
+    from dofla import distributed
     from dofla.eval import attention_errors, heldout_loss, suite
     from dofla.faults import kill_point
 
-    metrics = read_json(out_dir / "metrics.json")
+    main = distributed.is_main()
+    metrics = distributed.broadcast(read_json(out_dir / "metrics.json") if main else None)
     if metrics is not None:
         return metrics
     partial_path = out_dir / "metrics.partial.json"
-    metrics = read_json(partial_path) or {}
+    metrics = distributed.broadcast((read_json(partial_path) or {}) if main else None)
+
+    def save() -> None:
+        if main:
+            write_json(partial_path, metrics)
+
     models = (("teacher", teacher), ("student", student))
     if cfg.eval.perplexity:
         for who, model in models:
             if f"eval/{who}_loss" in metrics:
                 continue
             kill_point(f"eval:{who}")
-            loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size)
+            loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size, data_parallel=True)
             metrics[f"eval/{who}_loss"] = loss
             metrics[f"eval/{who}_ppl"] = math.exp(loss) if loss < 700 else float("inf")
-            write_json(partial_path, metrics)
+            save()
         metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
     if cfg.eval.attention_error and "eval/attn_error/mean" not in metrics:
         kill_point("eval:attention")
-        errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs])
+        errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs], data_parallel=True)
         for i, err in enumerate(errors):
             metrics[f"eval/attn_error/layer_{i:02d}"] = float(err)
         metrics["eval/attn_error/mean"] = float(sum(errors) / len(errors))
-        write_json(partial_path, metrics)
+        save()
+    if not main:  # the rest is rank 0's (lm-eval runs its own way; MQAR is small)
+        return metrics
     if plan is not None and plan.runnable:
         for who, model in models:
             if not any(k.startswith(f"tasks/{who}/") for k in metrics):
                 kill_point(f"eval:tasks:{who}")
-                metrics.update(suite.zero_shot(model, tokenizer, who, plan, cfg.eval))
+                if who == "teacher" and teacher_scores is not None:
+                    metrics.update(suite.cached_teacher_scores(teacher_scores, model, tokenizer, plan, cfg))
+                else:
+                    metrics.update(suite.zero_shot(model, tokenizer, who, plan, cfg.eval))
                 write_json(partial_path, metrics)
         if cfg.eval.protocol == "finetune" and not any(k.startswith("finetuned/") for k in metrics):
             metrics.update(suite.finetune_protocol(teacher, student, tokenizer, plan, cfg.eval, cfg.seed))

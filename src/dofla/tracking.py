@@ -17,6 +17,9 @@ class NullTracker:
     def log_image(self, key: str, path: Path) -> None:
         pass
 
+    def log_table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        pass
+
     def finish(self) -> None:
         pass
 
@@ -39,6 +42,9 @@ class WandbTracker(NullTracker):
 
     def log_image(self, key: str, path: Path) -> None:
         self.run.log({key: self._wandb.Image(str(path))})
+
+    def log_table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({key: self._wandb.Table(columns=columns, data=rows)})
 
     def finish(self) -> None:
         self.run.finish()

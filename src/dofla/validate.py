@@ -39,18 +39,19 @@ def _one_of(key: str, value, valid) -> None:
 def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES
+    from dofla.dof import ALLOCATION_POLICIES, PER_HEAD_POLICIES
     from dofla.feature_maps import FEATURE_MAPS
 
     _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
     _one_of("loss.name", cfg.loss.name, LOSS_NAMES)
-    _one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
+    _one_of("allocation.policy", cfg.allocation.policy, [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES])
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
         ("allocation.num_samples", cfg.allocation.num_samples),
+        ("allocation.head_quantum", cfg.allocation.head_quantum),
         ("data.seq_len", cfg.data.seq_len),
         ("data.num_tokens", cfg.data.num_tokens),
         ("data.heldout_tokens", cfg.data.heldout_tokens),
@@ -110,6 +111,14 @@ def _validate_eval(cfg: RunConfig) -> None:
         _positive("eval.mqar_examples", ev.mqar_examples)
         _require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
                  f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
+
+
+def validate_world(cfg: RunConfig, world: int) -> None:
+    """Checks for a data-parallel run under torchrun with ``world`` processes."""
+    if world > 1 and cfg.loss.name == "direct" and "train" in cfg.stages:
+        _require(cfg.train.direct_batch_size % world == 0,
+                 f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
+                 f"torchrun processes; use a multiple of {world}")
 
 
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:

@@ -68,3 +68,17 @@ def test_unknown_task_name_is_one_sentence(tmp_path):
     result = run_cli(*_args(tmp_path, "eval.tasks=[piqaa]"))
     assert result.returncode == 2
     assert "unknown lm-eval task(s) ['piqaa']" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_teacher_scores_are_computed_once_per_teacher(tmp_path):
+    (tmp_path / "tasks").mkdir()
+    tasks = write_local_tasks(tmp_path / "tasks")
+    common = ["experiment=smoke_tiny", f"cache_dir={tmp_path / 'cache'}", "eval.tasks=[piqa_local]",
+              f"eval.task_dirs=[{tasks}]", "eval.task_limit=4"]
+    first = run_cli(*common, "allocation=fix", f"hydra.run.dir={tmp_path / 'fix'}")
+    second = run_cli(*common, "allocation=dof", f"hydra.run.dir={tmp_path / 'dof'}")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
+    assert "teacher task scores reused" not in first.stdout and "teacher task scores reused" in second.stdout
+    m1, m2 = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("fix", "dof"))
+    teacher = {k: v for k, v in m1.items() if k.startswith("tasks/teacher/")}
+    assert teacher and teacher == {k: v for k, v in m2.items() if k.startswith("tasks/teacher/")}

@@ -8,13 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from dofla.feature_maps import HeadBlockFeatureMap
 from dofla.models import load_student
 
 
-def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -56,6 +58,29 @@ def test_two_job_multirun_shares_one_cache_and_reports(tmp_path):
     report = (sweep / "report.md").read_text()
     assert "allocation" in report and report.count("\n| ") >= 3
     assert (sweep / "report.csv").exists() and (sweep / "dims.png").exists()
+
+
+@pytest.mark.parametrize("loss", ["softmax", "direct"])
+def test_dof_head_run_trains_assembles_and_evaluates_per_head_blocks(tmp_path, loss):
+    run_dir = tmp_path / "run"
+    result = run_cli("experiment=smoke_tiny", "allocation=dof_head", f"loss={loss}", f"hydra.run.dir={run_dir}",
+                     f"cache_dir={tmp_path / 'cache'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    allocation = json.loads((run_dir / "allocation.json").read_text())
+    per_head = json.loads((run_dir / "dof.json").read_text())["per_head"]
+    assert allocation["policy"] == "dof_head" and [len(layer) for layer in allocation["dims"]] == [4, 4]
+    assert all(m % 8 == 0 for layer in allocation["dims"] for m in layer)
+    for dims, dof in zip(allocation["dims"], per_head):  # more DoF, never fewer features
+        assert [dims[h] for h in sorted(range(4), key=dof.__getitem__)] == sorted(dims)
+    student = load_student(run_dir / "student")
+    for attn, dims in zip(student.student_attentions(), allocation["dims"]):
+        fm = attn.feature_map
+        assert (fm.head_dims if isinstance(fm, HeadBlockFeatureMap) else [fm.num_features] * 4) == dims
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert math.isfinite(metrics["eval/student_ppl"]) and "eval/attn_error/layer_01" in metrics
+    if loss == "softmax":  # the layers really trained: held-out loss went down in each
+        summary = json.loads((run_dir / "train_summary.json").read_text())
+        assert all(s["final_heldout_loss"] < s["initial_heldout_loss"] for s in summary.values())
 
 
 def test_bad_value_fails_before_compute_in_one_sentence(tmp_path):

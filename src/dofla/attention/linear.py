@@ -92,7 +92,7 @@ def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
 
 def linear_attention_chunked(
     log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor,
-    chunk_size: int = 64, state: LinearState | None = None,
+    chunk_size: int = 128, state: LinearState | None = None,
 ) -> tuple[torch.Tensor, LinearState]:
     """Causal linear attention, chunk by chunk; continues from ``state`` (None = empty).
 

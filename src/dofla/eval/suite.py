@@ -82,6 +82,32 @@ def zero_shot(model, tokenizer, who: str, plan: TaskPlan, ev: EvalConfig) -> dic
     return {f"tasks/{who}/{key.removeprefix('downstream/')}": value for key, value in result.metrics.items()}
 
 
+def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, cfg) -> dict[str, float]:
+    """The teacher's ``tasks/teacher/...`` scores, computed once per (model, tasks, task files,
+    limit, lm-eval version) and kept in ``directory``; later runs with the same teacher read them."""
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    from dofla.record import read_json, write_json
+
+    files = sorted(p for d in plan.task_dirs for p in Path(d).rglob("*") if p.is_file())
+    digest = hashlib.sha256(json.dumps({
+        "model": cfg.model.source, "revision": cfg.model.revision, "seed": cfg.seed,
+        "tiny_layers": cfg.model.tiny_layers, "tasks": plan.runnable,
+        "limit": cfg.eval.task_limit, "lm_eval": version("lm_eval"),
+        "files": [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in files],
+    }, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(directory) / f"teacher_tasks-{digest}.json"
+    scores = read_json(path)
+    if scores is None:
+        scores = zero_shot(teacher, tokenizer, "teacher", plan, cfg.eval)
+        write_json(path, scores)
+    else:
+        print(f"dofla: teacher task scores reused from {path}", flush=True)
+    return scores
+
+
 def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, ev: EvalConfig, seed: int) -> dict[str, float]:
     """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused."""
     from dofla.eval.task_finetune import FinetuneProtocolConfig, run_finetune_protocol

@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dofla.feature_maps.blocks import layer_mean_dim  # noqa: E402
+
 
 def _save(fig, ax, path: Path, legend: bool = True) -> Path:
     """Legend, layout, PNG, close: the end of every plot here."""
@@ -29,9 +31,14 @@ def plot_dims(runs: list[dict], path: Path) -> Path | None:
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(10, 4))
-    for run in runs:
-        ax.plot(run["allocation"]["dims"], marker="o", ms=3, label=_label(run))
-    ax.set(xlabel="layer", ylabel="feature dimension M", title="per-layer feature dims")
+    for run in runs:  # per-head dims (dof_head): the layer's mean, its heads' range shaded
+        dims = run["allocation"]["dims"]
+        line, = ax.plot([layer_mean_dim(d) for d in dims], marker="o", ms=3, label=_label(run))
+        if any(not isinstance(d, int) for d in dims):
+            lo = [d if isinstance(d, int) else min(d) for d in dims]
+            hi = [d if isinstance(d, int) else max(d) for d in dims]
+            ax.fill_between(range(len(dims)), lo, hi, color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="layer", ylabel="feature dimension M (mean over heads)", title="per-layer feature dims")
     return _save(fig, ax, path)
 
 

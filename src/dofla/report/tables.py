@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import read_json
 
 SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
@@ -76,7 +77,7 @@ def rows(runs: list[dict], root: Path) -> list[dict]:
         row = {"run": str(run["dir"].relative_to(root)) if run["dir"] != root else run["dir"].name}
         row.update({k: given.get(k, "<default>") for k in keys})
         dims = run["allocation"].get("dims")
-        row["mean_dim"] = round(sum(dims) / len(dims), 2) if dims else None
+        row["mean_dim"] = round(mean_dim(dims), 2) if dims else None
         row.update(run["metrics"])
         row.update(run["timings"])
         out.append(row)
@@ -188,7 +189,8 @@ def print_run_summary(run_dir: Path, console: Console | None = None) -> str:
         layers.add_column(col, justify="right")
     for i, dim in enumerate(alloc.get("dims", [])):
         dof = alloc.get("layer_dof", [None] * (i + 1))[i]
-        layers.add_row(str(i), _fmt(dof), str(dim), _fmt(m.get(f"eval/attn_error/layer_{i:02d}")))
+        shown = str(dim) if isinstance(dim, int) else f"{layer_mean_dim(dim):.1f} ({min(dim)}–{max(dim)})"
+        layers.add_row(str(i), _fmt(dof), shown, _fmt(m.get(f"eval/attn_error/layer_{i:02d}")))
     times = Table(title="wall time per stage (s)")
     for stage in run["timings"]:
         times.add_column(stage.removeprefix("time/"), justify="right")
