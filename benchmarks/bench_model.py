@@ -1,103 +1,172 @@
-"""The whole embedded model: prefill and decode, student vs teacher, and dof vs fix cost.
+"""The whole embedded model (SmolLM2-135M, 30 layers): prefill and decode, student vs teacher,
+and the cost of the fix / dof / dof_clip / dof_head dimension allocations.
 
-    python -m benchmarks.bench_model [--seq-len 16384] [--quick]
+    python -m benchmarks.bench_model [--seq-len 16384] [--short 1024] [--steps 16] [--threads N] [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import Row, print_rows, save_rows, timeit
+from benchmarks.common import Row, add_common_args, finish, set_threads, timeit
+from dofla.config import AttentionConfig
+from dofla.dof import allocate_dims, allocate_head_dims
+from dofla.feature_maps import mean_dim
 from dofla.models import EMBEDDED, RecurrentStateCache, convert, load_teacher
 
+# The dof.json of the default `dofla` run on the embedded model (per layer and per head): with a
+# mean budget of 64, ``dof`` gives dims 36..213 and ``dof_clip`` caps them at the head size.
+EMBEDDED_DOF_JSON = Path(__file__).with_name("embedded_dof.json")
 
+
+def token_ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(100, 10000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
 def prefill(model, ids) -> None:
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    """Teacher and student the same way: no cache, only the last position through the LM head."""
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
 
-def decode_seconds(model, context: int, steps: int, cache) -> tuple[float, int]:
-    """Prefill ``context`` tokens into ``cache`` (not timed), then time ``steps`` single-token steps."""
-    import time
-
-    ids = torch.randint(0, 1000, (1, context))
-    with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - start) / steps, cache_bytes(cache)
+def new_cache(model):
+    if hasattr(model.config, "dofla"):
+        return RecurrentStateCache(model.config.num_hidden_layers)
+    return DynamicCache(config=model.config)
 
 
 def cache_bytes(cache) -> int:
     if isinstance(cache, RecurrentStateCache):
         return cache.state_bytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
-def main(seq_len: int = 16384, steps: int = 16, quick: bool = False) -> list[Row]:
-    teacher, _ = load_teacher(EMBEDDED)
-    student = convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=[64] * 30)
-    ids = torch.randint(0, 1000, (1, seq_len))
-    t_teacher = timeit(lambda: prefill(teacher, ids), repeats=1, warmup=0)
-    t_student = timeit(lambda: prefill(student, ids), repeats=1, warmup=0)
-    short = 1024 if not quick else 256
-    d_short, m_short = decode_seconds(student, short, steps, RecurrentStateCache(30))
-    d_long, m_long = decode_seconds(student, seq_len, steps, RecurrentStateCache(30))
-    t_short, tm_short = decode_seconds(teacher, short, steps, DynamicCache(config=teacher.config))
-    t_long, tm_long = decode_seconds(teacher, seq_len, steps, DynamicCache(config=teacher.config))
-    rows = [
-        Row(f"whole-model prefill T={seq_len}", "teacher with SDPA", "≥ 3×",
-            f"student {t_student:.1f} s vs teacher {t_teacher:.1f} s", t_teacher / t_student,
-            t_teacher / t_student >= 3),
-        Row(f"decode per token, context {seq_len} vs {short}", "itself", "≤ 1.2×",
-            f"{d_long * 1e3:.1f} ms vs {d_short * 1e3:.1f} ms", d_long / d_short, d_long / d_short <= 1.2),
-        Row(f"decode per token at context {seq_len}", "teacher + KV cache", "≥ 3×",
-            f"student {d_long * 1e3:.1f} ms vs teacher {t_long * 1e3:.1f} ms", t_long / d_long, t_long / d_long >= 3),
-        Row("decode memory (state vs KV cache)", f"context {short} → {seq_len}", "flat",
-            f"student {m_short / 2**20:.2f} → {m_long / 2**20:.2f} MiB; teacher {tm_short / 2**20:.0f} → "
-            f"{tm_long / 2**20:.0f} MiB", None, m_short == m_long),
+@torch.no_grad()
+def decode(model, context: int, steps: int) -> dict:
+    """Prefill ``context`` tokens into a fresh cache (timed separately), then time ``steps`` greedy
+    single-token steps with that cache (manual decoding, the loop ``generate`` runs)."""
+    cache = new_cache(model)
+    start = time.perf_counter()
+    out = model(input_ids=token_ids(context), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - start
+    token = out.logits[:, -1:].argmax(-1)
+    out = model(input_ids=token, past_key_values=cache, use_cache=True)  # warm-up step, not timed
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"per_token": times[len(times) // 2], "prefill": prefill_s, "bytes": cache_bytes(cache)}
+
+
+def student_of(teacher, dims: list, chunk: int = AttentionConfig.chunk_size):
+    return convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=dims, chunk_size=chunk).eval()
+
+
+def prefill_rows(teacher, student, t: int, repeats: int) -> list[Row]:
+    ids = token_ids(t)
+    warm = token_ids(min(t, 256))
+    for m in (teacher, student):
+        prefill(m, warm)
+    t_teacher = timeit(lambda: prefill(teacher, ids), repeats=repeats, warmup=0)
+    t_student = timeit(lambda: prefill(student, ids), repeats=repeats, warmup=0)
+    r = t_teacher / t_student
+    how = f"median of {repeats}" if repeats > 1 else "1 run"
+    return [Row(f"whole-model prefill T={t} (SmolLM2-135M, 30 layers, M=64)", "teacher, SDPA attention",
+                "≥ 3× (MLP/LM-head bound ≈ 3.5×)", f"student {t_student:.2f} s vs teacher {t_teacher:.2f} s",
+                r, r >= 3, f"use_cache=False, logits_to_keep=1, {how}")]
+
+
+def decode_rows(teacher, student, t: int, short: int, steps: int) -> list[Row]:
+    s_short, s_long = decode(student, short, steps), decode(student, t, steps)
+    t_short, t_long = decode(teacher, short, steps), decode(teacher, t, steps)
+    ms = lambda d: f"{d['per_token'] * 1e3:.1f} ms"  # noqa: E731
+    mib = lambda d: f"{d['bytes'] / 2**20:.2f} MiB"  # noqa: E731
+    flat = s_short["bytes"] == s_long["bytes"]
+    return [
+        Row(f"student decode per token, context {t} vs {short}", "itself at the short context", "≤ 1.2×",
+            f"{ms(s_long)} vs {ms(s_short)}", s_long["per_token"] / s_short["per_token"],
+            s_long["per_token"] / s_short["per_token"] <= 1.2, f"median of {steps} steps"),
+        Row(f"decode per token at context {t}", "teacher + DynamicCache (KV)", "≥ 3×",
+            f"student {ms(s_long)} vs teacher {ms(t_long)} (at {short}: teacher {ms(t_short)})",
+            t_long["per_token"] / s_long["per_token"], t_long["per_token"] / s_long["per_token"] >= 3,
+            f"context prefill (not counted): student {s_long['prefill']:.1f} s, teacher {t_long['prefill']:.1f} s"),
+        Row("decode memory: recurrent state vs KV cache", f"context {short} → {t}", "student flat",
+            f"student {mib(s_short)} → {mib(s_long)}; teacher {mib(t_short)} → {mib(t_long)}",
+            t_long["bytes"] / s_long["bytes"], flat, "ratio = teacher/student bytes at the long context"),
     ]
-    rows += cost_of_policies(teacher, min(seq_len, 4096), steps)
+
+
+def policy_rows(teacher, t: int, steps: int, repeats: int, dof: dict) -> list[Row]:
+    """Prefill (T=t) and decode (context 256) cost of fix, dof, dof_head (same mean dim), dof_clip."""
+    ids, res = token_ids(t), {}
+    for policy in ("fix", "dof", "dof_clip", "dof_head"):
+        if policy == "dof_head":
+            dims = allocate_head_dims(dof["per_head"], 64, 64)
+        else:
+            dims = allocate_dims(dof["layer_dof"], 64, policy, 64)
+        student = student_of(teacher, dims)
+        pre = timeit(lambda: prefill(student, ids), repeats=repeats)
+        res[policy] = (pre, decode(student, 256, steps)["per_token"], dims)
+        del student
+    (pf, df, _), (pd, dd, dims_d), (pc, dc, dims_c) = res["fix"], res["dof"], res["dof_clip"]
+    ph, dh, dims_h = res["dof_head"]
+    mean = lambda d: sum(d) / len(d)  # noqa: E731
+    blocks = mean([len(set(layer)) for layer in dims_h])
+    return [
+        Row(f"dof vs fix, mean dim 64 (dof dims {min(dims_d)}..{max(dims_d)}), T={t}", "fix (all 64)",
+            "equal within noise (±15%)",
+            f"prefill {pd:.2f} vs {pf:.2f} s, decode {dd * 1e3:.1f} vs {df * 1e3:.1f} ms", pd / pf,
+            abs(pd / pf - 1) < 0.15 and abs(dd / df - 1) < 0.15, f"decode ratio {dd / df:.2f}"),
+        Row(f"dof_clip (dims ≤ 64, mean {mean(dims_c):.1f}) vs fix, T={t}", "fix (all 64)", "cheaper",
+            f"prefill {pc:.2f} vs {pf:.2f} s, decode {dc * 1e3:.1f} vs {df * 1e3:.1f} ms", pc / pf,
+            pc < pf and dc <= df * 1.05, f"decode ratio {dc / df:.2f}"),
+        Row(f"dof_head (per-head dims, mean {mean_dim(dims_h):.1f}, {blocks:.1f} blocks/layer) vs fix, T={t}",
+            "fix (all 64)", "equal within noise (±15%)",
+            f"prefill {ph:.2f} vs {pf:.2f} s, decode {dh * 1e3:.1f} vs {df * 1e3:.1f} ms", ph / pf,
+            abs(ph / pf - 1) < 0.15 and abs(dh / df - 1) < 0.15, f"decode ratio {dh / df:.2f}"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--seq-len", type=int, default=16384, help="prefill length and long decode context")
+    parser.add_argument("--short", type=int, default=1024, help="short decode context")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    parser.add_argument("--repeats", type=int, default=1, help="prefill repeats at --seq-len")
+    parser.add_argument("--policy-seq-len", type=int, default=4096)
+    parser.add_argument("--dof-json", default=str(EMBEDDED_DOF_JSON),
+                        help="dof.json whose layer_dof / per_head drive the policy rows (default: embedded)")
+    parser.add_argument("--chunk", type=int, default=AttentionConfig.chunk_size, help="student chunk_size")
+    parser.add_argument("--skip", default="", help="comma list of: prefill,decode,policy")
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    if args.quick:
+        args.seq_len, args.short, args.steps, args.policy_seq_len = 1024, 256, 4, 512
+    skip = set(filter(None, args.skip.split(",")))
+    dof = json.loads(Path(args.dof_json).read_text())
+    teacher, _ = load_teacher(EMBEDDED)
+    teacher.eval()
+    student = student_of(teacher, [64] * teacher.config.num_hidden_layers, args.chunk)
+    rows = []
+    if "prefill" not in skip:
+        rows += prefill_rows(teacher, student, args.seq_len, args.repeats)
+    if "decode" not in skip:
+        rows += decode_rows(teacher, student, args.seq_len, args.short, args.steps)
+    if "policy" not in skip:
+        rows += policy_rows(teacher, args.policy_seq_len, args.steps, 1 if args.quick else 2, dof)
     return rows
 
 
-def cost_of_policies(teacher, seq_len: int, steps: int) -> list[Row]:
-    """Prefill/decode time of fix, dof (same mean dim) and dof_clip allocations (the paper's cost)."""
-    from dofla.dof import allocate_dims
-
-    profile = [36.5, 7.4, 22.4, 11.5, 10.1, 9.7, 12.8, 15.7, 8.9, 10.8, 7.6, 12.7, 7.0, 13.8, 8.6,
-               7.3, 9.8, 6.1, 10.1, 10.4, 8.9, 13.6, 7.4, 8.6, 8.1, 7.3, 10.0, 7.4, 8.0, 9.9]  # dof.json
-    ids = torch.randint(0, 1000, (1, seq_len))
-    times = {}
-    for policy in ("fix", "dof", "dof_clip"):
-        dims = allocate_dims(profile, 64, policy, 64)
-        student = convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=dims)
-        pre = timeit(lambda: prefill(student, ids), repeats=2)
-        dec, _ = decode_seconds(student, 256, steps, RecurrentStateCache(30))
-        times[policy] = (pre, dec, sum(dims) / len(dims))
-    (pf, df, _), (pd, dd, _), (pc, dc, mc) = times["fix"], times["dof"], times["dof_clip"]
-    return [
-        Row(f"dof vs fix at equal budget (T={seq_len})", "fix", "equal within noise",
-            f"prefill {pd:.2f}/{pf:.2f} s, decode {dd * 1e3:.1f}/{df * 1e3:.1f} ms", pd / pf,
-            abs(pd / pf - 1) < 0.15),
-        Row(f"dof_clip (mean dim {mc:.1f}) vs fix", "fix", "cheaper",
-            f"prefill {pc:.2f}/{pf:.2f} s, decode {dc * 1e3:.1f}/{df * 1e3:.1f} ms", pc / pf, pc < pf),
-    ]
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    rows = main(1024 if args.quick else args.seq_len, 4 if args.quick else args.steps, args.quick)
-    save_rows("model", rows)
-    print_rows(rows)
+    finish("model", main())

@@ -1,41 +1,61 @@
-"""Every benchmark, one command: ``python benchmarks/run_all.py [--quick]``.
+"""Every benchmark, one command: ``python benchmarks/run_all.py [--quick] [--threads N] [--only a,b]``.
 
 Prints one table (what | compared with | target | measured | ratio | status) and writes
-benchmarks/results.md with the machine it ran on. Not tests: CI machines are too noisy.
+benchmarks/results.md with the machine it ran on. Not tests: timings need a quiet machine.
+
+Benchmarks are modules ``benchmarks.bench_<name>`` with ``main(argv) -> list[Row]``; one that
+fails becomes a row saying so.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_attention, bench_model, bench_pipeline  # noqa: E402
-from benchmarks.common import Row, machine, print_rows  # noqa: E402
+from benchmarks.common import Row, as_row, machine, markdown, print_rows, save_rows, set_threads  # noqa: E402
+
+BENCHES = ["attention", "model", "training", "dof", "cache"]
 
 
-def markdown(rows: list[Row]) -> str:
-    lines = ["| what | compared with | target | measured | ratio | status |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        status = "n/a" if r.ok is None else ("ok" if r.ok else "**MISS**")
-        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-        note = f" ({r.note})" if r.note else ""
-        lines.append(f"| {r.what} | {r.compared_with} | {r.target} | {r.measured} | {ratio} | {status}{note} |")
-    return "\n".join(lines)
+def run_one(name: str, flags: list[str]) -> list[Row]:
+    """Rows of ``benchmarks.bench_<name>``; a bench that fails becomes one row saying so."""
+    start = time.perf_counter()
+    try:
+        rows = importlib.import_module(f"benchmarks.bench_{name}").main(flags) or []
+    except (Exception, SystemExit) as err:  # keep going: one broken bench must not lose the others
+        traceback.print_exc()
+        return [Row(f"bench_{name}", "", "", f"failed: {type(err).__name__}: {err}", None, False)]
+    rows = [as_row(r) for r in rows]
+    save_rows(name, rows)
+    print(f"[run_all] bench_{name}: {len(rows)} rows in {time.perf_counter() - start:.0f} s")
+    return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run in a few minutes")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run (< 2 minutes)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores; 1 on a busy machine)")
+    parser.add_argument("--only", help=f"comma list out of {','.join(BENCHES)}")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results.md"))
     args = parser.parse_args()
-    seq = 2048 if args.quick else 16384
-    rows = bench_attention.main(seq, repeats=1 if args.quick else 3)
-    rows += bench_model.main(1024 if args.quick else seq, 4 if args.quick else 16, args.quick)
-    rows += bench_pipeline.main(args.quick)
+    threads = set_threads(args.threads)
+    flags = ["--threads", str(threads)] + (["--quick"] if args.quick else [])
+    names = args.only.split(",") if args.only else BENCHES
+    rows: list[Row] = []
+    start = time.perf_counter()
+    for name in names:
+        rows += run_one(name, flags)
     print_rows(rows)
-    out = Path(__file__).resolve().parent / "results.md"
-    out.write_text(f"Measured on: {machine()}\n\n{markdown(rows)}\n")
+    mode = "quick smoke run (small sizes; ratios not meaningful)" if args.quick else "full sizes"
+    out = Path(args.out)
+    out.write_text(f"# dofla speed benchmarks\n\nMeasured on: {machine()}\n\n"
+                   f"Command: `python benchmarks/run_all.py {' '.join(sys.argv[1:])}`; {mode}; "
+                   f"{time.perf_counter() - start:.0f} s in all.\n\n{markdown(rows)}\n")
     print(f"wrote {out}")
 
 
