@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.common import Row, add_common_args, finish, set_threads, timeit
-from dofla.config import AttentionConfig
+from dofla.config import AllocationConfig, AttentionConfig
 from dofla.dof import allocate_dims, allocate_head_dims
 from dofla.feature_maps import mean_dim
 from dofla.models import EMBEDDED, RecurrentStateCache, convert, load_teacher
@@ -112,7 +112,8 @@ def policy_rows(teacher, t: int, steps: int, repeats: int, dof: dict) -> list[Ro
     ids, res = token_ids(t), {}
     for policy in ("fix", "dof", "dof_clip", "dof_head"):
         if policy == "dof_head":
-            dims = allocate_head_dims(dof["per_head"], 64, 64)
+            a = AllocationConfig()  # the dof_head defaults: quantum 8, at most 2 blocks per layer
+            dims = allocate_head_dims(dof["per_head"], 64, 64, a.head_quantum, a.head_blocks)
         else:
             dims = allocate_dims(dof["layer_dof"], 64, policy, 64)
         student = student_of(teacher, dims)

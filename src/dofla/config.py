@@ -53,6 +53,7 @@ class AllocationConfig:
     gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
     head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
+    head_blocks: int = 2  # dof_head: at most this many blocks (distinct dims) per layer; 0 = no limit
 
 
 @dataclass

@@ -78,7 +78,7 @@ def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, ou
     a = cfg.allocation
     budget = feature_budget(cfg, head_dim)
     if a.policy in PER_HEAD_POLICIES:
-        dims = allocate_head_dims(dof["per_head"], budget, head_dim, a.head_quantum)
+        dims = allocate_head_dims(dof["per_head"], budget, head_dim, a.head_quantum, a.head_blocks)
     else:
         dims = allocate_dims(dof["layer_dof"], budget, a.policy, head_dim)
     assert len(dims) == num_layers

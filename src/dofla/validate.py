@@ -48,6 +48,8 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
+    _require(cfg.allocation.head_blocks >= 0,
+             f"allocation.head_blocks={cfg.allocation.head_blocks} must be ≥ 0 (0: no limit on blocks per layer)")
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
         ("allocation.num_samples", cfg.allocation.num_samples),

@@ -165,8 +165,25 @@ def test_dof_head_is_proportional_per_head_in_quanta(seed):
     assert allocate_head_dims([[2.0, 6.0], [4.0, 4.0]], 16, 64, quantum=1) == [[8, 24], [16, 16]]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_dof_head_blocks_limit_distinct_dims_and_keep_the_budget(seed):
+    g = torch.Generator().manual_seed(seed)
+    per_head = (torch.rand(12, 9, generator=g) ** 3 * 80 + 1).tolist()
+    free = allocate_head_dims(per_head, 64, 64, quantum=1)
+    for blocks in (1, 2, 3):
+        dims = allocate_head_dims(per_head, 64, 64, quantum=1, max_blocks=blocks)
+        assert all(len(set(layer)) <= blocks for layer in dims)
+        assert abs(sum(map(sum, dims)) / 108 - 64) <= 0.5  # group means keep the total
+        for layer, ideal in zip(dims, free):  # grouping never reorders heads
+            order = sorted(range(9), key=ideal.__getitem__)
+            assert [layer[h] for h in order] == sorted(layer)
+    # the least-squares split: the three small heads together, the two large ones together
+    assert allocate_head_dims([[10.0, 100.0, 11.0, 102.0, 12.0]], 47, 64, quantum=1, max_blocks=2) == [
+        [11, 101, 11, 101, 11]]
+
+
 @pytest.mark.parametrize("args", [([], 64, 64, 8), ([[1.0]], 0, 64, 8), ([[-1.0, 2.0]], 64, 64, 8),
-                                  ([[0.0, 0.0]], 64, 64, 8), ([[1.0]], 64, 64, 0)])
+                                  ([[0.0, 0.0]], 64, 64, 8), ([[1.0]], 64, 64, 0), ([[1.0]], 64, 64, 8, -1)])
 def test_invalid_head_allocation_inputs_raise(args):
     with pytest.raises(ValueError):
         allocate_head_dims(*args)

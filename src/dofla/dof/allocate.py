@@ -53,13 +53,15 @@ def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head
 
 
 def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim: int,
-                       quantum: int = 8) -> list[list[int]]:
+                       quantum: int = 8, max_blocks: int = 0) -> list[list[int]]:
     """``dof_head``: per-(layer, head) dims ∝ each head's own DoF, mean over all heads ≈ C.
 
-    Beyond the paper (which shares one dim per layer): M_lh = t⁻¹·N_lh with t⁻¹ = C / mean(N),
-    rounded to a multiple of ``quantum`` (at least one quantum), so a layer's heads fall into a few
-    blocks of equal dimension and the saved features are really not computed. ``head_dim`` is
-    accepted for the common signature; dims are not capped.
+    Beyond the paper (which shares one dim per layer): M_lh = t⁻¹·N_lh with t⁻¹ = C / mean(N).
+    With ``max_blocks`` B > 0, each layer's heads are split (sorted by M) into at most B groups of
+    least within-group squared deviation and each group gets its mean M, so the layer runs at most B
+    feature maps (the per-block overhead is what costs on a CPU) and the total is unchanged. Dims
+    are rounded to a multiple of ``quantum`` (at least one quantum). ``head_dim`` is accepted for
+    the common signature; dims are not capped.
     """
     flat = [float(n) for layer in per_head_dof for n in layer]
     if not flat:
@@ -71,8 +73,42 @@ def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim:
         raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
     if quantum < 1:
         raise ValueError(f"allocation.head_quantum={quantum} must be a positive number of features")
+    if max_blocks < 0:
+        raise ValueError(f"allocation.head_blocks={max_blocks} must be ≥ 0 (0: no limit)")
     mean = sum(flat) / len(flat)
     if mean <= 0:
         raise ValueError("every head has zero degrees of freedom; dof_head allocation is undefined")
     scale = budget / mean
-    return [[max(quantum, quantum * round(scale * n / quantum)) for n in layer] for layer in per_head_dof]
+    out = []
+    for layer in per_head_dof:
+        ideal = [scale * n for n in layer]
+        dims = [0] * len(ideal)
+        for group in _head_groups(ideal, max_blocks or len(ideal)):
+            m = sum(ideal[h] for h in group) / len(group)
+            for h in group:
+                dims[h] = max(quantum, quantum * round(m / quantum))
+        out.append(dims)
+    return out
+
+
+def _head_groups(values: list[float], blocks: int) -> list[list[int]]:
+    """Indices split, in sorted order of ``values``, into ≤ ``blocks`` contiguous groups with the
+    least total within-group squared deviation (exact dynamic programme; a layer has few heads)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    xs = [values[i] for i in order]
+    n, blocks = len(xs), min(blocks, len(xs))
+
+    def cost(a: int, b: int) -> float:  # squared deviation of xs[a:b] from its mean
+        part = xs[a:b]
+        mu = sum(part) / len(part)
+        return sum((x - mu) ** 2 for x in part)
+
+    best = {(0, 0): (0.0, [])}  # (groups used, items covered) -> (cost, cut points)
+    for g in range(1, blocks + 1):
+        for end in range(g, n + 1):
+            options = [(best[(g - 1, start)][0] + cost(start, end), best[(g - 1, start)][1] + [end])
+                       for start in range(g - 1, end) if (g - 1, start) in best]
+            best[(g, end)] = min(options)
+    _, cuts = min(best[(g, n)] for g in range(1, blocks + 1))
+    starts = [0] + cuts[:-1]
+    return [order[a:b] for a, b in zip(starts, cuts)]

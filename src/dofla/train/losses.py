@@ -21,10 +21,17 @@ def shifted_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> tuple[to
     With c_m = max_j log_k[j, m] and r_i = max_m(log_q[i, m] + c_m) (both detached, so they are
     constants of the graph), S_ij = Σ_m exp(log_q + c − r)_im exp(log_k − c)_jm ≤ M.
     """
+    fq, fk, r = shifted_features(log_q, log_k, with_shift=True)
+    return fq @ fk.transpose(-1, -2), r
+
+
+def shifted_features(log_q: torch.Tensor, log_k: torch.Tensor, with_shift: bool = False):
+    """exp(log_q + c − r), exp(log_k − c) (each entry ≤ 1; S = their product), and r if asked."""
     c = log_k.detach().amax(dim=2, keepdim=True)
     u = log_q + c
     r = u.detach().amax(dim=-1, keepdim=True)
-    return torch.exp(u - r) @ torch.exp(log_k - c).transpose(-1, -2), r
+    fq, fk = torch.exp(u - r), torch.exp(log_k - c)
+    return (fq, fk, r) if with_shift else (fq, fk)
 
 
 def _log_floor(s: torch.Tensor) -> torch.Tensor:
@@ -56,15 +63,18 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0) -> to
     """Cross-entropy from the teacher's attention distribution p to the student's p̂ (the paper's).
 
     Without a window the row shift e^{r_i} cancels in p̂, so CE_i = log Σ_j S_ij − Σ_j p_ij log S_ij:
-    no (L, L) log-softmax, which is most of the cost on CPU.
+    no (L, L) log-softmax, which is most of the cost on CPU. The normaliser Σ_{j≤i} S_ij is the
+    linear-attention denominator, φ̃(q_i)·Σ_{j≤i} φ̃(k_j): a prefix sum over L·M, not a pass over L².
     """
     if window > 0:
         return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window)
     s = teacher_logits(q, k)
     visible, _ = _masks(s.shape[-1], causal, window, s.device)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
-    shifted, _ = shifted_student_kernel(log_q, log_k)
-    normaliser = _log_floor((shifted.tril() if causal else shifted).sum(-1))
+    fq, fk = shifted_features(log_q, log_k)
+    shifted = fq @ fk.transpose(-1, -2)
+    key_sums = fk.cumsum(dim=-2) if causal else fk.sum(dim=-2, keepdim=True)
+    normaliser = _log_floor((fq * key_sums).sum(-1))
     return (normaliser - (p * _log_floor(shifted)).sum(-1)).mean()
 
 
