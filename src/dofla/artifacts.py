@@ -22,8 +22,13 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks (caches can be GBs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def torch_save_atomic(payload: Any, path: Path) -> None:
@@ -40,7 +45,7 @@ def save_artifact(path: Path, payload: dict, meta: dict) -> None:
     """Save ``payload`` atomically, then its sidecar (size, sha256, meta)."""
     path = Path(path)
     torch_save_atomic({**payload, "meta": meta}, path)
-    record = {"size": path.stat().st_size, "sha256": _sha256(path), "meta": meta}
+    record = {"size": path.stat().st_size, "sha256": file_sha256(path), "meta": meta}
     write_json(_sidecar(path), record)
 
 
@@ -53,7 +58,7 @@ def artifact_problem(path: Path, meta: dict) -> str | None:
         return "its checksum record is missing (an interrupted write)"
     if not path.exists() or path.stat().st_size != record["size"]:
         return "it is missing or truncated"
-    if _sha256(path) != record["sha256"]:
+    if file_sha256(path) != record["sha256"]:
         return "it is corrupted (checksum mismatch)"
     if record["meta"] != json.loads(json.dumps(meta, sort_keys=True, default=str)):
         return "it was written for other settings (foreign artifact)"

@@ -24,6 +24,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 
 from dofla import distributed
+from dofla.artifacts import file_sha256
 from dofla.faults import kill_point
 from dofla.models.adapters import AttentionGeometry, get_adapter
 from dofla.models.capture import capturing
@@ -74,14 +75,6 @@ class ActivationCache:
         return sum(p.stat().st_size for p in self.path.glob("*.npy"))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_cache(path: Path, fields: dict | None = None) -> str | None:
     """None when the cache at ``path`` is complete and intact, else what is wrong (one phrase)."""
     try:
@@ -97,7 +90,7 @@ def verify_cache(path: Path, fields: dict | None = None) -> str | None:
         file = path / name
         if not file.exists() or file.stat().st_size != entry["size"]:
             return f"{name} is missing or truncated"
-        if _sha256(file) != entry["sha256"]:
+        if file_sha256(file) != entry["sha256"]:
             return f"{name} is corrupted (checksum mismatch)"
     return None
 
@@ -216,8 +209,8 @@ def _seal(tmp: Path, final: Path, fields: dict, geometry: AttentionGeometry, num
             "num_heads": geometry.num_heads, "num_kv_heads": geometry.num_kv_heads,
             "head_dim": geometry.head_dim, "dtype": "float16", "data_bytes": predicted}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.glob("*.npy"))}
-    manifest["meta.json"] = {"size": (tmp / "meta.json").stat().st_size, "sha256": _sha256(tmp / "meta.json")}
+    manifest = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.glob("*.npy"))}
+    manifest["meta.json"] = {"size": (tmp / "meta.json").stat().st_size, "sha256": file_sha256(tmp / "meta.json")}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, final)
 

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
+from dofla.artifacts import file_sha256
 from dofla.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -151,17 +152,11 @@ class TextFiles(DataSource):
         """Content only (not paths), so the same data copied elsewhere shares the cache."""
         digest = hashlib.sha256()
         for path in self.paths:
-            digest.update(_file_sha256(path))
+            digest.update(bytes.fromhex(file_sha256(path)))
         digest.update(f"{self.text_field}-{self.heldout_every}-{self.on_bad_line}".encode())
         return "text_files-" + digest.hexdigest()[:16]
 
 
-def _file_sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.digest()
 
 
 def _check_readable(path: Path) -> None:

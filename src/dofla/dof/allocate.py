@@ -40,13 +40,7 @@ def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head
     ``budget`` is C, the mean feature dimension per layer; ``head_dim`` caps ``dof_clip``.
     """
     policy_fn = ALLOCATION_POLICIES.get(policy)  # unknown names fail first, listing the valid ones
-    if not layer_dof:
-        raise ValueError("layer_dof is empty; run Algorithm 1 (the dof stage) first")
-    if not (math.isfinite(budget) and budget > 0):
-        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
-    bad = [n for n in layer_dof if not (math.isfinite(n) and n >= 0)]
-    if bad:
-        raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
+    _check_inputs(layer_dof, budget, "layer_dof")
     if head_dim < 1:
         raise ValueError(f"head_dim={head_dim} is not valid; it must be a positive head size")
     return policy_fn([float(n) for n in layer_dof], float(budget), int(head_dim))
@@ -64,13 +58,7 @@ def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim:
     the common signature; dims are not capped.
     """
     flat = [float(n) for layer in per_head_dof for n in layer]
-    if not flat:
-        raise ValueError("per-head DoF is empty; run Algorithm 1 (the dof stage) first")
-    if not (math.isfinite(budget) and budget > 0):
-        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
-    bad = [n for n in flat if not (math.isfinite(n) and n >= 0)]
-    if bad:
-        raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
+    _check_inputs(flat, budget, "per-head DoF")
     if quantum < 1:
         raise ValueError(f"allocation.head_quantum={quantum} must be a positive number of features")
     if max_blocks < 0:
@@ -89,6 +77,17 @@ def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim:
                 dims[h] = max(quantum, quantum * round(m / quantum))
         out.append(dims)
     return out
+
+
+def _check_inputs(dof: list[float], budget: float, what: str) -> None:
+    """One sentence for an empty DoF list, a bad budget or a negative / non-finite DoF."""
+    if not dof:
+        raise ValueError(f"{what} is empty; run Algorithm 1 (the dof stage) first")
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
+    bad = [n for n in dof if not (math.isfinite(n) and n >= 0)]
+    if bad:
+        raise ValueError(f"degrees of freedom must be finite and ≥ 0, got {bad[0]}; rerun the dof stage")
 
 
 def _head_groups(values: list[float], blocks: int) -> list[list[int]]:
