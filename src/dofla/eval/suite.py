@@ -89,7 +89,6 @@ def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, c
     import json
     from importlib.metadata import version
 
-    from dofla.artifacts import file_sha256
     from dofla.record import read_json, write_json
 
     files = sorted(p for d in plan.task_dirs for p in Path(d).rglob("*") if p.is_file())
@@ -97,7 +96,9 @@ def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, c
         "model": cfg.model.source, "revision": cfg.model.revision, "seed": cfg.seed,
         "tiny_layers": cfg.model.tiny_layers, "tasks": plan.runnable,
         "limit": cfg.eval.task_limit, "lm_eval": version("lm_eval"),
-        "files": [[p.name, file_sha256(p)] for p in files],
+        # a task YAML names its data by absolute path, which differs per run: hash without it
+        "files": [[p.name, hashlib.sha256(p.read_bytes().replace(str(p.parent).encode(), b"")).hexdigest()]
+                  for p in files],
     }, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(directory) / f"teacher_tasks-{digest}.json"
     scores = read_json(path)
