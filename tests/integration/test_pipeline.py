@@ -99,3 +99,14 @@ def test_sweep_through_submitit_local_launcher(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(sweep.rglob("metrics.json"))) == 2
     assert (sweep / "report.md").exists()
+
+
+def test_sweep_through_joblib_launcher_builds_the_shared_cache_once(tmp_path):
+    """Two jobs in parallel processes (joblib) need the same cache: one builds it under the lock."""
+    sweep, cache = tmp_path / "sweep", tmp_path / "cache"
+    result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof", "hydra/launcher=joblib",
+                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}", f"cache_dir={cache}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
+    assert len(runs) == 2 and len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert (sweep / "report.md").exists()
