@@ -8,7 +8,7 @@ import pytest
 
 from tests.integration.test_pipeline import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.grid]  # not in the default run: `pytest -m grid`
 
 CELLS = {f"{p}_{loss}" for p in ("fix", "dof", "dof_clip", "dof_head") for loss in ("direct", "softmax", "l2")}
 CELLS |= {"performer", "dijiang"}
