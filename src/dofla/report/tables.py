@@ -85,11 +85,12 @@ def rows(runs: list[dict], root: Path) -> list[dict]:
 
 
 def _signature(config: dict) -> str:
-    """The run's configuration without its allocation policy and its paths: runs with equal
-    signatures differ only in how the budget was spread over the layers."""
+    """The run's configuration without its allocation policy, paths and what only measures or
+    logs: runs with equal signatures differ only in how the budget was spread over the layers."""
     def strip(node):
         if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items() if "dir" not in k and k not in ("experiment",)}
+            return {k: strip(v) for k, v in node.items()
+                    if "dir" not in k and k not in ("experiment", "eval", "logger", "stages")}
         return node
     config = strip(config)
     config.get("allocation", {}).pop("policy", None)
