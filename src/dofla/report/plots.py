@@ -157,13 +157,13 @@ def plot_gap_closed(runs: list[dict], path: Path) -> Path | None:
     closed = [c for c in gap_closed(runs) if c["gap_closed"] is not None]
     if not closed:
         return None
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(closed)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(closed)), 4.5))
     bars = ax.bar(range(len(closed)), [c["gap_closed"] for c in closed],
                   color=["C1" if c["gap_closed"] >= 0 else "C3" for c in closed])
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(closed)), [_label(c["run"]) for c in closed], rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel="(ppl_fix − ppl) / (ppl_fix − ppl_teacher)", title="fix→teacher gap closed by each policy")
+    ax.set(ylabel="(ppl_fix − ppl) / (ppl_fix − ppl_teacher)", title="fix→teacher gap closed")
     return _save(fig, ax, path, legend=False)
 
 

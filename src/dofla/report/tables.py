@@ -93,7 +93,8 @@ def _signature(config: dict) -> str:
                     if "dir" not in k and k not in ("experiment", "eval", "logger", "stages")}
         return node
     config = strip(config)
-    config.get("allocation", {}).pop("policy", None)
+    for key in ("policy", "head_quantum", "head_blocks"):  # how the budget is spread, not what it is
+        config.get("allocation", {}).pop(key, None)
     return json.dumps(config, sort_keys=True, default=str)
 
 
