@@ -77,6 +77,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     """Run the configured stages in ``out_dir``; returns the metrics (also in metrics.json)."""
     from dofla import stages
     from dofla.cache import build_or_load_cache
+    from dofla.eval.stage import eval_stage
     from dofla.models import get_adapter, load_teacher
     from dofla.report import print_run_summary, write_report
     from dofla.tracking import NullTracker
@@ -143,7 +144,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "eval" not in cfg.stages:
         return {}
     with timer("eval"):
-        metrics = stages.eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan,
+        metrics = eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan,
                                     teacher_scores=cache_root(cfg) / "teacher_scores")
     if not main:
         return metrics
