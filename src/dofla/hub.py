@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from contextlib import contextmanager
 from urllib.parse import urlparse
 
@@ -14,17 +16,40 @@ def hub_offline() -> bool:
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the hub endpoint accepts a TCP connection within ``timeout`` seconds."""
+    """Whether the hub endpoint resolves and accepts a TCP connection, all within ``timeout`` seconds.
+
+    ``socket``'s own timeout does not cover the DNS lookup, which can hang for minutes on a machine
+    with a dead resolver, so the lookup runs in a daemon thread that is abandoned at the deadline.
+    """
     if hub_offline():
         return False
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
+    deadline = time.monotonic() + timeout
+    found: list = []
+    lookup = threading.Thread(daemon=True, target=lambda: found.append(_resolve(url.hostname, url.port or 443)))
+    lookup.start()
+    lookup.join(timeout)
+    for family, kind, proto, _, address in (found[0] if found else []):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(left)
+                sock.connect(address)
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _resolve(host: str, port: int) -> list:
     try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return False
+        return []
 
 
 @contextmanager

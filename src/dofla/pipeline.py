@@ -48,9 +48,10 @@ def load_data(cfg: RunConfig, tokenizer):
 
     source = build_source(cfg.data.name, **cfg.data.options)
     L = cfg.data.seq_len
-    train = pack_tokens(source.texts("train"), tokenizer, L, cfg.data.num_tokens, desc="tokenize train")
+    train = pack_tokens(source.texts("train"), tokenizer, L, cfg.data.num_tokens, desc="tokenize train",
+                        source=cfg.data.name)
     heldout = pack_tokens(source.texts("heldout"), tokenizer, L, cfg.data.heldout_tokens,
-                          desc="tokenize held-out")
+                          desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
     return train, heldout, source.fingerprint()
 
 

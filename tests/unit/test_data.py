@@ -120,3 +120,36 @@ def test_pack_tokens_errors(byte_tokenizer):
         pack_tokens(["abc"], byte_tokenizer, seq_len=4, num_tokens=0)
     with pytest.raises(DataError, match="document 2 as NoneType"):
         pack_tokens(["abc", None], byte_tokenizer, seq_len=4, num_tokens=8)
+
+
+def test_load_data_names_the_source_and_the_setting(tmp_path, byte_tokenizer):
+    from dofla.config import RunConfig
+    from dofla.pipeline import load_data
+
+    cfg = RunConfig()
+    cfg.data.name, cfg.data.options = "text_files", {"paths": [_write(tmp_path, "a.jsonl", b'{"text": "a few words"}\n' * 40)],
+                                          "heldout_fraction": 0.5}
+    cfg.data.seq_len, cfg.data.num_tokens, cfg.data.heldout_tokens = 16, 64, 10_000
+    with pytest.raises(DataError, match=r"'text_files' \(tokenize held-out\) .* data.heldout_tokens=10000"):
+        load_data(cfg, byte_tokenizer)
+
+
+def test_hub_probe_bounds_a_hanging_dns_lookup(monkeypatch):
+    """socket's timeout does not cover getaddrinfo; a resolver that hangs must still end in time."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from dofla.hub import hub_reachable
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with socket.socket() as server:  # a real listener: reachable
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert hub_reachable(timeout=5)
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(30))  # a dead resolver
+        start = time.perf_counter()
+        assert not hub_reachable(timeout=0.5)
+        assert time.perf_counter() - start < 5
