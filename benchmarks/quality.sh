@@ -5,8 +5,9 @@
 #
 #   bash benchmarks/quality.sh [SWEEP_DIR] [extra overrides for every run...]
 #
-# On this project's 2-core CPU machine the whole table takes about 5 hours (softmax cells ~7 min,
-# l2 ~25 min, direct ~17 min each); pass e.g. train.steps=20 data.num_tokens=2048 to try it quickly.
+# On this project's 2-core CPU machine the whole table takes 6–9 hours (softmax cells ~7 min,
+# l2 25–50 min, direct ~17 min each). `bash benchmarks/quality.sh /tmp/q experiment=smoke_tiny` runs
+# every cell on a tiny random model in about 3.5 min.
 # Run it again after a kill and it resumes: each cell reuses the stages it finished.
 set -euo pipefail
 S=${1:-multirun_sweeps/quality}
