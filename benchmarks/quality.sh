@@ -12,10 +12,10 @@
 set -euo pipefail
 S=${1:-multirun_sweeps/quality}
 shift || true
+EXTRA=("$@")
 O='hydra.sweep.subdir=${hydra.job.override_dirname}'
 
 sweep() { dofla -m "$@" 'eval.tasks=[]' "$O" "hydra.sweep.dir=$S" "${EXTRA[@]}"; }
-EXTRA=("$@")
 
 sweep feature_map=learned_prf,hedgehog,dijiang,elu1 loss=softmax,l2 allocation=fix,dof
 sweep feature_map=performer allocation=fix,dof            # untrained: the loss does not matter

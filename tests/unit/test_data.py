@@ -127,8 +127,8 @@ def test_load_data_names_the_source_and_the_setting(tmp_path, byte_tokenizer):
     from dofla.pipeline import load_data
 
     cfg = RunConfig()
-    cfg.data.name, cfg.data.options = "text_files", {"paths": [_write(tmp_path, "a.jsonl", b'{"text": "a few words"}\n' * 40)],
-                                          "heldout_fraction": 0.5}
+    corpus = _write(tmp_path, "a.jsonl", b'{"text": "a few words"}\n' * 40)
+    cfg.data.name, cfg.data.options = "text_files", {"paths": [corpus], "heldout_fraction": 0.5}
     cfg.data.seq_len, cfg.data.num_tokens, cfg.data.heldout_tokens = 16, 64, 10_000
     with pytest.raises(DataError, match=r"'text_files' \(tokenize held-out\) .* data.heldout_tokens=10000"):
         load_data(cfg, byte_tokenizer)
