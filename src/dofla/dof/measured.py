@@ -152,7 +152,8 @@ def _check_allocation(num_layers: int, budget: float, min_dim: int, max_dim: int
     if num_layers == 0:
         raise ValueError("allocate_measured got no curves; measure at least one layer first")
     if not (math.isfinite(budget) and budget > 0):
-        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension per layer")
+        raise ValueError(f"budget={budget} is not valid; it must be a positive mean feature dimension "
+                         "per layer")
     if min_dim < 1 or quantum < 1:
         raise ValueError(f"min_dim={min_dim} and quantum={quantum} must both be positive numbers of features")
     target = round(num_layers * budget)
@@ -183,7 +184,8 @@ def _ranks(values: Sequence[float]) -> list[float]:
 def rank_correlation(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's ρ (Pearson correlation of average ranks); NaN when either side is constant."""
     if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"rank_correlation needs two sequences of equal length ≥ 2, got {len(a)} and {len(b)}")
+        raise ValueError(f"rank_correlation needs two sequences of equal length ≥ 2, got lengths "
+                         f"{len(a)} and {len(b)}")
     ra, rb = _ranks(a), _ranks(b)
     mean = (len(a) + 1) / 2  # average ranks always have this mean
     cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
