@@ -205,6 +205,7 @@ def test_code_that_bypasses_the_attention_interface_is_refused():
     model.model.layers[1].self_attn.forward = lambda hidden_states, *a, **kw: (torch.zeros_like(hidden_states), None)
     with pytest.raises(UnsupportedModelError, match="does not call transformers' attention interface"):
         check_supported(model, probe=True)
+    model = build_tiny_model("llama")
     for layer in model.model.layers:
         del layer.self_attn.layer_idx
     with pytest.raises(UnsupportedModelError, match="no self-attention modules"):

@@ -6,6 +6,8 @@ model-wide ``sliding_window`` (Mistral, Phi-3). Attention modules are found by t
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -15,6 +17,9 @@ LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 # names of fused or separate q/k/v projections across transformers' model files
 _PROJECTION_PARTS = ("qkv", "query", "key_value", "c_attn", "w_pack")
 _CROSS_PARTS = ("cross", "encoder_attn")
+# model -> its self-attention modules: a converted model asks on every forward, and walking all
+# modules costs ~2 ms for 30 layers. Conversion, LoRA wrapping and deepcopy keep this valid.
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _is_qkv_name(name: str) -> bool:
@@ -25,7 +30,7 @@ def _is_qkv_name(name: str) -> bool:
 
 def _is_attention(module: nn.Module) -> bool:
     """A module with an int ``layer_idx`` and a q/k/v-like projection child (LoRA-wrapped or not)."""
-    layer_idx = getattr(module, "layer_idx", None)
+    layer_idx = module.__dict__.get("layer_idx")  # plain attribute; getattr on a Module is slow when absent
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
         return False
     return any(_is_qkv_name(name) for name, _ in module.named_children())
@@ -42,6 +47,8 @@ def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def self_attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules sorted by ``layer_idx``; raises if a layer has none or several."""
+    if model in _FOUND:
+        return list(_FOUND[model])
     found = [m for name, m in find_attention_modules(model) if not is_cross_attention(name, m)]
     found.sort(key=lambda m: m.layer_idx)
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -51,7 +58,8 @@ def self_attention_modules(model: nn.Module) -> list[nn.Module]:
             "`layer_idx`, so its code does not go through transformers' attention interface; "
             "use a model implemented in transformers itself (not remote code)"
         )
-    return found
+    _FOUND[model] = found
+    return list(found)
 
 
 def _required(config, field: str):

@@ -8,6 +8,8 @@ function (ALiBi-style), and code that does not call transformers' attention inte
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import AttentionInterface
 
@@ -17,6 +19,8 @@ from dofla.models.adapters.generic import GenericAdapter, config_geometry, find_
 PROBE_IMPLEMENTATION = "dofla_probe"
 SINK_MODEL_TYPES = ("gpt_oss",)  # known before loading any weight: learned per-head sink logits
 _BIAS_KWARGS = ("s_aux", "sinks", "position_bias", "alibi")
+# models whose modules passed check_modules: get_adapter runs on every student forward, so once is enough
+_CHECKED_MODELS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _refuse(config, what: str, fix: str) -> UnsupportedModelError:
@@ -39,7 +43,9 @@ def check_config(config) -> None:
 
 
 def check_modules(model) -> None:
-    """Refusals that need the model's modules (cheap: no forward pass)."""
+    """Refusals that need the model's modules (no forward pass; done once per model)."""
+    if model in _CHECKED_MODELS:
+        return
     config = model.config
     found = find_attention_modules(model)
     if any(is_cross_attention(name, m) for name, m in found):
@@ -52,6 +58,7 @@ def check_modules(model) -> None:
     if len(modules) != num_layers:
         raise _refuse(config, f"has {len(modules)} self-attention modules for {num_layers} layers",
                       "use a model whose every layer has one self-attention module")
+    _CHECKED_MODELS.add(model)
 
 
 def check_supported(model_or_config, probe: bool = False) -> None:
