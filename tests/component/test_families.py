@@ -227,6 +227,17 @@ def test_load_teacher_builds_every_tiny_family_and_names_the_valid_ones():
         load_teacher("tiny:qwen4")
 
 
+@pytest.mark.parametrize("name", ["gemma2", "qwen3"])
+def test_local_checkpoint_loads_checked_with_the_right_attention(name, tmp_path, byte_tokenizer):
+    teacher = build_tiny_model(name)
+    teacher.save_pretrained(tmp_path)
+    byte_tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_teacher(str(tmp_path))
+    assert loaded.config._attn_implementation == ("eager" if name == "gemma2" else "sdpa")  # SDPA cannot soft-cap
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=_ids()).logits, teacher(input_ids=_ids()).logits)
+
+
 def test_pipeline_runs_on_tiny_qwen3(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", "model.source=tiny:qwen3",
