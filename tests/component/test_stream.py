@@ -8,13 +8,14 @@ import time
 import pytest
 import torch
 
+from dofla.cache import build_or_load_cache
 from dofla.data import DataError, build_source, pack_tokens
 from dofla.data.stream import BatchStream, StreamExhausted, source_stream
 from dofla.feature_maps import build_feature_map
 from dofla.models.capture import capture_qkv
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train.layerwise import LayerTrainConfig, train_layer
-from dofla.train.stream import run_streaming, teacher_heldout, total_steps, train_layers_streaming
+from dofla.train.stream import cache_heldout, run_streaming, teacher_heldout, total_steps, train_layers_streaming
 
 WORDS = "the lord said unto moses and aaron go forth into land of light water day night".split()
 
@@ -67,6 +68,25 @@ def test_batches_are_pack_tokens_rows_and_resume_exactly(tokenizer):
     skipped = stream(tokenizer)
     skipped.skip_to(4)
     assert torch.equal(skipped.next_batch(), reference[8:10])
+
+
+def test_discard_skips_tokens_and_resumes(tokenizer):
+    reference = pack_tokens(iter(texts()), tokenizer, seq_len=10, num_tokens=100 + 3 * 64).flatten()
+    batches = stream(tokenizer)
+    batches.discard(100)
+    assert torch.equal(batches.next_batch().flatten(), reference[100:164])
+    resumed = stream(tokenizer)
+    resumed.restore(batches.state())
+    assert torch.equal(resumed.next_batch().flatten(), reference[164:228])
+
+
+def test_cache_heldout_reads_the_last_cached_sequences(teacher, tokenizer, tmp_path):
+    rows = pack_tokens(iter(texts()), tokenizer, seq_len=32, num_tokens=5 * 32)
+    cache = build_or_load_cache(teacher, rows, {"test": "stream"}, tmp_path, progress=False)
+    q, k = cache_heldout(cache, num_seqs=2)(1)
+    want = teacher_heldout(teacher, rows[-2:], [1])[1]
+    assert q.shape == want[0].shape == (2, 4, 32, 16) and k.shape == want[1].shape == (2, 2, 32, 16)
+    assert torch.allclose(q, want[0], rtol=2e-3, atol=2e-3) and torch.allclose(k, want[1], rtol=2e-3, atol=2e-3)
 
 
 def test_source_stream_reads_a_registered_source(tokenizer, tmp_path):

@@ -68,11 +68,25 @@ class BatchStream:
         for _ in range(batch):
             self.next_batch()
 
+    def discard(self, num_tokens: int) -> None:
+        """Drop the next ``num_tokens`` tokens unserved, e.g. the ones an activation cache already
+        holds, so that cache's sequences stay held out from the stream (resumable like a batch)."""
+        self._fill(num_tokens)
+        del self._buffer[:num_tokens]
+
     def next_batch(self) -> torch.LongTensor:
         """The next (B, L) batch; StreamExhausted (a DataError) when the text runs out."""
+        self._fill(self.batch_tokens)
+        batch = torch.tensor(self._buffer[: self.batch_tokens], dtype=torch.long)
+        del self._buffer[: self.batch_tokens]
+        self.position += 1
+        return batch.view(self.batch_size, self.seq_len)
+
+    def _fill(self, num_tokens: int) -> None:
+        """Read documents until the buffer holds ``num_tokens`` ids; StreamExhausted if they run out."""
         if self._iterator is None:
             self._iterator = iter(self.texts())
-        while len(self._buffer) < self.batch_tokens:
+        while len(self._buffer) < num_tokens:
             text = next(self._iterator, _END)
             if text is _END:
                 served = self.position * self.batch_tokens
@@ -82,10 +96,6 @@ class BatchStream:
                     "request fewer tokens or add data", served)
             self._documents += 1
             self._buffer.extend(self._tokenize(text))
-        batch = torch.tensor(self._buffer[: self.batch_tokens], dtype=torch.long)
-        del self._buffer[: self.batch_tokens]
-        self.position += 1
-        return batch.view(self.batch_size, self.seq_len)
 
     def _tokenize(self, text) -> list[int]:
         """One document's ids followed by EOS, as ``pack_tokens`` makes them."""

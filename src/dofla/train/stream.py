@@ -263,10 +263,20 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
 def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
     """Held-out q (S, H, L, d), k (S, H_kv, L, d) per layer from held-out token rows (S, L), on CPU.
 
-    Use text the stream never serves (the source's "heldout" split): the stream starts at the
-    first "train" document, so sequences of the activation cache would be training data here.
+    Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``.
     """
     device = next(teacher.parameters()).device
     modules = get_adapter(teacher).attention_modules(teacher)
     parts = [teacher_qk(teacher, modules, rows.to(device), layers) for rows in tokens.split(batch_size)]
     return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in (0, 1)) for i in layers}
+
+
+def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out q, k per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32).
+
+    Only held out when the stream skips the cached tokens first (``BatchStream.discard``).
+    """
+    def layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = cache.layer(i).torch(slice(-num_seqs, None))
+        return q, k
+    return layer
