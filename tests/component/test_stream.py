@@ -174,12 +174,20 @@ def test_run_streaming_writes_artifacts_and_reuses_them(teacher, tokenizer, tmp_
     first = run_streaming(teacher, stream(tokenizer), maps, [0, 2], config(), held, tmp_path, {"run": 1},
                           num_tokens=4 * 64)
     assert sorted(p.name for p in tmp_path.glob("layer_*.pt")) == ["layer_00.pt", "layer_02.pt"]
-    assert not (tmp_path / "stream.ckpt").exists() and first[0]["tokens"] == 4 * 64
+    assert not list(tmp_path.glob("*.ckpt")) and first[0]["tokens"] == 4 * 64
     calls = _count_forwards(teacher.model.layers[0])
     fresh = feature_maps()
     again = run_streaming(teacher, stream(tokenizer), fresh, [0, 2], config(), held, tmp_path, {"run": 1},
                           num_tokens=4 * 64)
-    assert not calls and again[2]["curve"] == first[2]["curve"]
+    assert not calls and again == first
+    assert all(torch.equal(t, maps[2].state_dict()[n]) for n, t in fresh[2].state_dict().items())
+    (tmp_path / "layer_02.pt").unlink()
+    fresh = feature_maps()
+    third = run_streaming(teacher, stream(tokenizer), fresh, [0, 2], config(), held, tmp_path, {"run": 1},
+                          num_tokens=4 * 64)
+    assert len(calls) == 4 and third[0] == first[0]  # only layer 2 retrained: 4 steps, same result
+    untimed = [{k: v for k, v in summary.items() if k != "seconds"} for summary in (third[2], first[2])]
+    assert untimed[0] == untimed[1]
     assert all(torch.equal(t, maps[2].state_dict()[n]) for n, t in fresh[2].state_dict().items())
 
 

@@ -13,6 +13,7 @@ optimizer and best state plus the data position, so a killed run resumes to the 
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Union
@@ -239,25 +240,32 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
                   steps: int | None = None) -> dict[int, dict]:
     """``train_layers_streaming`` written as run_layerwise's verified ``layer_XX.pt`` artifacts.
 
-    When every layer's artifact exists and verifies (same ``meta``), they are loaded and nothing
-    runs. Otherwise all requested layers train together from ``out_dir/stream.ckpt``.
+    Layers whose artifact exists and verifies (same ``meta``) are loaded; the others train
+    together from a checkpoint named after their set (so jobs on disjoint layers can share
+    ``out_dir``). When all exist nothing runs.
     """
     out_dir = Path(out_dir)
     metas = {i: {**(meta or {}), "layer": i, "num_features": feature_dims(feature_maps[i])} for i in layers}
-    existing = {i: load_artifact(out_dir / f"layer_{i:02d}.pt", metas[i]) for i in layers}
-    if all(found is not None for found in existing.values()):
-        for i, found in existing.items():
+    summaries, missing = {}, []
+    for i in layers:
+        found = load_artifact(out_dir / f"layer_{i:02d}.pt", metas[i])
+        if found is None:
+            missing.append(i)
+        else:
             feature_maps[i].load_state_dict(found["state_dict"])
-        return {i: found["summary"] for i, found in existing.items()}
-    checkpoint = out_dir / "stream.ckpt"
-    result = train_layers_streaming(teacher, batches, feature_maps, layers, cfg, heldout, checkpoint,
+            summaries[i] = found["summary"]
+    if not missing:
+        return summaries
+    checkpoint = out_dir / f"stream_{zlib.crc32(repr(sorted(missing)).encode()):08x}.ckpt"
+    result = train_layers_streaming(teacher, batches, feature_maps, missing, cfg, heldout, checkpoint,
                                     num_tokens=num_tokens, steps=steps)
     for i, summary in result.summaries.items():
         summary["tokens"] = result.tokens
         save_artifact(out_dir / f"layer_{i:02d}.pt", {"state_dict": feature_maps[i].state_dict(),
                                                       "curve": summary["curve"], "summary": summary}, metas[i])
+        summaries[i] = summary
     checkpoint.unlink(missing_ok=True)
-    return result.summaries
+    return {i: summaries[i] for i in layers}
 
 
 def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
