@@ -130,6 +130,12 @@ def test_steps_wins_over_num_tokens():
         total_steps(10, None, 64)
 
 
+@pytest.mark.parametrize("layers", [[], [3], [-1, 0]])
+def test_layers_outside_the_teacher_are_refused(teacher, tokenizer, layers):
+    with pytest.raises(ValueError, match="non-empty subset of 0..2"):
+        train_layers_streaming(teacher, stream(tokenizer), feature_maps(), layers, config(), {}, num_tokens=64)
+
+
 def _count_forwards(module) -> list:
     calls = []
     module.register_forward_hook(lambda *args: calls.append(1))

@@ -89,11 +89,11 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     summaries; each feature map ends holding its best held-out state. A checkpoint of a finished
     run makes a second call return at once with the same result.
     """
-    layers = sorted(set(layers))
+    modules = get_adapter(teacher).attention_modules(teacher)
+    layers = _checked_layers(layers, len(modules))
     total = total_steps(num_tokens, steps, batches.batch_tokens)
     cfg = replace(cfg, steps=total)
     device = next(teacher.parameters()).device
-    modules = get_adapter(teacher).attention_modules(teacher)
     optimizers, base_lrs = {}, {}
     for i in layers:
         groups = param_groups(feature_maps[i].to(device), cfg)
@@ -126,6 +126,14 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     if checkpoint_path is not None:
         _save(Path(checkpoint_path), feature_maps, optimizers, state)
     return _result(feature_maps, state)
+
+
+def _checked_layers(layers: list[int], num_layers: int) -> list[int]:
+    layers = sorted(set(layers))
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"layers {layers} must be a non-empty subset of 0..{num_layers - 1} (the teacher's "
+                         "layers); fix train.layers")
+    return layers
 
 
 def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches) -> dict:
