@@ -1,0 +1,85 @@
+"""Streaming layerwise training throughput vs the teacher's forward pass alone.
+
+A streaming step is one teacher forward without gradients (stopped after the deepest trained
+layer) plus, for every layer, the softmax loss of its learned PRF features on that layer's q, k,
+its backward and its Adam step. The reference is a plain full teacher forward (no capture) on
+the same (B, L) batches of the embedded corpus. Target: streaming ≥ 60 % of forward-only tokens/s.
+
+    python -m benchmarks.bench_stream [--model embedded:smollm2-135m-instruct] [--batch-size 1]
+        [--seq-len 512] [--steps 4] [--features 64] [--threads N] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import Row, add_common_args, print_rows, set_threads
+from dofla.data import build_source, pack_tokens
+from dofla.data.stream import BatchStream
+from dofla.feature_maps import build_layer_feature_map
+from dofla.models import EMBEDDED, get_adapter, load_teacher
+from dofla.train.layerwise import LayerTrainConfig
+from dofla.train.stream import teacher_heldout, train_layers_streaming
+
+
+def corpus_stream(tokenizer, batch_size: int, seq_len: int) -> BatchStream:
+    source = build_source("embedded")
+    return BatchStream(lambda: source.texts("train"), tokenizer, batch_size, seq_len, source="embedded")
+
+
+@torch.no_grad()
+def forward_seconds(teacher, batches: list[torch.Tensor]) -> float:
+    """Wall seconds of plain teacher forwards over ``batches`` (after one warm-up forward)."""
+    teacher(input_ids=batches[0], use_cache=False)
+    start = time.perf_counter()
+    for ids in batches:
+        teacher(input_ids=ids, use_cache=False)
+    return time.perf_counter() - start
+
+
+def streaming_run(teacher, tokenizer, args, steps: int):
+    """One streaming run of ``steps`` steps over all layers; its StreamResult (its seconds include
+    the first step's one-time costs and one final held-out evaluation of 64 tokens per layer)."""
+    g = get_adapter(teacher).geometry(teacher.config)
+    maps = [build_layer_feature_map("learned_prf", g.num_heads, g.head_dim, args.features, seed=i)
+            for i in range(g.num_layers)]
+    layers = list(range(g.num_layers))
+    held_rows = pack_tokens(build_source("embedded").texts("heldout"), tokenizer, 64, 64)
+    heldout = teacher_heldout(teacher, held_rows, layers)
+    cfg = LayerTrainConfig(batch_size=args.batch_size, eval_every=10**9, warmup_steps=1)
+    batches = corpus_stream(tokenizer, args.batch_size, args.seq_len)
+    return train_layers_streaming(teacher, batches, maps, layers, cfg, heldout, steps=steps, progress=False)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--model", default=EMBEDDED)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--features", type=int, default=64)
+    args = parser.parse_args(argv)
+    threads = set_threads(args.threads)
+    if args.quick:
+        args.seq_len, args.steps = 128, 2
+    teacher, tokenizer = load_teacher(args.model)
+    stream = corpus_stream(tokenizer, args.batch_size, args.seq_len)
+    batches = [stream.next_batch() for _ in range(args.steps)]
+    t_forward = forward_seconds(teacher, batches)
+    result = streaming_run(teacher, tokenizer, args, steps=args.steps)
+    tokens = args.steps * args.batch_size * args.seq_len
+    fwd_rate, stream_rate = tokens / t_forward, result.tokens / result.seconds
+    ratio = stream_rate / fwd_rate
+    layers = len(result.summaries)
+    shape = f"B={args.batch_size}, L={args.seq_len}, {args.steps} steps, {layers} layers, M={args.features}"
+    return [Row(f"streaming step throughput ({args.model}, {shape})",
+                "teacher forward alone, same batches", "≥ 60 %",
+                f"stream {stream_rate:.0f} tok/s vs forward {fwd_rate:.0f} tok/s", ratio, ratio >= 0.6,
+                f"teacher part of a streaming step {result.teacher_seconds / result.seconds:.0%} "
+                f"(early exit skips the LM head); {threads} threads")]
+
+
+if __name__ == "__main__":
+    print_rows(main(), title="dofla benchmarks: stream")

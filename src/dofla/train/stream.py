@@ -1,0 +1,298 @@
+"""Streaming layerwise training: a fresh teacher forward every step, no activation cache on disk.
+
+Each step draws the next (B, L) token batch, runs the teacher once without gradients up to the
+deepest layer still training (the capture callback raises a private exception there, so deeper
+layers never run), then gives every trained layer its own loss and its own Adam step on that
+layer's teacher q, k. The q, k are teacher activations, so no gradient crosses layers: this is
+the paper's layerwise training, with data bounded by time instead of disk. Memory holds one batch.
+
+Held-out loss on fixed held-out q, k every ``eval_every`` steps keeps each layer's best state (as
+``train_layer`` does). A checkpoint every ``checkpoint_every`` steps holds every layer's features,
+optimizer and best state plus the data position, so a killed run resumes to the same bits on CPU.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from dofla.artifacts import load_artifact, save_artifact, torch_save_atomic
+from dofla.data.sources import DataError
+from dofla.data.stream import BatchStream, StreamExhausted
+from dofla.faults import kill_point
+from dofla.feature_maps.blocks import feature_dims
+from dofla.models.adapters import get_adapter
+from dofla.models.capture import capturing
+from dofla.train.layerwise import LayerTrainConfig, apply_step, heldout_loss, layer_loss, lr_factor, param_groups
+
+# layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
+HeldOut = Union[dict, Callable[[int], tuple]]
+
+
+class _Captured(Exception):
+    """Raised from the capture callback once the deepest needed layer is captured: ends the forward."""
+
+
+@dataclass
+class StreamResult:
+    summaries: dict[int, dict]  # per layer, the keys run_layerwise's summaries have
+    tokens: int  # tokens consumed (steps × B × L)
+    steps_run: int
+    seconds: float  # wall time of the whole run, resumed parts included
+    teacher_seconds: float  # of which teacher forwards
+
+
+def total_steps(num_tokens: int, steps: int | None, batch_tokens: int) -> int:
+    """``steps`` when set (it wins), else one pass over ``num_tokens``: num_tokens // (B·L)."""
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be ≥ 1 (or None to use num_tokens)")
+        return steps
+    if num_tokens < batch_tokens:
+        raise ValueError(f"num_tokens={num_tokens} is less than one batch ({batch_tokens} tokens); "
+                         "raise num_tokens or lower the batch size / sequence length")
+    return num_tokens // batch_tokens
+
+
+@torch.no_grad()
+def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int]) -> dict[int, tuple]:
+    """{layer: (q (B, H, L, d), k (B, H_kv, L, d))} in fp32 for ``layers``; the forward stops
+    right after the deepest of them."""
+    wanted, deepest, captured = set(layers), max(layers), {}
+
+    def grab(i, q, k, v):
+        if i in wanted:
+            captured[i] = (q.float(), k.float())
+        if i == deepest:
+            raise _Captured
+
+    with capturing(teacher, modules, grab):
+        try:
+            teacher(input_ids=input_ids, use_cache=False)
+        except _Captured:
+            pass
+    return captured
+
+
+def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int],
+                           cfg: LayerTrainConfig, heldout: HeldOut, checkpoint_path: Path | None = None,
+                           num_tokens: int = 0, steps: int | None = None, progress: bool = True) -> StreamResult:
+    """Train ``feature_maps[i]`` for every i in ``layers`` on fresh teacher activations.
+
+    Runs ``total_steps(num_tokens, steps, B·L)`` steps (cfg.steps is ignored; the warm-up and
+    cosine schedule span this count). Feature maps move to the teacher's device. Returns per-layer
+    summaries; each feature map ends holding its best held-out state. A checkpoint of a finished
+    run makes a second call return at once with the same result.
+    """
+    modules = get_adapter(teacher).attention_modules(teacher)
+    layers = _checked_layers(layers, len(modules))
+    total = total_steps(num_tokens, steps, batches.batch_tokens)
+    cfg = replace(cfg, steps=total)
+    device = next(teacher.parameters()).device
+    optimizers, base_lrs = {}, {}
+    for i in layers:
+        groups = param_groups(feature_maps[i].to(device), cfg)
+        if groups:
+            optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
+            base_lrs[i] = [g["lr"] for g in groups]
+    if checkpoint_path is not None and Path(checkpoint_path).exists():
+        state = _resume(Path(checkpoint_path), feature_maps, optimizers, batches, layers)
+    else:
+        state = _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches)
+    bar = tqdm(total=total * batches.batch_tokens, initial=state["tokens"], desc="stream", unit="tok",
+               unit_scale=True, disable=not progress)
+    start = time.perf_counter() - state["seconds"]
+    while state["step"] < total and _active(state):
+        kill_point(f"stream:step{state['step']}")
+        ids = _next_batch(batches, total, steps)
+        losses = _train_step(teacher, modules, ids.to(device), feature_maps, optimizers, base_lrs, state, cfg)
+        state["step"] += 1
+        state["tokens"] += ids.numel()
+        state["data"] = batches.state()
+        if state["step"] % cfg.eval_every == 0 or state["step"] == total:
+            for i in _active(state):
+                _evaluate(feature_maps[i], i, heldout, cfg, device, state)
+        state["seconds"] = time.perf_counter() - start
+        if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
+            _save(Path(checkpoint_path), feature_maps, optimizers, state)
+        bar.update(ids.numel())
+        bar.set_postfix(step=state["step"], loss=f"{sum(losses) / max(1, len(losses)):.4f}")
+    bar.close()
+    if checkpoint_path is not None:
+        _save(Path(checkpoint_path), feature_maps, optimizers, state)
+    return _result(feature_maps, state)
+
+
+def _checked_layers(layers: list[int], num_layers: int) -> list[int]:
+    layers = sorted(set(layers))
+    if not layers or layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"layers {layers} must be a non-empty subset of 0..{num_layers - 1} (the teacher's "
+                         "layers); fix train.layers")
+    return layers
+
+
+def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches) -> dict:
+    per_layer = {}
+    for i in layers:
+        initial = _heldout_value(feature_maps[i], i, heldout, cfg, device)
+        per_layer[i] = {"curve": [], "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
+                        "stopped": i not in optimizers, "seconds": 0.0, "best_state": _cpu_state(feature_maps[i])}
+    return {"step": 0, "tokens": 0, "seconds": 0.0, "teacher_seconds": 0.0, "data": batches.state(),
+            "shape": (batches.batch_size, batches.seq_len), "layers": per_layer}
+
+
+def _active(state) -> list[int]:
+    return [i for i, s in state["layers"].items() if not s["stopped"]]
+
+
+def _next_batch(batches: BatchStream, total: int, steps: int | None) -> torch.Tensor:
+    try:
+        return batches.next_batch()
+    except StreamExhausted as err:
+        setting = "train.steps" if steps is not None else "train.num_tokens"
+        raise DataError(
+            f"data source {batches.source!r} ran out after {err.tokens} tokens but this run needs "
+            f"{total * batches.batch_tokens} ({total} steps of {batches.batch_size}×{batches.seq_len}); "
+            f"lower {setting} or use a larger data source") from None
+
+
+def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg) -> list[float]:
+    """One teacher forward, then one loss and one Adam step per active layer; the finite losses."""
+    step, active = state["step"], _active(state)
+    started = time.perf_counter()
+    acts = teacher_qk(teacher, modules, ids, active)
+    state["teacher_seconds"] += time.perf_counter() - started
+    losses = []
+    for i in active:
+        started = time.perf_counter()
+        for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
+            group["lr"] = lr * lr_factor(step, cfg)
+        q, k = acts.pop(i)  # frees this layer's activations before the next layer's step
+        loss = layer_loss(feature_maps[i], q, k, cfg)
+        curve = state["layers"][i]["curve"]
+        if apply_step(optimizers[i], loss, f"layer{i}: non-finite training loss at streaming step {step}",
+                      cfg.skip_nonfinite):
+            losses.append(loss.item())
+            curve.append({"step": step, "loss": losses[-1]})
+        else:
+            curve.append({"step": step, "loss": None, "skipped": True})
+        state["layers"][i]["seconds"] += time.perf_counter() - started
+    return losses
+
+
+def _heldout_value(feature_map, i: int, heldout: HeldOut, cfg, device) -> float:
+    q, k = heldout[i] if isinstance(heldout, dict) else heldout(i)
+    q, k = q.to(device, torch.float32), k.to(device, torch.float32)
+    return heldout_loss(feature_map, q, k, torch.arange(q.shape[0]), cfg)
+
+
+def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state) -> None:
+    """Record layer i's held-out loss, keep its best state, stop it when patience runs out."""
+    layer = state["layers"][i]
+    value = _heldout_value(feature_map, i, heldout, cfg, device)
+    layer["curve"][-1]["heldout_loss"] = value
+    if value < layer["best"]:
+        layer.update(best=value, best_step=state["step"], bad_evals=0, best_state=_cpu_state(feature_map))
+    else:
+        layer["bad_evals"] += 1
+        layer["stopped"] = cfg.patience > 0 and layer["bad_evals"] >= cfg.patience
+
+
+def _cpu_state(feature_map) -> dict:
+    return {n: t.detach().to("cpu", copy=True) for n, t in feature_map.state_dict().items()}
+
+
+def _save(path: Path, feature_maps, optimizers, state) -> None:
+    torch_save_atomic({"feature_maps": {i: feature_maps[i].state_dict() for i in state["layers"]},
+                       "optimizers": {i: opt.state_dict() for i, opt in optimizers.items()},
+                       "rng": torch.get_rng_state(), "state": state}, path)
+
+
+def _resume(path: Path, feature_maps, optimizers, batches: BatchStream, layers: list[int]) -> dict:
+    ckpt = torch.load(path, weights_only=False)
+    state = ckpt["state"]
+    shape = (batches.batch_size, batches.seq_len)
+    if tuple(state["shape"]) != shape:
+        raise ValueError(f"streaming checkpoint {path} was written with batches {tuple(state['shape'])}, "
+                         f"not {shape}; delete it to start over or restore the batch size and length")
+    if sorted(state["layers"]) != layers:
+        raise ValueError(f"streaming checkpoint {path} trains layers {sorted(state['layers'])}, not {layers}; "
+                         "delete it to start over or request the same layers")
+    for i, sd in ckpt["feature_maps"].items():
+        feature_maps[i].load_state_dict(sd)
+    for i, sd in ckpt["optimizers"].items():
+        optimizers[i].load_state_dict(sd)
+    torch.set_rng_state(ckpt["rng"])
+    batches.restore(state["data"])
+    return state
+
+
+def _result(feature_maps, state) -> StreamResult:
+    summaries = {}
+    for i, layer in state["layers"].items():
+        feature_maps[i].load_state_dict(layer["best_state"])
+        summaries[i] = {"layer": i, "initial_heldout_loss": layer["initial"], "final_heldout_loss": layer["best"],
+                        "best_step": layer["best_step"], "steps_run": len(layer["curve"]),
+                        "seconds": layer["seconds"], "curve": layer["curve"]}
+    return StreamResult(summaries=summaries, tokens=state["tokens"], steps_run=state["step"],
+                        seconds=state["seconds"], teacher_seconds=state["teacher_seconds"])
+
+
+def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int], cfg: LayerTrainConfig,
+                  heldout: HeldOut, out_dir: Path, meta: dict | None = None, num_tokens: int = 0,
+                  steps: int | None = None) -> dict[int, dict]:
+    """``train_layers_streaming`` written as run_layerwise's verified ``layer_XX.pt`` artifacts.
+
+    Layers whose artifact exists and verifies (same ``meta``) are loaded; the others train
+    together from a checkpoint named after their set (so jobs on disjoint layers can share
+    ``out_dir``). When all exist nothing runs.
+    """
+    out_dir = Path(out_dir)
+    metas = {i: {**(meta or {}), "layer": i, "num_features": feature_dims(feature_maps[i])} for i in layers}
+    summaries, missing = {}, []
+    for i in layers:
+        found = load_artifact(out_dir / f"layer_{i:02d}.pt", metas[i])
+        if found is None:
+            missing.append(i)
+        else:
+            feature_maps[i].load_state_dict(found["state_dict"])
+            summaries[i] = found["summary"]
+    if not missing:
+        return summaries
+    checkpoint = out_dir / f"stream_{zlib.crc32(repr(sorted(missing)).encode()):08x}.ckpt"
+    result = train_layers_streaming(teacher, batches, feature_maps, missing, cfg, heldout, checkpoint,
+                                    num_tokens=num_tokens, steps=steps)
+    for i, summary in result.summaries.items():
+        summary["tokens"] = result.tokens
+        save_artifact(out_dir / f"layer_{i:02d}.pt", {"state_dict": feature_maps[i].state_dict(),
+                                                      "curve": summary["curve"], "summary": summary}, metas[i])
+        summaries[i] = summary
+    checkpoint.unlink(missing_ok=True)
+    return {i: summaries[i] for i in layers}
+
+
+def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
+    """Held-out q (S, H, L, d), k (S, H_kv, L, d) per layer from held-out token rows (S, L), on CPU.
+
+    Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``.
+    """
+    device = next(teacher.parameters()).device
+    modules = get_adapter(teacher).attention_modules(teacher)
+    parts = [teacher_qk(teacher, modules, rows.to(device), layers) for rows in tokens.split(batch_size)]
+    return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in (0, 1)) for i in layers}
+
+
+def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out q, k per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32).
+
+    Only held out when the stream skips the cached tokens first (``BatchStream.discard``).
+    """
+    def layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = cache.layer(i).torch(slice(-num_seqs, None))
+        return q, k
+    return layer
