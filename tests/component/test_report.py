@@ -154,7 +154,7 @@ def test_seed_report_shows_means_intervals_and_paired_differences(tmp_path):
     assert "vs_fix/loss_diff" not in fix or fix["vs_fix/loss_diff"] == ""
     assert float(rows[("fix_max", "0")]["cost_mean"]) == 20 / 16  # mean dim / budget, beside its quality
     text = (tmp_path / "report.md").read_text()
-    assert "Student-t" in text and "(n=1)" in text
+    assert "Student-t" in text and "(n=1)" in text and "| 0.4 ± 0 |" in text  # equal accuracies: no float noise
     assert f"| dof | dof | 3 | 0,1,2 | 16 ± 0 | 1 ± 0 | {mean:.4g} ± " in text
     assert "| fix_max | fix_max | 1 | 1.25 (n=1) |" in text  # paired row: its cost, one pair
     assert "(gap_closed.png)" in text and (tmp_path / "perplexity.png").stat().st_size > 1000

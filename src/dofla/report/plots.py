@@ -82,7 +82,7 @@ def plot_perplexity(groups: list[dict], path: Path) -> Path | None:
     groups = [g for g in groups if "eval/student_ppl" in g["stats"]]
     if not groups:
         return None
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(groups)), 4))
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.2 * len(groups)), 4))
     stats = [g["stats"]["eval/student_ppl"] for g in groups]
     bars = ax.bar(range(len(groups)), [m for m, _, _ in stats], yerr=_yerr([h for _, h, _ in stats]), capsize=3)
     ax.bar_label(bars, fmt="%.1f", fontsize=7)
@@ -110,53 +110,57 @@ def plot_training(runs: list[dict], path: Path) -> Path | None:
     return _save(fig, ax, path)
 
 
-def plot_tasks(runs: list[dict], path: Path) -> Path | None:
-    """Zero-shot accuracy per task: one bar per run, the teacher as a black tick per task."""
-    per_run = []
-    for run in runs:
-        acc = {k.split("/")[2]: v for k, v in run["metrics"].items()
+def plot_tasks(groups: list[dict], path: Path) -> Path | None:
+    """Zero-shot accuracy per task: one bar per seed group (mean ± 95 % t CI), the teacher as a
+    black tick per task."""
+    per_group = []
+    for group in groups:
+        acc = {k.split("/")[2]: v for k, v in group["stats"].items()
                if k.startswith("tasks/student/") and k.endswith("/acc")}
         if acc:
-            per_run.append((run, acc))
-    if not per_run:
+            per_group.append((group, acc))
+    if not per_group:
         return None
-    tasks = sorted({t for _, acc in per_run for t in acc})
-    width = 0.8 / len(per_run)
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) * max(1, len(per_run) / 3)), 4))
-    for n, (run, acc) in enumerate(per_run):
+    tasks = sorted({t for _, acc in per_group for t in acc})
+    width = 0.8 / len(per_group)
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) * max(1, len(per_group) / 3)), 4))
+    for n, (group, acc) in enumerate(per_group):
         xs = [i - 0.4 + width * (n + 0.5) for i in range(len(tasks))]
-        ax.bar(xs, [acc.get(t, float("nan")) for t in tasks], width, label=_label(run))
+        ax.bar(xs, [acc[t][0] if t in acc else float("nan") for t in tasks], width, capsize=2,
+               yerr=_yerr([acc[t][1] if t in acc else None for t in tasks]), label=group["label"])
     for i, task in enumerate(tasks):
-        teacher = [r["metrics"].get(f"tasks/teacher/{task}/acc") for r, _ in per_run]
-        teacher = [t for t in teacher if t is not None]
+        teacher = [g["stats"][f"tasks/teacher/{task}/acc"][0] for g, _ in per_group
+                   if f"tasks/teacher/{task}/acc" in g["stats"]]
         if teacher:
             ax.hlines(sum(teacher) / len(teacher), i - 0.45, i + 0.45, colors="k", linestyles="--",
                       label="teacher" if i == 0 else None)
     ax.set_xticks(range(len(tasks)), tasks, rotation=20, ha="right", fontsize=8)
-    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1), title="downstream tasks: students vs teacher")
+    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1), title="downstream tasks: students vs teacher (mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
-def plot_mqar(runs: list[dict], path: Path) -> Path | None:
-    """Associative-recall accuracy vs sequence length, per run, the teacher dashed."""
-    def curve(run, who):
-        pts = sorted((int(k.rsplit("/T", 1)[1]), v) for k, v in run["metrics"].items()
+def plot_mqar(groups: list[dict], path: Path) -> Path | None:
+    """Associative-recall accuracy vs sequence length per seed group (mean ± 95 % t CI), the
+    teacher dashed."""
+    def curve(group, who):
+        pts = sorted((int(k.rsplit("/T", 1)[1]), v) for k, v in group["stats"].items()
                      if k.startswith(f"mqar/{who}/T"))
-        return [p[0] for p in pts], [p[1] for p in pts]
+        return [p[0] for p in pts], [p[1][0] for p in pts], _yerr([p[1][1] for p in pts])
 
-    runs = [r for r in runs if any(k.startswith("mqar/student/") for k in r["metrics"])]
-    if not runs:
+    groups = [g for g in groups if any(k.startswith("mqar/student/") for k in g["stats"])]
+    if not groups:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*curve(runs[0], "teacher"), "k--", marker="s", ms=4, label="teacher")
-    for run in runs:
-        ax.plot(*curve(run, "student"), marker="o", ms=3, label=_label(run))
-    lengths = sorted({t for run in runs for t in curve(run, "student")[0]})
+    ax.plot(*curve(groups[0], "teacher")[:2], "k--", marker="s", ms=4, label="teacher")
+    for group in groups:
+        xs, ys, err = curve(group, "student")
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=group["label"])
+    lengths = sorted({t for group in groups for t in curve(group, "student")[0]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(t) for t in lengths])
     ax.minorticks_off()
     ax.set(xlabel="sequence length", ylabel="recall accuracy", ylim=(0, 1.02),
-           title="multi-query associative recall (MQAR)")
+           title="multi-query associative recall (MQAR, mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
@@ -192,15 +196,16 @@ def write_plots(runs: list[dict], root: Path, groups: list[dict] | None = None,
     for run in runs:  # label each curve by what tells the runs apart, nothing else
         run["label"] = _short_label(run, keys) or run["dir"].name
     for group in groups:
-        group["label"] = _short_label(group["runs"][0], [k for k in keys if k != "seed"]) or "all runs"
+        label = _short_label(group["runs"][0], [k for k in keys if k != "seed"]) or "all runs"
+        group["label"] = f"{label} (n={len(group['runs'])})"
     made = [
         plot_dof_heatmap(runs, root / "dof_heatmap.png"),
         plot_dims(runs, root / "dims.png"),
         plot_attention_error(groups, root / "attn_error.png"),
         plot_perplexity(groups, root / "perplexity.png"),
         plot_training(runs, root / "training.png"),
-        plot_tasks(runs, root / "tasks.png"),
-        plot_mqar(runs, root / "mqar.png"),
+        plot_tasks(groups, root / "tasks.png"),
+        plot_mqar(groups, root / "mqar.png"),
         plot_gap_closed(paired, root / "gap_closed.png"),
     ]
     return [p for p in made if p is not None]

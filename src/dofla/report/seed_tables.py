@@ -24,7 +24,9 @@ def fmt_stat(stat) -> str:
     mean, half, n = stat
     if half is None:
         return f"{mean:.4g} (n={n})"
-    return f"{mean:.4g} ± {half:.2g}" if math.isfinite(half) else f"{mean:.4g} ± nan"
+    if math.isfinite(half) and half <= 1e-9 * abs(mean):  # equal values up to float rounding
+        half = 0.0
+    return f"{mean:.4g} ± {half:.2g}"
 
 
 def group_label(group: dict, keys: list[str]) -> dict[str, str]:
