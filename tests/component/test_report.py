@@ -11,19 +11,19 @@ from dofla.record import write_json
 from dofla.report import write_report
 from dofla.report.stats import gap_closed as gap_share
 from dofla.report.stats import mean_ci, paired_differences, t_cdf, t_quantile
-from dofla.report.tables import distinguishing_overrides, gap_closed, load_run
+from dofla.report.tables import distinguishing_overrides, gap_closed, load_run, record_differences_within_seeds
 
 # Published two-sided 95 % Student-t critical values t(0.975, df) (any statistics table).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 10: 2.228, 20: 2.086, 30: 2.042}
 
 
-def _fake_run(path, policy, ppl, sha, dims, acc=0.4, seed=None):
+def _fake_run(path, policy, ppl, sha, dims, acc=0.4, seed=None, cache_key="abc"):
     config = {"allocation": {"policy": policy, "lam": 0.01}, "model": {"source": "tiny"}, "cache_dir": str(path),
               "seed": seed or 0}
     overrides = [f"allocation={policy}", "model=tiny_llama"] + ([f"seed={seed}"] if seed is not None else [])
     write_json(path / "run.json", {"config": config, "overrides": overrides, "seed": seed or 0,
                                    "git": {"sha": sha, "dirty": False}, "packages": {"torch": "2.13"},
-                                   "device": "cpu", "cache_key": "abc"})
+                                   "device": "cpu", "cache_key": cache_key})
     write_json(path / "allocation.json", {"policy": policy, "dims": dims, "budget": 16})
     write_json(path / "dof.json", {"per_head": [[3.0, 4.0], [5.0, 1.0]], "layer_dof": [4.0, 5.0]})
     write_json(path / "metrics.json", {"eval/teacher_ppl": 10.0, "eval/student_ppl": ppl,
@@ -168,3 +168,13 @@ def test_a_repeated_seed_is_left_out_and_named(tmp_path):
     assert (a["n_seeds"], a["eval/student_ppl_mean"]) == ("1", "20.0")
     assert b["n_seeds"] == b["eval/student_ppl_mean"] == ""  # left out: no group statistics
     assert "repeats seed 0" in (tmp_path / "report.md").read_text()
+
+
+def test_cache_keys_are_compared_only_between_runs_of_one_seed(tmp_path):
+    """A tiny random model's weights, hence its cache, depend on the seed: no note for that."""
+    for seed, policy, key in ((0, "fix", "k0"), (1, "fix", "k1"), (0, "dof", "k0")):
+        _fake_run(tmp_path / f"{policy}{seed}", policy, 20.0, "aaa", [16, 16], seed=seed, cache_key=key)
+    runs = [load_run(tmp_path / d) for d in ("fix0", "fix1", "dof0")]
+    assert record_differences_within_seeds(runs) == []
+    runs[2]["record"]["cache_key"] = "other"  # same seed, another cache: worth a note
+    assert [n[:30] for n in record_differences_within_seeds(runs)] == ["runs differ in cache_key (not o"]
