@@ -177,4 +177,5 @@ def test_cache_keys_are_compared_only_between_runs_of_one_seed(tmp_path):
     runs = [load_run(tmp_path / d) for d in ("fix0", "fix1", "dof0")]
     assert record_differences_within_seeds(runs) == []
     runs[2]["record"]["cache_key"] = "other"  # same seed, another cache: worth a note
-    assert [n[:30] for n in record_differences_within_seeds(runs)] == ["runs differ in cache_key (not o"]
+    (note,) = record_differences_within_seeds(runs)
+    assert note.startswith("runs differ in cache_key") and "other" in note
