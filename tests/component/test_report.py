@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dofla.record import write_json
+from dofla.record import read_json, write_json
 from dofla.report import write_report
 from dofla.report.stats import gap_closed as gap_share
 from dofla.report.stats import mean_ci, paired_differences, t_cdf, t_quantile
@@ -179,3 +179,17 @@ def test_cache_keys_are_compared_only_between_runs_of_one_seed(tmp_path):
     runs[2]["record"]["cache_key"] = "other"  # same seed, another cache: worth a note
     (note,) = record_differences_within_seeds(runs)
     assert note.startswith("runs differ in cache_key") and "other" in note
+
+
+def test_seeds_evaluated_differently_still_group_and_each_metric_shows_its_n(tmp_path):
+    for seed in range(3):
+        _fake_run(tmp_path / f"s{seed}", "fix", 20.0 + seed, "aaa", [16, 16], seed=seed)
+    for seed in (1, 2):  # these seeds were run without the downstream tasks
+        record, metrics = read_json(tmp_path / f"s{seed}/run.json"), read_json(tmp_path / f"s{seed}/metrics.json")
+        record["config"]["eval"] = {"tasks": []}
+        write_json(tmp_path / f"s{seed}/run.json", record)
+        write_json(tmp_path / f"s{seed}/metrics.json", {k: v for k, v in metrics.items() if not k.startswith("tasks/")})
+    write_report(tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "report.csv")))
+    assert {r["n_seeds"] for r in rows} == {"3"} and {r["tasks/student/avg_acc_mean"] for r in rows} == {"0.4"}
+    assert "| fix | 3 | 0,1,2 | 16 ± 0 | 1 ± 0 | 21 ± 2.5 | 0.4 (n=1) |" in (tmp_path / "report.md").read_text()

@@ -17,8 +17,9 @@ PAIRED_CAPTION = ("Paired against `fix` at the same seed and budget (same data o
                   "(loss_fix − loss_teacher) per seed.")
 
 
-def fmt_stat(stat) -> str:
-    """``(mean, half, n)`` as "mean ± half", or "mean (n=1)" without an interval."""
+def fmt_stat(stat, n_group: int | None = None) -> str:
+    """``(mean, half, n)`` as "mean ± half", or "mean (n=1)" without an interval; n is also shown
+    when fewer than the group's ``n_group`` runs measured the metric."""
     if stat is None:
         return ""
     mean, half, n = stat
@@ -26,7 +27,7 @@ def fmt_stat(stat) -> str:
         return f"{mean:.4g} (n={n})"
     if math.isfinite(half) and half <= 1e-9 * abs(mean):  # equal values up to float rounding
         half = 0.0
-    return f"{mean:.4g} ± {half:.2g}"
+    return f"{mean:.4g} ± {half:.2g}" + (f" (n={n})" if n_group is not None and n != n_group else "")
 
 
 def group_label(group: dict, keys: list[str]) -> dict[str, str]:
@@ -41,7 +42,7 @@ def group_rows(groups: list[dict], keys: list[str]) -> tuple[list[dict], list[st
     for group in groups:
         row = {**group_label(group, keys), "policy": group["policy"], "n_seeds": len(group["runs"]),
                "seeds": ",".join(str(s) for s in group["seeds"])}
-        row.update({m: fmt_stat(group["stats"].get(m)) for m in GROUP_METRICS})
+        row.update({m: fmt_stat(group["stats"].get(m), len(group["runs"])) for m in GROUP_METRICS})
         rows.append(row)
     label_cols = [k for k in keys if k not in SEED_KEYS]
     metrics = [m for m in GROUP_METRICS if any(g["stats"].get(m) for g in groups)]
@@ -54,7 +55,7 @@ def paired_rows(paired: list[dict], keys: list[str]) -> tuple[list[dict], list[s
     for pair in paired:
         row = {**group_label(pair["group"], keys), "policy": pair["policy"], "n_pairs": len(pair["per_seed"]),
                "cost": fmt_stat(pair["group"]["stats"].get("cost"))}
-        row.update({title: fmt_stat(pair["stats"].get(k)) for k, title in PAIRED_METRICS.items()})
+        row.update({title: fmt_stat(pair["stats"].get(k), len(pair["per_seed"])) for k, title in PAIRED_METRICS.items()})
         rows.append(row)
     return rows, [*(k for k in keys if k not in SEED_KEYS), "policy", "n_pairs", "cost", *PAIRED_METRICS.values()]
 

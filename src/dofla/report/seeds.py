@@ -12,8 +12,10 @@ import math
 from dofla.feature_maps.blocks import mean_dim
 from dofla.report.stats import gap_closed, mean_ci, paired_differences
 
-# Top-level config keys that name, place or log a run but do not change what it computes.
-UNMEASURED = ("experiment", "logger")
+# Top-level config keys that name, place, log or measure a run but do not change the student it
+# trains: a seed run with other evaluation settings (say, MMLU left out) still counts as a seed;
+# each metric's statistics are over the runs that measured it.
+UNMEASURED = ("experiment", "logger", "eval", "stages")
 # How a budget is spread over layers (not what the budget is): dropped to find a run's fix twin.
 SPREAD_KEYS = ("policy", "head_quantum", "head_blocks")
 
@@ -25,8 +27,8 @@ def _strip(node, drop: tuple[str, ...]):
 
 
 def settings_key(config: dict) -> str:
-    """The run's settings without its seed, paths and logger: equal for runs that differ only in
-    their seed (JSON, keys sorted)."""
+    """The run's settings without its seed, paths and what only names, logs or measures it: equal
+    for runs whose students differ only in their seed (JSON, keys sorted)."""
     return json.dumps(_strip(config, ("seed", *UNMEASURED)), sort_keys=True, default=str)
 
 
@@ -38,17 +40,19 @@ def settings_hash(config: dict) -> str:
 def twin_key(config: dict) -> str:
     """The run's configuration without its allocation policy, paths and what only measures or
     logs: runs with equal keys (seed included) differ only in how the budget was spread."""
-    config = _strip(config, ("eval", "stages", *UNMEASURED))
+    config = _strip(config, UNMEASURED)
     for key in SPREAD_KEYS:
         config.get("allocation", {}).pop(key, None)
     return json.dumps(config, sort_keys=True, default=str)
 
 
 def run_seed(run: dict):
+    """The run's seed (from its record; older records: from its config)."""
     return run["record"].get("seed", run["record"].get("config", {}).get("seed"))
 
 
 def run_policy(run: dict) -> str | None:
+    """The run's allocation policy (``fix``, ``dof``, ...), None when neither file names one."""
     return run["record"].get("config", {}).get("allocation", {}).get("policy") or run["allocation"].get("policy")
 
 
