@@ -32,7 +32,8 @@ def _by_hand(values: list[float]) -> tuple[float, float]:
 
 def _report(sweep: Path) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("dofla-report")
-    command = [str(script)] if script.exists() else [sys.executable, "-c", "from dofla.cli import report_main; report_main()"]
+    fallback = [sys.executable, "-c", "from dofla.cli import report_main; report_main()"]
+    command = [str(script)] if script.exists() else fallback
     return subprocess.run([*command, str(sweep)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "WANDB_MODE": "disabled"})
 

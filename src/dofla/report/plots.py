@@ -135,7 +135,8 @@ def plot_tasks(groups: list[dict], path: Path) -> Path | None:
             ax.hlines(sum(teacher) / len(teacher), i - 0.45, i + 0.45, colors="k", linestyles="--",
                       label="teacher" if i == 0 else None)
     ax.set_xticks(range(len(tasks)), tasks, rotation=20, ha="right", fontsize=8)
-    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1), title="downstream tasks: students vs teacher (mean ± 95 % t CI)")
+    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1),
+           title="downstream tasks: students vs teacher (mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
@@ -177,7 +178,8 @@ def plot_gap_closed(paired: list[dict], path: Path) -> Path | None:
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(closed)), [p["group"]["label"] for p in closed], rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel="(loss_fix − loss) / (loss_fix − loss_teacher)", title="fix→teacher loss gap closed (mean ± 95 % t CI)")
+    ax.set(ylabel="(loss_fix − loss) / (loss_fix − loss_teacher)",
+           title="fix→teacher loss gap closed (mean ± 95 % t CI)")
     return _save(fig, ax, path, legend=False)
 
 

@@ -55,7 +55,8 @@ def paired_rows(paired: list[dict], keys: list[str]) -> tuple[list[dict], list[s
     for pair in paired:
         row = {**group_label(pair["group"], keys), "policy": pair["policy"], "n_pairs": len(pair["per_seed"]),
                "cost": fmt_stat(pair["group"]["stats"].get("cost"))}
-        row.update({title: fmt_stat(pair["stats"].get(k), len(pair["per_seed"])) for k, title in PAIRED_METRICS.items()})
+        n = len(pair["per_seed"])
+        row.update({title: fmt_stat(pair["stats"].get(k), n) for k, title in PAIRED_METRICS.items()})
         rows.append(row)
     return rows, [*(k for k in keys if k not in SEED_KEYS), "policy", "n_pairs", "cost", *PAIRED_METRICS.values()]
 
