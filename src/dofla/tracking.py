@@ -8,6 +8,29 @@ from typing import Any
 from dofla.config import LoggerConfig
 
 
+def split_overrides(name: str) -> list[str]:
+    """``a=1,b=[x,y],c=2`` -> ``["a=1", "b=[x,y]", "c=2"]``: commas inside brackets are values."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(name):
+        depth += (ch in "[{(") - (ch in "]})")
+        if ch == "," and depth == 0:
+            items.append(name[start:i])
+            start = i + 1
+    items.append(name[start:])
+    return [item for item in items if item]
+
+
+def seed_group(config: dict, name: str) -> str:
+    """The wandb group of a run: its overrides without seed and paths, then a hash of its settings
+    without seed (``dofla.report.seeds.settings_hash``), so runs that differ only in their seed
+    share one group and nothing else does. At most 128 characters (wandb's limit)."""
+    from dofla.report.seeds import settings_hash
+
+    kept = [o for o in split_overrides(name) if o.partition("=")[0].lstrip("+~") != "seed"
+            and "dir" not in o.partition("=")[0]]
+    return f"{','.join(kept)[:110] or 'default'}-{settings_hash(config)}"
+
+
 class NullTracker:
     """Keeps nothing beyond the run's own files."""
 
@@ -33,8 +56,9 @@ class WandbTracker(NullTracker):
         mode = cfg.mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self._wandb = wandb
         self.run = wandb.init(
-            project=cfg.project, group=cfg.group, config=config, dir=str(out_dir), name=name,
-            mode=mode, reinit="finish_previous", settings=wandb.Settings(init_timeout=60, silent=True),
+            project=cfg.project, group=cfg.group or seed_group(config, name), config=config, dir=str(out_dir),
+            name=name, job_type=config.get("allocation", {}).get("policy"), mode=mode, reinit="finish_previous",
+            settings=wandb.Settings(init_timeout=60, silent=True),
         )
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:

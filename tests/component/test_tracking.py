@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from dofla.config import LoggerConfig
-from dofla.tracking import NullTracker, build_tracker
+from dofla.tracking import NullTracker, build_tracker, split_overrides
 
 
 def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
@@ -47,3 +47,32 @@ def test_a_real_run_logs_config_dof_dims_curves_metrics_and_plots_to_wandb(tmp_p
     assert {row[0] for row in tables["train_curves"]["data"]} == {0, 1} and len(tables["train_curves"]["data"]) == 12
     images = {p.name.rsplit("_", 2)[0] for p in (offline / "files" / "media" / "images").glob("*.png")}
     assert {"perplexity", "dims", "attn_error", "dof_heatmap", "training"} <= images
+
+
+def _wandb_run(tmp_path, sub, seed, policy, group=None, overrides="eval.tasks=[a,b],seed={seed},cache_dir=/c"):
+    """Start and finish an offline wandb run; its (group, job_type) and its binary log."""
+    config = {"seed": seed, "allocation": {"policy": policy}, "cache_dir": str(tmp_path / sub), "logger": {}}
+    tracker = build_tracker(LoggerConfig(name="wandb", project="dofla-test", group=group), config,
+                            tmp_path / sub, overrides.format(seed=seed) + f",allocation={policy}")
+    group_type = (tracker.run.group, tracker.run.job_type)
+    tracker.finish()
+    (offline,) = (tmp_path / sub / "wandb").glob("offline-run-*")
+    return group_type, next(offline.glob("*.wandb")).read_bytes()
+
+
+def test_wandb_groups_runs_that_differ_only_in_seed_and_types_them_by_policy(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    (group0, type0), log0 = _wandb_run(tmp_path, "a", 0, "dof")
+    (group1, _), _ = _wandb_run(tmp_path, "b", 1, "dof")
+    (group_fix, type_fix), _ = _wandb_run(tmp_path, "c", 0, "fix")
+    assert group0 == group1 != group_fix and (type0, type_fix) == ("dof", "fix")
+    assert group0.startswith("eval.tasks=[a,b],allocation=dof-") and "seed" not in group0
+    assert group0.encode() in log0 and b"dof" in log0
+    (given, _), _ = _wandb_run(tmp_path, "d", 0, "dof", group="my-grid")
+    assert given == "my-grid"
+
+
+def test_split_overrides_keeps_bracketed_lists_whole():
+    assert split_overrides("a=1,eval.tasks=[x,y],b={c:1,d:2}") == ["a=1", "eval.tasks=[x,y]", "b={c:1,d:2}"]
+    assert split_overrides("") == []

@@ -117,6 +117,15 @@ def test_fix_is_exact():
     assert allocate_dims([1.0, 5.0, 9.0], 64, "fix", 64) == [64, 64, 64]
 
 
+@pytest.mark.parametrize("budget", [16, 64, 100.0])
+def test_fix_max_gives_every_layer_the_largest_dof_dim(budget):
+    dof = allocate_dims([float(x) for x in PAPER_GPT2], budget, "dof", 64)
+    fix_max = allocate_dims([float(x) for x in PAPER_GPT2], budget, "fix_max", 64)
+    assert fix_max == [max(dof)] * 12 and max(dof) > budget  # dearer than the budget: an upper reference
+    assert allocate_dims([3.0, 3.0], 64, "fix_max", 64) == [64, 64]  # equal DoF: fix_max = dof = fix
+    assert allocate_dims([float(x) for x in PAPER_GPT2], 64, "fix_max", 64)[0] == 182  # GPT-2's layer 1
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_dof_mean_within_rounding_and_monotone(seed):
     g = torch.Generator().manual_seed(seed)
@@ -144,7 +153,8 @@ def test_dof_clip_caps_at_head_size():
 @pytest.mark.parametrize("args", [([], 64, "dof", 64), ([1.0], 0, "dof", 64), ([1.0], -3, "fix", 64),
                                   ([1.0], float("nan"), "dof", 64), ([-1.0, 2.0], 64, "dof", 64),
                                   ([float("nan"), 2.0], 64, "dof", 64), ([0.0, 0.0], 64, "dof", 64),
-                                  ([1.0], 64, "dof_clip", 0)])
+                                  ([1.0], 64, "dof_clip", 0), ([0.0, 0.0], 64, "fix_max", 64),
+                                  ([], 64, "fix_max", 64)])
 def test_invalid_allocation_inputs_raise(args):
     layer_dof, budget, policy, head_dim = args
     with pytest.raises(ValueError):
@@ -190,7 +200,7 @@ def test_invalid_head_allocation_inputs_raise(args):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, fix"):
+    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, fix, fix_max"):
         allocate_dims([1.0], 64, "dof_clp", 64)
 
 

@@ -34,10 +34,18 @@ def allocate_dof_clip(layer_dof: list[float], budget: float, head_dim: int) -> l
     return [min(m, head_dim) for m in allocate_dof(layer_dof, budget, head_dim)]
 
 
-def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head_dim: int) -> list[int]:
-    """Per-layer feature dims (one int per layer) for ``policy`` (fix | dof | dof_clip).
+@ALLOCATION_POLICIES.register("fix_max")
+def allocate_fix_max(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
+    """Every layer at the largest dim ``dof`` gives at this budget: an upper reference that costs
+    more than the budget (mean dim = max of the dof dims)."""
+    return [max(allocate_dof(layer_dof, budget, head_dim))] * len(layer_dof)
 
-    ``budget`` is C, the mean feature dimension per layer; ``head_dim`` caps ``dof_clip``.
+
+def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head_dim: int) -> list[int]:
+    """Per-layer feature dims (one int per layer) for ``policy`` (fix | dof | dof_clip | fix_max).
+
+    ``budget`` is C, the mean feature dimension per layer (``fix_max`` exceeds it on purpose);
+    ``head_dim`` caps ``dof_clip``.
     """
     policy_fn = ALLOCATION_POLICIES.get(policy)  # unknown names fail first, listing the valid ones
     _check_inputs(layer_dof, budget, "layer_dof")

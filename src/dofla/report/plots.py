@@ -42,19 +42,26 @@ def plot_dims(runs: list[dict], path: Path) -> Path | None:
     return _save(fig, ax, path)
 
 
-def plot_attention_error(runs: list[dict], path: Path) -> Path | None:
-    """Per-layer relative attention-output error on held-out activations, per run."""
+def _yerr(halves: list) -> list[float]:
+    """Error-bar half-widths, 0 where there is no interval (a single seed)."""
+    return [0.0 if h is None else h for h in halves]
+
+
+def plot_attention_error(groups: list[dict], path: Path) -> Path | None:
+    """Per-layer relative attention-output error on held-out activations: per seed group, the mean
+    over seeds with the 95 % t interval as error bars."""
     series = []
-    for run in runs:
-        errs = sorted((k, v) for k, v in run["metrics"].items() if k.startswith("eval/attn_error/layer_"))
+    for group in groups:
+        errs = sorted((k, v) for k, v in group["stats"].items() if k.startswith("eval/attn_error/layer_"))
         if errs:
-            series.append((run, [v for _, v in errs]))
+            series.append((group, errs))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(10, 4))
-    for run, errs in series:
-        ax.plot(errs, marker="o", ms=3, label=_label(run))
-    ax.set(xlabel="layer", ylabel="relative error", title="attention output error vs softmax")
+    for group, errs in series:
+        ax.errorbar(range(len(errs)), [v[0] for _, v in errs], yerr=_yerr([v[1] for _, v in errs]),
+                    marker="o", ms=3, capsize=2, label=group["label"])
+    ax.set(xlabel="layer", ylabel="relative error", title="attention output error vs softmax (mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
@@ -70,17 +77,20 @@ def plot_dof_heatmap(runs: list[dict], path: Path) -> Path | None:
     return _save(fig, ax, path, legend=False)
 
 
-def plot_perplexity(runs: list[dict], path: Path) -> Path | None:
-    """Student held-out perplexity per run, the teacher as a reference line."""
-    runs = [r for r in runs if "eval/student_ppl" in r["metrics"]]
-    if not runs:
+def plot_perplexity(groups: list[dict], path: Path) -> Path | None:
+    """Student held-out perplexity per seed group (mean ± 95 % t CI), the teacher as a reference line."""
+    groups = [g for g in groups if "eval/student_ppl" in g["stats"]]
+    if not groups:
         return None
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(runs)), 4))
-    bars = ax.bar(range(len(runs)), [r["metrics"]["eval/student_ppl"] for r in runs])
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.2 * len(groups)), 4))
+    stats = [g["stats"]["eval/student_ppl"] for g in groups]
+    bars = ax.bar(range(len(groups)), [m for m, _, _ in stats], yerr=_yerr([h for _, h, _ in stats]), capsize=3)
     ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.axhline(runs[0]["metrics"]["eval/teacher_ppl"], color="k", ls="--", label="teacher")
-    ax.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel="held-out perplexity", yscale="log", title="student vs teacher perplexity")
+    teacher = groups[0]["stats"].get("eval/teacher_ppl")
+    if teacher:
+        ax.axhline(teacher[0], color="k", ls="--", label="teacher")
+    ax.set_xticks(range(len(groups)), [g["label"] for g in groups], rotation=30, ha="right", fontsize=7)
+    ax.set(ylabel="held-out perplexity", yscale="log", title="student vs teacher perplexity (mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
@@ -100,89 +110,109 @@ def plot_training(runs: list[dict], path: Path) -> Path | None:
     return _save(fig, ax, path)
 
 
-def plot_tasks(runs: list[dict], path: Path) -> Path | None:
-    """Zero-shot accuracy per task: one bar per run, the teacher as a black tick per task."""
-    per_run = []
-    for run in runs:
-        acc = {k.split("/")[2]: v for k, v in run["metrics"].items()
+def plot_tasks(groups: list[dict], path: Path) -> Path | None:
+    """Zero-shot accuracy per task: one bar per seed group (mean ± 95 % t CI), the teacher as a
+    black tick per task."""
+    per_group = []
+    for group in groups:
+        acc = {k.split("/")[2]: v for k, v in group["stats"].items()
                if k.startswith("tasks/student/") and k.endswith("/acc")}
         if acc:
-            per_run.append((run, acc))
-    if not per_run:
+            per_group.append((group, acc))
+    if not per_group:
         return None
-    tasks = sorted({t for _, acc in per_run for t in acc})
-    width = 0.8 / len(per_run)
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) * max(1, len(per_run) / 3)), 4))
-    for n, (run, acc) in enumerate(per_run):
+    tasks = sorted({t for _, acc in per_group for t in acc})
+    width = 0.8 / len(per_group)
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(tasks) * max(1, len(per_group) / 3)), 4))
+    for n, (group, acc) in enumerate(per_group):
         xs = [i - 0.4 + width * (n + 0.5) for i in range(len(tasks))]
-        ax.bar(xs, [acc.get(t, float("nan")) for t in tasks], width, label=_label(run))
+        ax.bar(xs, [acc[t][0] if t in acc else float("nan") for t in tasks], width, capsize=2,
+               yerr=_yerr([acc[t][1] if t in acc else None for t in tasks]), label=group["label"])
     for i, task in enumerate(tasks):
-        teacher = [r["metrics"].get(f"tasks/teacher/{task}/acc") for r, _ in per_run]
-        teacher = [t for t in teacher if t is not None]
+        teacher = [g["stats"][f"tasks/teacher/{task}/acc"][0] for g, _ in per_group
+                   if f"tasks/teacher/{task}/acc" in g["stats"]]
         if teacher:
             ax.hlines(sum(teacher) / len(teacher), i - 0.45, i + 0.45, colors="k", linestyles="--",
                       label="teacher" if i == 0 else None)
     ax.set_xticks(range(len(tasks)), tasks, rotation=20, ha="right", fontsize=8)
-    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1), title="downstream tasks: students vs teacher")
+    ax.set(ylabel="accuracy (zero-shot)", ylim=(0, 1),
+           title="downstream tasks: students vs teacher (mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
-def plot_mqar(runs: list[dict], path: Path) -> Path | None:
-    """Associative-recall accuracy vs sequence length, per run, the teacher dashed."""
-    def curve(run, who):
-        pts = sorted((int(k.rsplit("/T", 1)[1]), v) for k, v in run["metrics"].items()
+def plot_mqar(groups: list[dict], path: Path) -> Path | None:
+    """Associative-recall accuracy vs sequence length per seed group (mean ± 95 % t CI), the
+    teacher dashed."""
+    def curve(group, who):
+        pts = sorted((int(k.rsplit("/T", 1)[1]), v) for k, v in group["stats"].items()
                      if k.startswith(f"mqar/{who}/T"))
-        return [p[0] for p in pts], [p[1] for p in pts]
+        return [p[0] for p in pts], [p[1][0] for p in pts], _yerr([p[1][1] for p in pts])
 
-    runs = [r for r in runs if any(k.startswith("mqar/student/") for k in r["metrics"])]
-    if not runs:
+    groups = [g for g in groups if any(k.startswith("mqar/student/") for k in g["stats"])]
+    if not groups:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*curve(runs[0], "teacher"), "k--", marker="s", ms=4, label="teacher")
-    for run in runs:
-        ax.plot(*curve(run, "student"), marker="o", ms=3, label=_label(run))
-    lengths = sorted({t for run in runs for t in curve(run, "student")[0]})
+    ax.plot(*curve(groups[0], "teacher")[:2], "k--", marker="s", ms=4, label="teacher")
+    for group in groups:
+        xs, ys, err = curve(group, "student")
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=3, capsize=2, label=group["label"])
+    lengths = sorted({t for group in groups for t in curve(group, "student")[0]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(t) for t in lengths])
     ax.minorticks_off()
     ax.set(xlabel="sequence length", ylabel="recall accuracy", ylim=(0, 1.02),
-           title="multi-query associative recall (MQAR)")
+           title="multi-query associative recall (MQAR, mean ± 95 % t CI)")
     return _save(fig, ax, path)
 
 
-def plot_gap_closed(runs: list[dict], path: Path) -> Path | None:
-    """Fraction of the fix→teacher perplexity gap each DoF policy closes at equal budget."""
-    from dofla.report.tables import gap_closed
-
-    closed = [c for c in gap_closed(runs) if c["gap_closed"] is not None]
+def plot_gap_closed(paired: list[dict], path: Path) -> Path | None:
+    """Share of the fix→teacher held-out-loss gap each policy closes at the same seed and budget
+    (mean over seeds ± 95 % t CI)."""
+    closed = [p for p in paired if "gap_closed" in p["stats"]]
     if not closed:
         return None
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(closed)), 4.5))
-    bars = ax.bar(range(len(closed)), [c["gap_closed"] for c in closed],
-                  color=["C1" if c["gap_closed"] >= 0 else "C3" for c in closed])
+    stats = [p["stats"]["gap_closed"] for p in closed]
+    bars = ax.bar(range(len(closed)), [m for m, _, _ in stats], yerr=_yerr([h for _, h, _ in stats]), capsize=3,
+                  color=["C1" if m >= 0 else "C3" for m, _, _ in stats])
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(range(len(closed)), [_label(c["run"]) for c in closed], rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel="(ppl_fix − ppl) / (ppl_fix − ppl_teacher)", title="fix→teacher gap closed")
+    ax.set_xticks(range(len(closed)), [p["group"]["label"] for p in closed], rotation=30, ha="right", fontsize=7)
+    ax.set(ylabel="(loss_fix − loss) / (loss_fix − loss_teacher)",
+           title="fix→teacher loss gap closed (mean ± 95 % t CI)")
     return _save(fig, ax, path, legend=False)
 
 
-def write_plots(runs: list[dict], root: Path) -> list[Path]:
+def write_plots(runs: list[dict], root: Path, groups: list[dict] | None = None,
+                paired: list[dict] | None = None) -> list[Path]:
+    """Every plot that the runs have data for; ``groups`` / ``paired`` (from ``dofla.report.seeds``)
+    are computed here when not given."""
+    from dofla.report.seeds import paired_vs_fix, seed_groups
     from dofla.report.tables import distinguishing_overrides
 
+    if groups is None:
+        groups = seed_groups(runs)[0]
+    if paired is None:
+        paired = paired_vs_fix(groups)
     keys = distinguishing_overrides(runs)
     for run in runs:  # label each curve by what tells the runs apart, nothing else
-        given = dict(o.partition("=")[::2] for o in run["overrides"])
-        label = " ".join(f"{k.split('.')[-1]}={given[k]}" for k in keys if k in given and "dir" not in k)
-        run["label"] = label[:60] or run["dir"].name
+        run["label"] = _short_label(run, keys) or run["dir"].name
+    for group in groups:
+        label = _short_label(group["runs"][0], [k for k in keys if k != "seed"]) or "all runs"
+        group["label"] = f"{label} (n={len(group['runs'])})"
     made = [
         plot_dof_heatmap(runs, root / "dof_heatmap.png"),
         plot_dims(runs, root / "dims.png"),
-        plot_attention_error(runs, root / "attn_error.png"),
-        plot_perplexity(runs, root / "perplexity.png"),
+        plot_attention_error(groups, root / "attn_error.png"),
+        plot_perplexity(groups, root / "perplexity.png"),
         plot_training(runs, root / "training.png"),
-        plot_tasks(runs, root / "tasks.png"),
-        plot_mqar(runs, root / "mqar.png"),
-        plot_gap_closed(runs, root / "gap_closed.png"),
+        plot_tasks(groups, root / "tasks.png"),
+        plot_mqar(groups, root / "mqar.png"),
+        plot_gap_closed(paired, root / "gap_closed.png"),
     ]
     return [p for p in made if p is not None]
+
+
+def _short_label(run: dict, keys: list[str]) -> str:
+    given = dict(o.partition("=")[::2] for o in run["overrides"])
+    return " ".join(f"{k.split('.')[-1]}={given[k]}" for k in keys if k in given and "dir" not in k)[:60]

@@ -16,6 +16,8 @@ from rich.table import Table
 
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import read_json
+from dofla.report.seed_tables import GROUP_CAPTION, PAIRED_CAPTION, csv_columns, group_rows, paired_rows
+from dofla.report.seeds import paired_vs_fix, run_seed, seed_groups, twin_key
 
 SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
                    "tasks/teacher/avg_acc", "tasks/student/avg_acc", "tasks/acc_gap")
@@ -69,8 +71,25 @@ def record_differences(runs: list[dict]) -> list[str]:
     return notes
 
 
-def rows(runs: list[dict], root: Path) -> list[dict]:
+def record_differences_within_seeds(runs: list[dict]) -> list[str]:
+    """Like ``record_differences``, but the cache key is compared only between runs of one seed
+    (a tiny random model's weights, hence its activation cache, depend on the seed)."""
+    notes = [n for n in record_differences(runs) if not n.startswith("runs differ in cache_key")]
+    by_seed: dict = {}
+    for run in runs:
+        by_seed.setdefault(run_seed(run), []).append(run)
+    if any(len({repr(r["record"].get("cache_key")) for r in same}) > 1 for same in by_seed.values()):
+        notes += [n for n in record_differences(runs) if n.startswith("runs differ in cache_key")]
+    return notes
+
+
+def rows(runs: list[dict], root: Path, groups: list[dict] | None = None,
+         paired: list[dict] | None = None) -> list[dict]:
+    """One report.csv row per run: its distinguishing overrides, mean dim, metrics, timings and,
+    given ``groups`` / ``paired``, its seed group's and paired-vs-fix statistics."""
     keys = distinguishing_overrides(runs)
+    group_of = {id(r): g for g in groups or [] for r in g["runs"]}
+    pair_of = {id(r): p for p in paired or [] for r in p["group"]["runs"]}
     out = []
     for run in runs:
         given = dict(o.partition("=")[::2] for o in run["overrides"])
@@ -80,22 +99,10 @@ def rows(runs: list[dict], root: Path) -> list[dict]:
         row["mean_dim"] = round(mean_dim(dims), 2) if dims else None
         row.update(run["metrics"])
         row.update(run["timings"])
+        if groups is not None:
+            row.update(csv_columns(run, group_of.get(id(run)), pair_of.get(id(run))))
         out.append(row)
     return out
-
-
-def _signature(config: dict) -> str:
-    """The run's configuration without its allocation policy, paths and what only measures or
-    logs: runs with equal signatures differ only in how the budget was spread over the layers."""
-    def strip(node):
-        if isinstance(node, dict):
-            return {k: strip(v) for k, v in node.items()
-                    if "dir" not in k and k not in ("experiment", "eval", "logger", "stages")}
-        return node
-    config = strip(config)
-    for key in ("policy", "head_quantum", "head_blocks"):  # how the budget is spread, not what it is
-        config.get("allocation", {}).pop(key, None)
-    return json.dumps(config, sort_keys=True, default=str)
 
 
 def gap_closed(runs: list[dict]) -> list[dict]:
@@ -105,12 +112,12 @@ def gap_closed(runs: list[dict]) -> list[dict]:
     for run in runs:
         config = run["record"].get("config", {})
         if config.get("allocation", {}).get("policy") == "fix" and "eval/student_ppl" in run["metrics"]:
-            fix[_signature(config)] = run
+            fix[twin_key(config)] = run
     out = []
     for run in runs:
         config = run["record"].get("config", {})
         policy = config.get("allocation", {}).get("policy")
-        twin = fix.get(_signature(config)) if config else None
+        twin = fix.get(twin_key(config)) if config else None
         m = run["metrics"]
         if policy in (None, "fix") or twin is None or "eval/student_ppl" not in m:
             continue
@@ -134,27 +141,39 @@ def markdown_table(table_rows: list[dict], columns: list[str]) -> str:
 
 
 def write_report(root: Path, console: Console | None = None) -> Path:
-    """Write report.md and report.csv in ``root`` comparing every run under it; print the table."""
+    """Write report.md and report.csv in ``root`` comparing every run under it; print the tables.
+
+    Runs that differ only in their seed are summarised as mean ± 95 % Student-t interval, and each
+    allocation policy is compared with ``fix`` at the same seed and budget (paired differences).
+    """
     from dofla.report.plots import write_plots
 
     root = Path(root)
     runs = [load_run(d) for d in find_runs(root)]
     if not runs:
         raise FileNotFoundError(f"no dofla runs (run.json) under {root}")
-    table_rows = rows(runs, root)
+    groups, notes = seed_groups(runs)
+    paired = paired_vs_fix(groups)
+    table_rows = rows(runs, root, groups, paired)
     all_cols = list(dict.fromkeys(c for r in table_rows for c in r))
     with open(root / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=all_cols)
         writer.writeheader()
         writer.writerows(table_rows)
-    head = ["run", *distinguishing_overrides(runs), "mean_dim", *SUMMARY_METRICS]
-    head = [c for c in head if any(c in r for r in table_rows)]
-    plots = write_plots(runs, root)
-    notes = record_differences(runs)
-    md = [f"# dofla report: {root}", "", markdown_table(table_rows, head), ""]
+    keys = distinguishing_overrides(runs)
+    head = [c for c in ["run", *keys, "mean_dim", *SUMMARY_METRICS] if any(c in r for r in table_rows)]
+    plots = write_plots(runs, root, groups, paired)
+    notes += record_differences_within_seeds(runs)
+    seed_table, seed_cols = group_rows(groups, keys)
+    pair_table, pair_cols = paired_rows(paired, keys)
+    md = [f"# dofla report: {root}", "", markdown_table(table_rows, head), "",
+          GROUP_CAPTION, "", markdown_table(seed_table, seed_cols), ""]
+    if paired:
+        md += [PAIRED_CAPTION, "", markdown_table(pair_table, pair_cols), ""]
     closed = gap_closed(runs)
     if closed:
-        md += ["Fraction of the fix→teacher perplexity gap closed (same configuration, `fix` twin):", "",
+        md += ["Per run, the fraction of the fix→teacher perplexity gap closed (same configuration and seed, "
+               "`fix` twin):", "",
                markdown_table([{**c, "run": c["run"].get("label") or c["run"]["dir"].name} for c in closed],
                               ["run", "policy", "fix_ppl", "ppl", "teacher_ppl", "gap_closed"]), ""]
     md += [f"> note: {n}" for n in notes]
@@ -162,6 +181,9 @@ def write_report(root: Path, console: Console | None = None) -> Path:
     (root / "report.md").write_text("\n".join(md) + "\n")
     console = console or Console(width=max(160, Console().width))
     _print_table(table_rows, head, console, title=f"dofla report: {root}")
+    _print_table(seed_table, seed_cols, console, title="across seeds: mean ± 95 % Student-t interval")
+    if paired:
+        _print_table(pair_table, pair_cols, console, title="paired vs fix (same seed): mean ± 95 % Student-t interval")
     for note in notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
     return root / "report.md"
