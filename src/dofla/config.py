@@ -51,7 +51,7 @@ class LossConfig:
 
 @dataclass
 class AllocationConfig:
-    policy: str = "dof"  # fix | dof | dof_clip
+    policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured
     lam: float = 1e-2
     num_samples: int = 1024  # J, vectors per head for Algorithm 1
     gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
