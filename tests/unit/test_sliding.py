@@ -102,3 +102,18 @@ def test_bad_window_raises():
     q, k, v = _qkv(t=4)
     with pytest.raises(ValueError, match="window"):
         sliding_window_chunked(q, k, v, window=0)
+
+
+def test_softmax_reference_softcap_path_equals_naive_with_full_window():
+    from torch import nn
+
+    from dofla.models.student_attention import softmax_reference_forward
+
+    q, k, v = _qkv(t=12)
+    valid = torch.arange(12)[None, :] >= torch.tensor([[0], [3]])  # row 1 left-padded by 3
+    causal = torch.arange(12)[None, :] <= torch.arange(12)[:, None]
+    mask = (causal[None] & valid[:, None, :])[:, None]  # (B, 1, T, T) as Hugging Face builds it
+    out, _ = softmax_reference_forward(nn.Module(), q, k, v, mask, 8 ** -0.5 / 2, 0.0, 0.5)  # head size 8
+    ref = sliding_window_naive(q / 2, k, v, window=12, sinks=0, key_valid=valid, softcap=0.5)
+    assert torch.allclose(out.transpose(1, 2)[1, :, 3:], ref[1, :, 3:], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out.transpose(1, 2)[0], ref[0], atol=1e-5, rtol=1e-5)
