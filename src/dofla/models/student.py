@@ -1,14 +1,28 @@
 """Convert a teacher into a linear-attention student that is still a Hugging Face model.
 
-``convert`` attaches a :class:`StudentAttention` (feature map with a per-layer feature dimension)
-to every attention module, routes attention through ``dofla_linear`` and records the conversion
-in ``config.dofla``. ``save_pretrained`` then writes the teacher weights, the feature parameters
-and the dims; :func:`load_student` rebuilds the same model; ``generate()`` decodes with a
-fixed-size recurrent state.
+``convert`` attaches a :class:`StudentAttention` to every attention module, routes attention
+through ``dofla_linear`` and records the conversion in ``config.dofla``. ``save_pretrained`` then
+writes the teacher weights, the feature parameters and the dims; :func:`load_student` rebuilds the
+same model; ``generate()`` decodes with a :class:`RecurrentStateCache` (fixed size, except for the
+softmax reference, which keeps its keys/values like the teacher's own cache).
+
+What each layer becomes:
+
+- the requested ``attention`` ("linear", "hybrid" or "sliding_window"), or the exact softmax
+  reference for ``feature_map="softmax"``;
+- except teacher layers that already use a sliding window (``geometry.layer_windows[i]`` = W,
+  e.g. Gemma 2's local layers, Mistral): they become exact sliding-window softmax with window W,
+  no sinks and no features, whatever was requested. Such a layer never sees beyond W tokens and
+  is already O(W) in memory, so there is nothing to linearize, and an exact copy costs nothing in
+  quality. Their ``dims`` entries are ignored. (The softmax reference keeps them as the teacher
+  has them, through the teacher's own mask.)
+- the teacher's logit ``softcap`` (``geometry.softcap``, Gemma 2) is applied wherever scores
+  are exact (softmax and sliding modes); linear features cannot express it.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +38,7 @@ from dofla.models.student_attention import (
 )
 
 FORMAT_VERSION = 1
+ATTENTIONS = ("linear", "hybrid", "sliding_window")
 
 
 @dataclass
@@ -37,6 +52,27 @@ class ConversionSpec:
     seed: int = 0
     window: int = 0
     format_version: int = FORMAT_VERSION
+    attention: str = "linear"  # linear | hybrid | sliding_window (specs saved before: defaults)
+    sinks: int = 0
+
+    def __post_init__(self):
+        if self.attention == "linear" and self.window > 0:
+            self.attention = "hybrid"  # before `attention` existed, a window meant hybrid attention
+        _check_spec(self)
+
+
+def _check_spec(spec: ConversionSpec) -> None:
+    """One clear sentence per user error in the attention settings."""
+    if spec.attention not in ATTENTIONS:
+        raise ValueError(f"attention={spec.attention!r} is not one of {', '.join(ATTENTIONS)}; pick one of them")
+    if spec.feature_map == "softmax" and (spec.attention != "linear" or spec.sinks):
+        raise ValueError("feature_map='softmax' is the exact reference and takes no window or sinks; drop them")
+    if spec.attention != "linear" and spec.window < 1:
+        raise ValueError(f"attention={spec.attention!r} needs window ≥ 1 (recent tokens attended exactly), "
+                         f"got {spec.window}; set window")
+    if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
+        raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
+                         "attention; set sinks=0 or choose one of those")
 
 
 class StudentMixin:
@@ -63,13 +99,40 @@ class StudentMixin:
                 "pass past_key_values=None and let the model create its cache"
             )
         students = self.student_attentions()
+        key_valid = self._new_tokens_valid(args, kwargs, cache, students)
         for i, student in enumerate(students):
             student.cache_layer = None if cache is None else cache.layers[i]
+            student.key_valid = key_valid
+            if cache is not None:
+                cache.layers[i].keep_kv = student.mode == "softmax"
         try:
             return super().forward(*args, **kwargs)
         finally:
             for student in students:
-                student.cache_layer = None
+                student.cache_layer = student.key_valid = None
+
+    def _new_tokens_valid(self, args, kwargs, cache, students):
+        """(B, T_new) bool from the 2D ``attention_mask`` (B, seen + T_new): False at padded new
+        tokens; None when nothing is padded (or only the softmax reference, which uses HF's mask)."""
+        given = kwargs if not args else _bind_forward(type(self), self, args, kwargs)
+        mask = given.get("attention_mask")
+        if mask is None or all(s.mode == "softmax" for s in students):
+            return None
+        if mask.ndim != 2:
+            raise ValueError(f"a dofla student reads padding from a 2D (batch, tokens) attention_mask, got "
+                             f"{mask.ndim}D; pass the 2D padding mask instead")
+        tokens = given.get("input_ids")
+        length = (given["inputs_embeds"] if tokens is None else tokens).shape[1]
+        seen, width = (0 if cache is None else cache.get_seq_length()), mask.shape[-1]
+        if width >= seen + length:
+            new = mask[:, seen:seen + length]
+        elif width == length:
+            new = mask
+        else:
+            raise ValueError(f"attention_mask has {width} columns but {seen} tokens are cached and {length} are "
+                             f"new; pass a (batch, {seen + length}) mask")
+        new = new.bool()
+        return None if bool(new.all()) else new
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
@@ -77,31 +140,59 @@ class StudentMixin:
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
 
+def _bind_forward(cls, model, args, kwargs) -> dict:
+    """The teacher forward's arguments by name (positional order differs: GPT-2 vs Llama)."""
+    arguments = _forward_signature(cls).bind_partial(model, *args, **kwargs).arguments
+    return {**arguments.pop("kwargs", {}), **arguments}
+
+
+@functools.cache
+def _forward_signature(cls) -> inspect.Signature:
+    return inspect.signature(super(StudentMixin, cls).forward)
+
+
 @functools.cache
 def student_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
-    """The student class for a teacher class, e.g. LlamaForCausalLM -> LinearLlamaForCausalLM."""
-    return type(f"Linear{base.__name__}", (StudentMixin, base), {"__module__": __name__})
+    """The student class for a teacher class, e.g. LlamaForCausalLM -> LinearLlamaForCausalLM.
+
+    ``forward`` shows the teacher's signature: ``generate()`` only derives ``position_ids`` from
+    the attention mask (left padding) for a forward that names them.
+    """
+
+    @functools.wraps(base.forward)
+    def forward(self, *args, **kwargs):
+        return StudentMixin.forward(self, *args, **kwargs)
+
+    return type(f"Linear{base.__name__}", (StudentMixin, base), {"__module__": __name__, "forward": forward})
 
 
 def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
-    """Attach a StudentAttention with ``spec.dims[i]`` features to each layer's attention."""
+    """Attach each layer's StudentAttention (see the module docstring for what each layer gets)."""
     adapter = get_adapter(model)
     geometry = adapter.geometry(model.config)
     modules = adapter.attention_modules(model)
     if len(spec.dims) != len(modules):
         raise ValueError(f"dims has {len(spec.dims)} entries but the model has {len(modules)} layers")
+    windows = getattr(geometry, "layer_windows", None) or [None] * len(modules)
     for i, module in enumerate(modules):
-        feature_map = None
-        if spec.feature_map != "softmax":
-            feature_map = build_layer_feature_map(
-                spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
-                seed=spec.seed + i, **spec.feature_map_options,
-            )
-        module.dofla = StudentAttention(
-            geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, feature_map,
-            spec.chunk_size, spec.window,
-        )
+        module.dofla = _layer_attention(spec, geometry, i, windows[i])
     model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int | None) -> StudentAttention:
+    shape = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
+    softcap = getattr(geometry, "softcap", None)
+    if spec.feature_map == "softmax":
+        return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
+    if teacher_window is not None:  # already local in the teacher: keep it exact
+        return StudentAttention(*shape, None, spec.chunk_size, window=teacher_window, softcap=softcap)
+    if spec.attention == "sliding_window":
+        return StudentAttention(*shape, None, spec.chunk_size, spec.window, spec.sinks, softcap)
+    feature_map = build_layer_feature_map(
+        spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
+        seed=spec.seed + i, **spec.feature_map_options,
+    )
+    return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks)
 
 
 def convert(
@@ -112,18 +203,31 @@ def convert(
     chunk_size: int = 128,
     seed: int = 0,
     window: int = 0,
+    attention: str = "linear",
+    sinks: int = 0,
 ) -> PreTrainedModel:
-    """Turn ``model`` (in place) into a linear-attention student and return it.
+    """Turn ``model`` (in place) into a student and return it.
 
-    ``dims`` holds one feature dimension per layer (default: the head size everywhere, the paper's
-    ``fix`` policy), or for a layer a list of per-head dims (heads of equal dim share one block). ``feature_map="softmax"`` swaps in the exact softmax reference instead.
+    ``attention`` picks what replaces softmax in the teacher's global layers:
+
+    - ``"linear"`` (the paper's): ``feature_map`` with ``dims``: one feature dimension per layer
+      (default: the head size everywhere, the paper's ``fix`` policy), or for a layer a list of
+      per-head dims (heads of equal dim share one block). A ``window`` > 0 here means hybrid
+      (what it meant before ``attention`` existed).
+    - ``"hybrid"``: exact softmax over the last ``window`` tokens (and the first ``sinks``),
+      linear attention before.
+    - ``"sliding_window"``: exact softmax over the first ``sinks`` valid tokens and the last
+      ``window`` tokens, training-free; ``feature_map`` and ``dims`` are ignored.
+
+    ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks).
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
         raise ValueError("model is already a dofla student; convert its teacher instead")
     geometry = get_adapter(model).geometry(model.config)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
-    spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window)
+    spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window,
+                          attention=attention, sinks=sinks)
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

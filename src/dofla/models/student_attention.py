@@ -1,19 +1,41 @@
 """The attention that replaces softmax inside a converted model, and its decoding cache.
 
-Hugging Face attention modules (GPT-2, GPT-NeoX, Llama) form post-RoPE q, k, v themselves and
+Hugging Face attention modules (GPT-2, GPT-NeoX, Llama, ...) form post-RoPE q, k, v themselves and
 then call the function registered under ``config._attn_implementation``. dofla registers
 ``dofla_linear``: it looks up the :class:`StudentAttention` attached to the calling module as
-``module.dofla`` and runs linear attention there. During decoding the per-layer recurrent state
-lives in a :class:`RecurrentStateCache`, whose size does not depend on the number of tokens seen.
+``module.dofla`` and runs it there. A layer has one of four modes:
+
+- ``linear``: the paper's linear attention (a feature map, fixed-size state);
+- ``hybrid``: exact softmax over the last ``window`` tokens (+ ``sinks``), linear before;
+- ``sliding_window``: exact softmax over the first ``sinks`` valid tokens and the last ``window``
+  positions, nothing else (training-free; state O(sinks + window));
+- ``softmax``: the exact reference. Its cache layer keeps every key/value (memory grows, it is
+  the reference) and it attends with the teacher's own 4D mask, so causal + padding + the
+  layer's sliding window apply exactly.
+
+Padding: the student reads the 2D (B, T) ``attention_mask`` given to the model's forward (what
+``generate()`` and lm-eval pass), not the 4D mask: building a (B, 1, T, T) mask would cost the
+T² memory linear attention avoids, and Hugging Face builds no 4D mask at all for an
+implementation it does not know. :class:`~dofla.models.student.StudentMixin` slices the new
+tokens' columns into ``StudentAttention.key_valid`` (None when nothing is padded, so unpadded
+decoding does no extra work). Padded keys contribute nothing: linear layers set their log
+features to −inf and values to 0, hybrid layers pass ``key_valid`` on, sliding-window layers skip
+them. Only the softmax reference asks Hugging Face for the 4D mask (see :func:`dofla_mask`).
+
+During decoding the per-layer state lives in a :class:`RecurrentStateCache`; except for the
+softmax reference its size does not depend on the number of tokens seen.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dofla.attention import (
     HybridState,
@@ -23,18 +45,21 @@ from dofla.attention import (
     linear_attention_recurrent,
     softmax_attention,
 )
+from dofla.attention.sliding import SlidingState, sliding_window_chunked
 from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
 from dofla.feature_maps.blocks import BlockState, for_each_block
 
 ATTN_IMPLEMENTATION = "dofla_linear"
-State = LinearState | HybridState | BlockState
+State = LinearState | HybridState | BlockState | SlidingState
 
 
 class StudentAttention(nn.Module):
-    """Linear attention (or the softmax reference) for one layer, layout (B, H, T, D).
+    """One layer's student attention, layout (B, H, T, D); see the module docstring for the modes.
 
-    ``feature_map`` is None for ``mode="softmax"``, the exact reference used to check that a
-    conversion reproduces the teacher; a :class:`HeadBlockFeatureMap` gives heads their own dims.
+    ``feature_map`` None and ``window`` 0 is the softmax reference; None and ``window`` > 0 the
+    sliding-window + ``sinks`` attention; a feature map with ``window`` > 0 is hybrid, without it
+    linear. A :class:`HeadBlockFeatureMap` gives heads their own feature dims. ``softcap`` (Gemma 2)
+    caps the exact softmax scores of the softmax and sliding modes.
     """
 
     def __init__(
@@ -45,6 +70,8 @@ class StudentAttention(nn.Module):
         feature_map: FeatureMap | HeadBlockFeatureMap | None,
         chunk_size: int = 128,
         window: int = 0,
+        sinks: int = 0,
+        softcap: float | None = None,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -52,32 +79,59 @@ class StudentAttention(nn.Module):
         self.head_dim = head_dim
         self.feature_map = feature_map
         self.chunk_size = chunk_size
-        self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid attention)
-        # Set by the student model's forward for the duration of a cached call.
+        self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid or sliding)
+        self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
+        self.softcap = softcap
+        # Set by the student model's forward for the duration of a call.
         self.cache_layer: RecurrentLayer | None = None
+        self.key_valid: torch.Tensor | None = None
+
+    @property
+    def mode(self) -> str:
+        if self.feature_map is None:
+            return "softmax" if self.window == 0 else "sliding_window"
+        return "linear" if self.window == 0 else "hybrid"
 
     @property
     def num_features(self) -> float:
         return 0 if self.feature_map is None else self.feature_map.num_features
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State | None = None,
+        key_valid: torch.Tensor | None = None, softcap: float | None = None,
     ) -> tuple[torch.Tensor, State | None]:
-        """q (B, H, T, d) scaled so the teacher kernel is exp(q·k/sqrt(d)); k, v (B, H_kv, T, d)."""
-        if self.feature_map is None:
-            return softmax_attention(q, k, v, causal=True), None
+        """q (B, H, T, d) scaled so the teacher kernel is exp(q·k/sqrt(d)); k, v (B, H_kv, T, d);
+        key_valid (B, T) bool, False at padded tokens (None: all valid); softcap overrides
+        ``self.softcap``. Returns (B, H, T, d) and the new decode state."""
+        softcap = self.softcap if softcap is None else softcap
         group = self.num_heads // self.num_kv_heads
         if group > 1:  # GQA: each query head reads the keys/values of its group, as the teacher does
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
-        return for_each_block(self.feature_map, self._attend, q, k, v, state=state)
+        if self.mode == "softmax":
+            if key_valid is None and softcap is None:
+                return softmax_attention(q, k, v, causal=True), None
+            window = max(q.shape[2], 1)  # a window over everything is plain causal softmax
+            return sliding_window_chunked(q, k, v, window, 0, window, key_valid=key_valid, softcap=softcap)[0], None
+        if self.mode == "sliding_window":
+            return sliding_window_chunked(q, k, v, self.window, self.sinks, self.chunk_size, state,
+                                          key_valid=key_valid, softcap=softcap)
+        attend = functools.partial(self._attend, key_valid=key_valid)
+        return for_each_block(self.feature_map, attend, q, k, v, state=state)
 
-    def _attend(self, feature_map: FeatureMap, q, k, v, state: State | None = None):
+    def _attend(self, feature_map: FeatureMap, q, k, v, state: State | None = None, key_valid=None):
         """Linear (or hybrid) attention of heads sharing one feature map."""
         log_q = feature_map.log_features(q)
         log_k = feature_map.log_features(k)
         if self.window > 0:
-            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state)
+            extra = {} if key_valid is None else {"key_valid": key_valid}
+            if self.sinks:
+                extra["sinks"] = self.sinks
+            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state, **extra)
+        if key_valid is not None:  # a padded key adds exp(−inf) = 0 to every sum, and its v is 0
+            pad = ~key_valid[:, None, :, None]
+            log_k = log_k.masked_fill(pad, float("-inf"))
+            v = v.masked_fill(pad, 0.0)
         if state is not None and q.shape[2] == 1:
             return linear_attention_recurrent(log_q, log_k, v, state=state)
         return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state)
@@ -93,24 +147,73 @@ def dofla_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Hugging Face attention-interface entry point; returns (B, T, H, D) like the built-ins."""
+    """Hugging Face attention-interface entry point; returns (B, T, H, D) like the built-ins.
+
+    ``scaling`` (the module's own score scale, e.g. Gemma's query_pre_attn_scalar) is honoured:
+    the softmax reference passes it on, the other modes fold it into q.
+    """
     student: StudentAttention = module.dofla
+    softcap = kwargs.pop("softcap", None)
+    softcap = student.softcap if softcap is None else softcap
+    if student.mode == "softmax":
+        return softmax_reference_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
     if scaling is not None:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d))
         query = query * (scaling * math.sqrt(query.shape[-1]))
     layer = student.cache_layer
-    out, state = student(query, key, value, state=None if layer is None else layer.state)
+    out, state = student(query, key, value, state=None if layer is None else layer.state,
+                         key_valid=student.key_valid, softcap=softcap)
     if layer is not None:
         layer.state = state
     return out.transpose(1, 2).contiguous(), None
 
 
+def softmax_reference_forward(
+    module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Exact attention with the teacher's 4D mask; key/value (B, H_kv, S, d) hold every cached
+    position. SDPA cannot cap scores, so with ``softcap`` it is eager: cap·tanh(s/cap), then mask."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    group = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, group), repeat_kv(value, group)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    scores = softcap * torch.tanh(scores / softcap)
+    mask = attention_mask
+    if mask is None:  # Hugging Face skipped the mask: plain causal, queries are the last T positions
+        t, s = query.shape[2], key.shape[2]
+        mask = torch.arange(s, device=query.device)[None, :] <= torch.arange(t, device=query.device)[:, None] + s - t
+    if mask.dtype == torch.bool:  # finfo.min, not −inf: a fully masked (pad) row stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask[..., : key.shape[2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    return (probs @ value).transpose(1, 2).contiguous(), None
+
+
+def dofla_mask(*args, config=None, **kwargs) -> torch.Tensor | None:
+    """Mask-interface entry for ``dofla_linear``: the softmax reference gets Hugging Face's own
+    sdpa mask (causal, padding, sliding window); every other student gets None (no T×T mask) and
+    reads padding from the 2D mask instead."""
+    spec = getattr(config, "dofla", None) or {}
+    if spec.get("feature_map") != "softmax":
+        return None
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, dofla_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dofla_mask)
 
 
 class RecurrentLayer(CacheLayerMixin):
-    """One layer's decoding state: a :class:`LinearState` plus the number of tokens seen.
+    """One layer's decoding state: a fixed-size state (linear / hybrid / sliding) plus the number
+    of tokens seen; for the softmax reference (``keep_kv``) also every key/value (B, H_kv, S, d).
 
-    ``update`` keeps no keys or values: it returns the new ones unchanged, so memory stays flat.
+    Without ``keep_kv``, ``update`` keeps no keys or values: it returns the new ones unchanged, so
+    memory stays flat. Masks are sized (seen + new, offset 0), which is right for the softmax
+    reference because it keeps every position; ``is_sliding`` is False for the same reason.
     """
 
     is_compileable = False
@@ -120,6 +223,7 @@ class RecurrentLayer(CacheLayerMixin):
         super().__init__()
         self.state: State | None = None
         self.seen = 0
+        self.keep_kv = False  # set per call by the student model's forward
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -127,6 +231,12 @@ class RecurrentLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         self.is_initialized = True
         self.seen += key_states.shape[-2]
+        if not self.keep_kv:
+            return key_states, value_states
+        if self.keys is not None:
+            key_states = torch.cat([self.keys, key_states], dim=-2)
+            value_states = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = key_states, value_states
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -138,20 +248,34 @@ class RecurrentLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def offload(self) -> None:
+        pass  # the state is small and stays on its device
+
+    def prefetch(self) -> None:
+        pass
+
     def reset(self) -> None:
-        self.state, self.seen = None, 0
+        self.state, self.seen, self.keys, self.values = None, 0, None, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.state is not None:
             self.state = self.state.index_select(beam_idx)
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    def nbytes(self) -> int:
+        kept = [t for t in (self.keys, self.values) if t is not None]
+        state = 0 if self.state is None else self.state.nbytes()
+        return state + sum(t.numel() * t.element_size() for t in kept)
 
 
 class RecurrentStateCache(Cache):
-    """A Hugging Face ``Cache`` holding fixed-size linear-attention states, one per layer."""
+    """A Hugging Face ``Cache`` holding one :class:`RecurrentLayer` per layer."""
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[RecurrentLayer() for _ in range(num_layers)])
 
     def state_bytes(self) -> int:
-        """Bytes held by all layers' states (constant in the number of tokens seen)."""
-        return sum(layer.state.nbytes() for layer in self.layers if layer.state is not None)
+        """Bytes held by all layers (constant in the tokens seen, except for the softmax reference)."""
+        return sum(layer.nbytes() for layer in self.layers)
