@@ -2,9 +2,10 @@
 
 A layer artifact that is truncated, corrupted, or was written for other settings (another feature
 map, dimension, loss or activation cache) is reported in one sentence and treated as missing, so
-the stage rebuilds it. Nothing here deletes a file: a file written for other settings may belong
-to another run sharing the directory, so a stage writes its own into a directory of its settings
-(:func:`settings_digest`), and only ever replaces files of its own settings.
+the stage rebuilds it. Nothing here deletes a file written for other settings: it may belong to
+another run sharing the directory, so a stage writes its own into a directory of its settings
+(:func:`settings_digest`). The one exception is a run's own model directory (``student/``), which
+:func:`save_model_dir` replaces when that run's settings changed.
 """
 from __future__ import annotations
 
