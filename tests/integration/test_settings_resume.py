@@ -12,6 +12,7 @@ import torch
 from dofla.config import FeatureMapConfig, ModelConfig, RunConfig, TrainConfig
 from dofla.models import load_student
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
+from tests.conftest import write_local_tasks
 from tests.integration.test_pipeline import run_cli
 
 
@@ -97,10 +98,13 @@ def test_changed_eval_settings_recompute_instead_of_returning_stale_metrics(base
     assert new["eval/attn_error/mean"] != old["eval/attn_error/mean"]
     assert {k: v for k, v in new.items() if "attn_error" not in k} == \
         {k: v for k, v in old.items() if "attn_error" not in k}
-    recall = run_cli(*_args(run, base / "cache", "eval.mqar=true", "eval.mqar_seq_lens=[16]",
-                            "eval.mqar_examples=2"))
-    assert recall.returncode == 0, recall.stderr[-3000:]
-    assert {"mqar/teacher/T16", "mqar/student/T16"} <= set(_metrics(run))
+    (tmp_path / "tasks").mkdir()
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"),
+               "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    tasks = run_cli(*_args(run, base / "cache", "eval.tasks=[piqa_local]", "eval.task_limit=4",
+                           f"eval.task_dirs=[{write_local_tasks(tmp_path / 'tasks')}]"), env=offline)
+    assert tasks.returncode == 0, tasks.stderr[-3000:]
+    assert {"tasks/teacher/piqa_local/acc", "tasks/student/piqa_local/acc", "tasks/acc_gap"} <= set(_metrics(run))
     assert _metrics(run)["eval/attn_error/mean"] == old["eval/attn_error/mean"]  # back to 2 sequences: reused
     back = run_cli(*_args(run, base / "cache"))
     assert back.returncode == 0, back.stderr[-3000:]
