@@ -1,21 +1,41 @@
-"""Verified run artifacts: written atomically, with a sidecar recording size, checksum and meta.
+"""Verified run artifacts: written atomically, each recording the settings that produced it.
 
 A layer artifact that is truncated, corrupted, or was written for other settings (another feature
 map, dimension, loss or activation cache) is reported in one sentence and treated as missing, so
-the stage rebuilds it instead of using it.
+the stage rebuilds it. Nothing here deletes a file written for other settings: it may belong to
+another run sharing the directory, so a stage writes its own into a directory of its settings
+(:func:`settings_digest`). The one exception is a run's own model directory (``student/``), which
+:func:`save_model_dir` replaces when that run's settings changed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dofla.record import write_json
+from dofla.record import read_json, write_json
+
+SETTINGS_FILE = "dofla_settings.json"  # beside a model directory's config.json
+
+
+class ArtifactError(RuntimeError):
+    """An artifact a stage needs is missing or unusable; the message says how to produce it."""
+
+
+def canonical(settings: Any) -> Any:
+    """``settings`` as it reads back from JSON (tuples -> lists, keys sorted), for comparisons."""
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def settings_digest(settings: dict) -> str:
+    """12 hex digits naming ``settings`` (e.g. the subdirectory of a shared layer directory)."""
+    return hashlib.sha256(json.dumps(canonical(settings), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _sidecar(path: Path) -> Path:
@@ -55,25 +75,70 @@ def artifact_problem(path: Path, meta: dict) -> str | None:
     try:
         record = json.loads(_sidecar(path).read_text())
     except (OSError, ValueError):
-        return "its checksum record is missing (an interrupted write)"
+        return "its checksum record is missing (an interrupted write)" if path.exists() else "it is missing"
     if not path.exists() or path.stat().st_size != record["size"]:
         return "it is missing or truncated"
     if file_sha256(path) != record["sha256"]:
         return "it is corrupted (checksum mismatch)"
-    if record["meta"] != json.loads(json.dumps(meta, sort_keys=True, default=str)):
+    if record["meta"] != canonical(meta):
         return "it was written for other settings (foreign artifact)"
     return None
 
 
-def load_artifact(path: Path, meta: dict) -> dict[str, Any] | None:
-    """The payload if the artifact verifies, else None (after saying why, if it existed)."""
+def load_artifact(path: Path, meta: dict, quiet: bool = False) -> dict[str, Any] | None:
+    """The payload if the artifact verifies, else None (after saying why, if it existed).
+
+    Never deletes: the caller writes a fresh artifact of its own settings in its place.
+    """
     path = Path(path)
     if not path.exists() and not _sidecar(path).exists():
         return None
     problem = artifact_problem(path, meta)
     if problem is not None:
-        print(f"dofla: artifact {path} is not usable ({problem}); rebuilding it", flush=True)
-        path.unlink(missing_ok=True)
-        _sidecar(path).unlink(missing_ok=True)
+        if not quiet:
+            print(f"dofla: artifact {path} is not usable ({problem}); rebuilding it", flush=True)
         return None
     return torch.load(path, weights_only=False)
+
+
+def load_checkpoint(path: Path | None, meta: dict | None) -> dict[str, Any] | None:
+    """A training checkpoint written with ``meta``, else None (one line when one was ignored)."""
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        ckpt = torch.load(path, weights_only=False)
+    except Exception as err:  # a damaged checkpoint only costs the steps since the last one
+        print(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over", flush=True)
+        return None
+    if canonical(ckpt.get("meta")) != canonical(meta):
+        print(f"dofla: checkpoint {path} was written for other settings; ignoring it", flush=True)
+        return None
+    return ckpt
+
+
+def model_dir_matches(target: Path, settings: dict) -> bool:
+    """True when the model directory ``target`` is complete and was saved for ``settings``."""
+    target = Path(target)
+    return (target / "config.json").exists() and read_json(target / SETTINGS_FILE) == canonical(settings)
+
+
+def save_model_dir(model, tokenizer, target: Path, settings: dict) -> None:
+    """Hugging Face model + tokenizer + ``dofla_settings.json``, replacing ``target`` atomically.
+
+    ``target`` is this run's own directory (``student/``): an older one of other settings is
+    replaced, never kept half-overwritten.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp"))
+    old = target.with_name(f"{target.name}.old-{tmp.name[-8:]}")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / SETTINGS_FILE, canonical(settings))
+        if target.exists():  # os.replace cannot replace a non-empty directory
+            os.replace(target, old)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""The pipeline's stages. Each reads its inputs, writes one artifact, and is skipped when that
-artifact already exists, so re-running a command resumes where it stopped."""
+"""The pipeline's stages. Each reads its inputs and writes one artifact that records the settings
+that produced it; a stage is skipped when its artifact exists for the SAME settings, so re-running
+a command resumes where it stopped, and changing a setting redoes what depends on it."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dofla import distributed
+from dofla.artifacts import canonical, settings_digest
 from dofla.config import RunConfig
 from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
@@ -18,13 +20,16 @@ from dofla.validate import feature_budget
 
 
 def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
-    """Algorithm 1 on the activation cache -> dof.json (shared across runs via the cache dir)."""
+    """Algorithm 1 on the activation cache -> dof.json (shared across runs via the cache dir);
+    every copy records its settings, the activation cache's key included, and is reused only for them."""
     a = cfg.allocation
     settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
-                "num_tokens": a.num_tokens, "seed": cfg.seed}
+                "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache.key}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     shared = Path(cache.path) / f"dof-{digest}.json"
-    result = read_json(out_dir / "dof.json") or read_json(shared)
+    result = read_json(out_dir / "dof.json")
+    if result is None or result.get("settings") != settings:
+        result = read_json(shared)
     if result is None or result.get("settings") != settings:
         result = _run_algorithm1(cfg, cache, settings, out_dir / "dof.partial.json")
         write_json(shared, result)
@@ -124,12 +129,37 @@ def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
             "train": train, "seed": cfg.seed, "cache_key": cache_key}
 
 
+def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """The settings of a run's trained layers: :func:`artifact_meta` without the per-layer fields,
+    plus every layer's dims (two allocations must not share a directory)."""
+    return canonical({**artifact_meta(cfg, cache_key), "dims": dims})
+
+
+def settings_dir(cfg: RunConfig, out_dir: Path, settings: dict) -> Path:
+    """Where this run writes layer artifacts, checkpoints and ``direct_done.json``: the run's own
+    ``layers/``, or ``<train.layer_dir>/<hash12 of settings>/`` so that jobs of other settings
+    sharing ``train.layer_dir`` never touch each other's files."""
+    if not cfg.train.layer_dir:
+        return out_dir / "layers"
+    return layer_dir(cfg, out_dir) / settings_digest(settings)
+
+
+def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
+    """Directories a layer is looked up in: ours first, then (read only) a shared ``train.layer_dir``
+    itself, which may hold a run's own flat ``layers/`` of the same settings."""
+    own, base = settings_dir(cfg, out_dir, settings), layer_dir(cfg, out_dir)
+    return [own] if own == base else [own, base]
+
+
 def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path) -> dict:
     """Layerwise (l2 / softmax, from the cache) or end-to-end (direct) feature training."""
     layers = list(range(len(dims))) if cfg.train.layers is None else list(cfg.train.layers)
-    meta = artifact_meta(cfg, cache.key)
+    meta, settings = artifact_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
+    directory, *also_read = layer_dirs(cfg, out_dir, settings)
+    if distributed.is_main():  # tells a human what the hash directory's name stands for
+        write_json(directory / "settings.json", settings)
     if cfg.loss.name == "direct":
-        return _train_direct(cfg, dims, teacher, train_tokens, layer_dir(cfg, out_dir), meta)
+        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings)
     from dofla.train import run_layerwise
 
     feature_maps = build_feature_maps(cfg, geometry, dims)
@@ -138,31 +168,42 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
         acts = cache.layer(i)
         return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
 
-    train_cfg, directory = layer_train_config(cfg), layer_dir(cfg, out_dir)
+    train_cfg = layer_train_config(cfg)
     if distributed.world() == 1:
-        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta)
+        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
     # torchrun: layer i on rank i mod N, then every rank reads all the artifacts
-    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta)
+    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta, also_read)
     distributed.barrier()
-    return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta)
+    return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
 
 
-def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict) -> dict:
-    from dofla.artifacts import save_artifact
+def _layer_meta(meta: dict, i: int, attn) -> dict:
+    return {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
+
+
+def _trainable(attn) -> bool:
+    return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
+
+
+def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict) -> dict:
+    """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies."""
+    from dofla.artifacts import artifact_problem, save_artifact
     from dofla.train import train_direct
 
     done = directory / "direct_done.json"
-    if done.exists():
-        return read_json(done)
     student = make_student(cfg, teacher, dims)
+    marker = read_json(done)
+    if marker is not None and marker.get("settings") == settings and not any(
+            artifact_problem(directory / f"layer_{i:02d}.pt", _layer_meta(meta, i, attn))
+            for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
+        return marker
     dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
-    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt")
+    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
     if distributed.is_main():  # under torchrun every rank holds the same features
         for i, attn in enumerate(student.student_attentions()):
-            layer_meta = {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
             save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
-                                                             "curve": curve}, layer_meta)
-        write_json(done, {"steps": len(curve), "curve": curve})
+                                                             "curve": curve}, _layer_meta(meta, i, attn))
+        write_json(done, {"settings": settings, "steps": len(curve), "curve": curve})
     distributed.barrier()
     return read_json(done)
 
@@ -176,56 +217,74 @@ def make_student(cfg: RunConfig, teacher, dims):
                    window=cfg.attention.window)
 
 
+def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """What determines the assembled student: the teacher, the attention and the trained layers."""
+    return canonical({"model": asdict(cfg.model), "attention": asdict(cfg.attention),
+                      "layers": layer_settings(cfg, cache_key, dims)})
+
+
 def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str):
-    """The student as a Hugging Face model directory, with every layer's trained features."""
-    from dofla.artifacts import load_artifact
+    """The student as a Hugging Face model directory, with every layer's trained features.
+
+    ``student/`` is reused only when its ``dofla_settings.json`` matches these settings. Raises
+    :class:`ArtifactError` when a layer with trainable features has no verified artifact.
+    """
+    from dofla.artifacts import model_dir_matches, save_model_dir
     from dofla.faults import kill_point
     from dofla.models import load_student
 
-    target = out_dir / "student"
+    target, settings = out_dir / "student", student_settings(cfg, cache_key, dims)
+    if model_dir_matches(target, settings):
+        return _with_settings(load_student(target), settings)
     if (target / "config.json").exists():
-        return load_student(target)
+        print(f"dofla: {target} was assembled for other settings; assembling it again", flush=True)
     student = make_student(cfg, teacher, dims)
     kill_point("assemble")
-    meta = artifact_meta(cfg, cache_key)
+    directories = layer_dirs(cfg, out_dir, settings["layers"])
     for i, attn in enumerate(student.student_attentions()):
-        artifact = layer_dir(cfg, out_dir) / f"layer_{i:02d}.pt"
-        if attn.feature_map is None:
-            continue
-        layer_meta = {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
-        trained = load_artifact(artifact, layer_meta)
-        if trained is not None:
-            attn.feature_map.load_state_dict(trained["state_dict"])
-        elif any(p.requires_grad for p in attn.feature_map.parameters()):
-            print(f"dofla: layer {i} has no trained features ({artifact.name} missing); "
-                  "it keeps its initial features", flush=True)
-    _save_model_dir(student, tokenizer, target)
-    return student.eval()
+        _load_trained_layer(i, attn, directories, artifact_meta(cfg, cache_key), layer_dir(cfg, out_dir))
+    save_model_dir(student, tokenizer, target, settings)
+    return _with_settings(student.eval(), settings)
 
 
-def _save_model_dir(model, tokenizer, target: Path) -> None:
-    import os
-    import shutil
-    import tempfile
+def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base: Path) -> None:
+    """Load layer ``i``'s verified features into ``attn``; a layer with nothing to train needs none."""
+    from dofla.artifacts import ArtifactError, artifact_problem
+    from dofla.train.layerwise import find_artifact
 
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if attn.feature_map is None:
+        return
+    name, layer_meta = f"layer_{i:02d}.pt", _layer_meta(meta, i, attn)
+    trained = find_artifact(directories, name, layer_meta)
+    if trained is not None:
+        attn.feature_map.load_state_dict(trained["state_dict"])
+    elif _trainable(attn):
+        problem = artifact_problem(directories[0] / name, layer_meta)
+        raise ArtifactError(
+            f"layer {i} has no usable trained features ({directories[0] / name}: {problem}); train it by "
+            f"running the same command with train.layers=[{i}] and train.layer_dir={base}, or run without "
+            "train.layers to train every layer")
+
+
+def _with_settings(model, settings: dict):
+    """Attach the settings a model was built from (the eval stage keys its measurements by them)."""
+    model.dofla_settings = settings
+    return model
 
 
 def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Path):
-    """Optional LoRA fine-tune of the assembled student -> student_finetuned/ (merged weights)."""
+    """Optional LoRA fine-tune of the assembled student -> student_finetuned/ (merged weights),
+    reused only when its ``dofla_settings.json`` matches (student's settings + fine-tune settings)."""
+    from dofla.artifacts import model_dir_matches, save_model_dir
     from dofla.models import load_student
     from dofla.train.finetune import finetune_lora
 
     target = out_dir / "student_finetuned"
-    if (target / "config.json").exists():
-        return load_student(target)
+    settings = canonical({"student": getattr(student, "dofla_settings", None),
+                          "finetune": asdict(cfg.finetune), "seed": cfg.seed})
+    if model_dir_matches(target, settings):
+        return _with_settings(load_student(target), settings)
     curve = finetune_lora(student, train_tokens, cfg.finetune, seed=cfg.seed)
     write_json(out_dir / "finetune_curve.json", curve)
-    _save_model_dir(student, tokenizer, target)
-    return student.eval()
+    save_model_dir(student, tokenizer, target, settings)
+    return _with_settings(student.eval(), settings)

@@ -138,3 +138,55 @@ def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch):
     assert train_direct(student, _tokens(), cfg, checkpoint_path=ckpt) == full
     expected = full_student.state_dict()
     assert all(torch.equal(t, expected[n]) for n, t in student.state_dict().items())
+
+
+def test_checkpoint_of_other_settings_is_ignored_not_resumed(tmp_path, monkeypatch):
+    q, k = realistic_qk()
+    cfg = LayerTrainConfig(steps=12, eval_every=4, checkpoint_every=6, warmup_steps=2)
+    full = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, meta={"lr_z": 0.02})
+    ckpt = tmp_path / "layer.ckpt"
+    other = LayerTrainConfig(steps=12, eval_every=4, checkpoint_every=6, warmup_steps=2, lr_z=0.2)
+    _kill_at(monkeypatch, "layerwise", "train:layer:step8")
+    with pytest.raises(Killed):
+        train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, other, checkpoint_path=ckpt,
+                    meta={"lr_z": 0.2})
+    monkeypatch.undo()
+    ours = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, checkpoint_path=ckpt,
+                       meta={"lr_z": 0.02})
+    assert ours.curve == full.curve  # from step 0, not from the other run's step 6
+    assert all(torch.equal(full.state_dict[n], t) for n, t in ours.state_dict.items())
+
+
+def test_direct_checkpoint_of_other_settings_is_ignored(tmp_path, monkeypatch):
+    cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2, checkpoint_every=3)
+    full = train_direct(_tiny_student(), _tokens(), cfg, meta={"seed": 0})
+    ckpt = tmp_path / "direct.ckpt"
+    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    with pytest.raises(Killed):
+        train_direct(_tiny_student(), _tokens(), LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2,
+                     checkpoint_every=3, lr_z=0.5), checkpoint_path=ckpt, meta={"lr_z": 0.5})
+    monkeypatch.undo()
+    assert train_direct(_tiny_student(), _tokens(), cfg, checkpoint_path=ckpt, meta={"seed": 0}) == full
+
+
+def test_run_layerwise_reads_other_directories_but_writes_only_its_own(tmp_path):
+    acts = {i: realistic_qk(seed=i) for i in range(2)}
+    cfg = LayerTrainConfig(steps=4, eval_every=2)
+    fms = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
+    run_layerwise(fms, acts.__getitem__, [0], cfg, tmp_path / "theirs", {"steps": 4})
+    theirs = {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()}
+    seen = []
+
+    def activations(i):
+        seen.append(i)
+        return acts[i]
+
+    fresh = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
+    run_layerwise(fresh, activations, [0, 1], cfg, tmp_path / "ours", {"steps": 4}, also_read=[tmp_path / "theirs"])
+    assert seen == [1] and torch.equal(fresh[0].z, fms[0].z)  # layer 0 reused from theirs
+    assert sorted(p.name for p in (tmp_path / "ours").glob("*.pt")) == ["layer_01.pt"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()} == theirs
+    fresh = [build_feature_map("learned_prf", 3, 16, 8, seed=i) for i in range(2)]
+    run_layerwise(fresh, activations, [0], cfg, tmp_path / "ours", {"steps": 5}, also_read=[tmp_path / "theirs"])
+    assert seen == [1, 0]  # other settings: theirs is not used, and not deleted
+    assert {p.name: p.read_bytes() for p in (tmp_path / "theirs").iterdir()} == theirs

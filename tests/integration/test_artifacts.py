@@ -46,7 +46,8 @@ def test_per_layer_parallel_jobs_equal_one_job(trained, tmp_path):
     sweep = run_cli("-m", "experiment=smoke_tiny", "train.layers=[0],[1]", f"train.layer_dir={shared}",
                     f"hydra.sweep.dir={tmp_path / 'sweep'}", f"cache_dir={cache}")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
-    assert sorted(p.name for p in shared.glob("*.pt")) == ["layer_00.pt", "layer_01.pt"]
+    (settings_dir,) = [p for p in shared.iterdir() if p.is_dir()]  # both jobs: the same settings
+    assert sorted(p.name for p in settings_dir.glob("*.pt")) == ["layer_00.pt", "layer_01.pt"]
     final = run_cli("experiment=smoke_tiny", f"train.layer_dir={shared}", f"hydra.run.dir={tmp_path / 'run'}",
                     f"cache_dir={cache}")
     assert final.returncode == 0, final.stderr[-3000:]

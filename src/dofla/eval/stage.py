@@ -1,10 +1,82 @@
-"""The eval stage: perplexity, attention error, lm-eval tasks and MQAR -> metrics.json, resumable."""
+"""The eval stage: perplexity, attention error, lm-eval tasks and MQAR -> metrics.json, resumable.
+
+Every measurement is kept in ``eval_measurements.json`` under the settings it was taken with (the
+model's settings, the held-out tokens, the eval options that matter to it). A re-run reuses a
+measurement only for the same settings and recomputes exactly those whose settings changed;
+``metrics.json`` is written from the measurements the current settings ask for.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
+from dofla.artifacts import canonical, settings_digest
 from dofla.config import RunConfig
 from dofla.record import read_json, write_json
+
+MEASUREMENTS = "eval_measurements.json"
+
+
+class Measurements:
+    """``eval_measurements.json``: ``{name-digest: {"settings", "metrics", "skipped"}}``.
+
+    Under torchrun every rank holds rank 0's copy, so all ranks agree on what to compute; only
+    rank 0 writes.
+    """
+
+    def __init__(self, path: Path, main: bool):
+        from dofla import distributed
+
+        self.path, self.main = path, main
+        self.entries = distributed.broadcast((read_json(path) or {}) if main else None)
+
+    def get(self, name: str, settings: dict, compute: Callable[[], dict], plan=None) -> dict:
+        """The metrics of ``name`` taken with ``settings``: stored ones, or ``compute()`` (saved at once).
+
+        ``plan``: its ``skipped`` reasons added while computing are kept and restored on reuse.
+        """
+        key, settings = f"{name}-{settings_digest(settings)}", canonical(settings)
+        entry = self.entries.get(key)
+        if entry is None or entry["settings"] != settings:
+            before = dict(plan.skipped) if plan is not None else {}
+            metrics = compute()
+            skipped = {k: v for k, v in plan.skipped.items() if k not in before} if plan is not None else {}
+            entry = {"settings": settings, "metrics": metrics, "skipped": skipped}
+            self.entries[key] = entry
+            if self.main:
+                write_json(self.path, self.entries)
+        if plan is not None:
+            plan.skipped.update(entry["skipped"])
+        return dict(entry["metrics"])
+
+
+def model_settings(model) -> dict:
+    """The settings a model was built from (``dofla_settings``, attached by the assemble and
+    fine-tune stages), else a fingerprint of its weights (a model handed in from Python)."""
+    import torch
+
+    settings = getattr(model, "dofla_settings", None)
+    if settings is not None:
+        return {"settings": settings}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):  # raw bytes: any dtype, bf16 included
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return {"weights": digest.hexdigest()}
+
+
+def tokens_digest(tokens) -> str:
+    """SHA-256 of a (S, L) token tensor, shape included."""
+    return hashlib.sha256(json.dumps(list(tokens.shape)).encode() + tokens.cpu().numpy().tobytes()).hexdigest()
+
+
+def teacher_settings(cfg: RunConfig) -> dict:
+    """The teacher: its source and revision (and, for a tiny random model, the seed that built it)."""
+    tiny = cfg.model.source.startswith("tiny:")
+    return {"model": asdict(cfg.model), "seed": cfg.seed if tiny else None}
 
 
 def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
@@ -14,72 +86,97 @@ def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
     ``teacher_scores``: a directory where the teacher's task scores are kept across runs (every run
     of a sweep has the same teacher; it is scored once).
 
-    Each measurement is saved as it completes (metrics.partial.json), so a killed eval resumes.
-    Under torchrun, perplexity and attention error are shared across the ranks; the tasks, MQAR
-    and every file are rank 0's.
+    Each measurement is saved as it completes, keyed by its settings, so a killed eval resumes and
+    a changed setting redoes only what it affects. Under torchrun, perplexity and attention error
+    are shared across the ranks; the tasks, MQAR and every file are rank 0's.
     """
-    import math
-
     from dofla import distributed
-    from dofla.eval import attention_errors, heldout_loss, suite
-    from dofla.faults import kill_point
 
     main = distributed.is_main()
-    metrics = distributed.broadcast(read_json(out_dir / "metrics.json") if main else None)
-    if metrics is not None:
-        return metrics
-    partial_path = out_dir / "metrics.partial.json"
-    metrics = distributed.broadcast((read_json(partial_path) or {}) if main else None)
-
-    def save() -> None:
-        if main:
-            write_json(partial_path, metrics)
-
+    store = Measurements(out_dir / MEASUREMENTS, main)
+    who_settings = {"teacher": teacher_settings(cfg), "student": model_settings(student)}
     models = (("teacher", teacher), ("student", student))
-    if cfg.eval.perplexity:
-        for who, model in models:
-            if f"eval/{who}_loss" in metrics:
-                continue
-            kill_point(f"eval:{who}")
-            loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size, data_parallel=True)
-            metrics[f"eval/{who}_loss"] = loss
-            metrics[f"eval/{who}_ppl"] = math.exp(loss) if loss < 700 else float("inf")
-            save()
-        metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
-    if cfg.eval.attention_error and "eval/attn_error/mean" not in metrics:
-        kill_point("eval:attention")
-        errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs], data_parallel=True)
-        for i, err in enumerate(errors):
-            metrics[f"eval/attn_error/layer_{i:02d}"] = float(err)
-        metrics["eval/attn_error/mean"] = float(sum(errors) / len(errors))
-        save()
+    metrics = _shared_measurements(cfg, models, who_settings, heldout_tokens, store)
     if not main:  # the rest is rank 0's (lm-eval runs its own way; MQAR is small)
         return metrics
     if plan is not None and plan.runnable:
-        for who, model in models:
-            if not any(k.startswith(f"tasks/{who}/") for k in metrics):
-                kill_point(f"eval:tasks:{who}")
-                if who == "teacher" and teacher_scores is not None:
-                    metrics.update(suite.cached_teacher_scores(teacher_scores, model, tokenizer, plan, cfg))
-                else:
-                    metrics.update(suite.zero_shot(model, tokenizer, who, plan, cfg.eval))
-                write_json(partial_path, metrics)
-        if cfg.eval.protocol == "finetune" and not any(k.startswith("finetuned/") for k in metrics):
-            metrics.update(suite.finetune_protocol(teacher, student, tokenizer, plan, cfg.eval, cfg.seed))
-            write_json(partial_path, metrics)
-        _task_gap(metrics)
+        metrics.update(_task_measurements(cfg, models, who_settings, tokenizer, plan, store, teacher_scores))
     if plan is not None:
         write_json(out_dir / "tasks_skipped.json", plan.skipped)
     if cfg.eval.mqar:
+        from dofla.eval import suite
+
         for who, model in models:
-            if not any(k.startswith(f"mqar/{who}/") for k in metrics):
-                metrics.update(suite.mqar(model, who, cfg.eval, cfg.seed))
-                write_json(partial_path, metrics)
+            settings = {"model": who_settings[who], "seq_lens": cfg.eval.mqar_seq_lens,
+                        "examples": cfg.eval.mqar_examples, "seed": cfg.seed}
+            metrics.update(store.get(f"mqar/{who}", settings, lambda: suite.mqar(model, who, cfg.eval, cfg.seed)))
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
-def _task_gap(metrics: dict) -> None:
-    """tasks/acc_gap: teacher minus student average accuracy (what the distillation lost)."""
+def _shared_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tokens, store) -> dict:
+    """Perplexity and attention error (every rank takes part under torchrun)."""
+    import math
+
+    from dofla.eval import attention_errors, heldout_loss
+    from dofla.faults import kill_point
+
+    metrics = {}
+    if cfg.eval.perplexity:
+        for who, model in models:
+            def perplexity(who=who, model=model) -> dict:
+                kill_point(f"eval:{who}")
+                loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size, data_parallel=True)
+                return {f"eval/{who}_loss": loss, f"eval/{who}_ppl": math.exp(loss) if loss < 700 else float("inf")}
+
+            settings = {"model": who_settings[who], "heldout": tokens_digest(heldout_tokens),
+                        "batch_size": cfg.eval.batch_size}
+            metrics.update(store.get(f"perplexity/{who}", settings, perplexity))
+        metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
+    if cfg.eval.attention_error:
+        (_, teacher), (_, student) = models
+        tokens = heldout_tokens[: cfg.eval.attn_error_seqs]
+
+        def attention() -> dict:
+            kill_point("eval:attention")
+            errors = attention_errors(teacher, student, tokens, data_parallel=True)
+            out = {f"eval/attn_error/layer_{i:02d}": float(err) for i, err in enumerate(errors)}
+            return {**out, "eval/attn_error/mean": float(sum(errors) / len(errors))}
+
+        settings = {"teacher": who_settings["teacher"], "student": who_settings["student"],
+                    "tokens": tokens_digest(tokens)}
+        metrics.update(store.get("attention", settings, attention))
+    return metrics
+
+
+def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, plan, store,
+                       teacher_scores: Path | None) -> dict:
+    """lm-eval zero-shot scores per model and the fine-tune protocol, keyed by the task settings."""
+    from importlib.metadata import version
+
+    from dofla.eval import suite
+    from dofla.faults import kill_point
+
+    ev = cfg.eval
+    tasks = {"tasks": plan.runnable, "limit": ev.task_limit, "batch_size": ev.task_batch_size,
+             "task_dirs": list(plan.task_dirs), "lm_eval": version("lm_eval")}
+    metrics = {}
+    for who, model in models:
+        def zero_shot(who=who, model=model) -> dict:
+            kill_point(f"eval:tasks:{who}")
+            if who == "teacher" and teacher_scores is not None:
+                return suite.cached_teacher_scores(teacher_scores, model, tokenizer, plan, cfg)
+            return suite.zero_shot(model, tokenizer, who, plan, ev)
+
+        metrics.update(store.get(f"tasks/{who}", {"model": who_settings[who], **tasks}, zero_shot, plan))
+    if ev.protocol == "finetune":
+        (_, teacher), (_, student) = models
+        settings = {**tasks, "teacher": who_settings["teacher"], "student": who_settings["student"],
+                    "lr_grid": ev.finetune_lr_grid, "epochs": ev.finetune_epochs,
+                    "train_limit": ev.finetune_train_limit, "seed": cfg.seed}
+        metrics.update(store.get("finetuned", settings, lambda: suite.finetune_protocol(
+            teacher, student, tokenizer, plan, ev, cfg.seed), plan))
     if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:
+        # what the distillation lost
         metrics["tasks/acc_gap"] = metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"]
+    return metrics

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.faults import kill_point
-from dofla.artifacts import torch_save_atomic
+from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.train.layerwise import LayerTrainConfig, apply_step, lr_factor, param_groups
 
 
@@ -30,16 +30,19 @@ def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
 
 
 def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
-                 checkpoint_path: Path | None = None) -> list[dict]:
-    """Next-token training of the student's feature maps on ``tokens`` (S, L); returns the curve."""
+                 checkpoint_path: Path | None = None, meta: dict | None = None) -> list[dict]:
+    """Next-token training of the student's feature maps on ``tokens`` (S, L); returns the curve.
+
+    The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
+    """
     groups = feature_param_groups(student, cfg)
     if not groups or cfg.steps == 0:
         return []
     optimizer = torch.optim.Adam(groups, weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     step, curve = 0, []
-    if checkpoint_path is not None and checkpoint_path.exists():
-        ckpt = torch.load(checkpoint_path, weights_only=False)
+    ckpt = load_checkpoint(checkpoint_path, meta)
+    if ckpt is not None:
         student.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         generator.set_state(ckpt["generator"])
@@ -65,7 +68,7 @@ def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
             torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
-                          "generator": generator.get_state(), "step": step + 1, "curve": curve},
-                         checkpoint_path)
+                               "generator": generator.get_state(), "step": step + 1, "curve": curve,
+                               "meta": meta}, checkpoint_path)
     bar.close()
     return curve

@@ -10,12 +10,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from dofla.artifacts import load_artifact, save_artifact, torch_save_atomic
+from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla import distributed
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
@@ -133,8 +133,12 @@ def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool
 
 
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
-                checkpoint_path: Path | None = None, desc: str = "layer") -> LayerTrainResult:
-    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state."""
+                checkpoint_path: Path | None = None, desc: str = "layer",
+                meta: dict | None = None) -> LayerTrainResult:
+    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state.
+
+    The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
+    """
     start_time = time.perf_counter()
     train_idx, held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
     groups = param_groups(feature_map, cfg)
@@ -145,8 +149,8 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
         return _result(feature_map, state, initial, start_time)
     optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
-    if checkpoint_path is not None and checkpoint_path.exists():
-        ckpt = torch.load(checkpoint_path, weights_only=False)
+    ckpt = load_checkpoint(checkpoint_path, meta)
+    if ckpt is not None:
         feature_map.load_state_dict(ckpt["feature_map"])
         optimizer.load_state_dict(ckpt["optimizer"])
         generator.set_state(ckpt["generator"])
@@ -170,7 +174,7 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
                 break
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
             torch_save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
-                          "generator": generator.get_state(), "state": state}, checkpoint_path)
+                               "generator": generator.get_state(), "state": state, "meta": meta}, checkpoint_path)
     bar.close()
     return _result(feature_map, state, initial, start_time)
 
@@ -195,29 +199,42 @@ def _result(feature_map, state, initial: float, start_time: float) -> LayerTrain
 
 
 def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                  layers: list[int], cfg: LayerTrainConfig, out_dir: Path, meta: dict | None = None) -> dict[int, dict]:
+                  layers: list[int], cfg: LayerTrainConfig, out_dir: Path, meta: dict | None = None,
+                  also_read: Sequence[Path] = ()) -> dict[int, dict]:
     """Train each requested layer independently; one verified artifact ``layer_XX.pt`` per layer.
 
-    Layers whose artifact exists and verifies (same ``meta``) are loaded, not retrained (resume,
-    or per-layer parallel jobs sharing ``out_dir``).
+    Layers whose artifact exists and verifies (same ``meta``) in ``out_dir``, or else in one of
+    ``also_read`` (directories of other runs, only read), are loaded, not retrained (resume, or
+    per-layer parallel jobs sharing ``out_dir``). Only ``out_dir`` is written.
     """
     out_dir = Path(out_dir)
     summaries = {}
     for i in tqdm(layers, desc=f"train ({cfg.loss})", unit="layer"):
         artifact = out_dir / f"layer_{i:02d}.pt"
         layer_meta = {**(meta or {}), "layer": i, "num_features": feature_dims(feature_maps[i])}
-        existing = load_artifact(artifact, layer_meta)
+        existing = find_artifact([out_dir, *also_read], artifact.name, layer_meta)
         if existing is not None:
             feature_maps[i].load_state_dict(existing["state_dict"])
             summaries[i] = existing["summary"]
             continue
         q, k = activations(i)
-        result = train_layer(feature_maps[i], q, k, cfg, out_dir / f"layer_{i:02d}.ckpt", desc=f"layer{i}")
+        ckpt = out_dir / f"layer_{i:02d}.ckpt"
+        result = train_layer(feature_maps[i], q, k, cfg, ckpt, desc=f"layer{i}", meta=layer_meta)
         summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
                    "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
                    "steps_run": result.steps_run, "seconds": result.seconds, "curve": result.curve}
         save_artifact(artifact, {"state_dict": result.state_dict, "curve": result.curve, "summary": summary},
                       layer_meta)
-        (out_dir / f"layer_{i:02d}.ckpt").unlink(missing_ok=True)
+        ckpt.unlink(missing_ok=True)  # ours: written with layer_meta just above, in our own directory
         summaries[i] = summary
     return summaries
+
+
+def find_artifact(directories: Sequence[Path], name: str, meta: dict) -> dict | None:
+    """The first verifying artifact ``name`` in ``directories`` (the first one is ours; the others
+    are only read, so a file there that does not verify is passed over in silence)."""
+    for n, directory in enumerate(directories):
+        found = load_artifact(Path(directory) / name, meta, quiet=n > 0)
+        if found is not None:
+            return found
+    return None
