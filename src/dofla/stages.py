@@ -16,6 +16,18 @@ from dofla.artifacts import canonical, settings_digest
 from dofla.config import RunConfig
 from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
+from dofla.train_stage import (  # noqa: F401  (the training stage lives in its own module)
+    _layer_meta,
+    _trainable,
+    artifact_meta,
+    build_feature_maps,
+    layer_dir,
+    layer_dirs,
+    layer_settings,
+    layer_train_config,
+    settings_dir,
+    train_stage,
+)
 from dofla.validate import feature_budget
 
 
@@ -94,127 +106,13 @@ def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, ou
     return dims
 
 
-def build_feature_maps(cfg: RunConfig, geometry, dims: list):
-    from dofla.feature_maps import build_layer_feature_map
-
-    return [
-        build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
-                                seed=cfg.seed + i, **cfg.feature_map.options)
-        for i, m in enumerate(dims)
-    ]
-
-
-def layer_train_config(cfg: RunConfig):
-    from dofla.train import LayerTrainConfig
-
-    t = cfg.train
-    return LayerTrainConfig(
-        loss=cfg.loss.name, loss_options=dict(cfg.loss.options), steps=t.steps,
-        batch_size=t.batch_size, lr_z=t.lr_z, lr_alpha=t.lr_alpha, lr_other=t.lr_other,
-        warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
-        eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
-        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite, window=cfg.attention.window,
-    )
-
-
-def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:
-    """Where layer artifacts live: the run's ``layers/``, or a directory shared by parallel jobs."""
-    return Path(cfg.train.layer_dir).expanduser() if cfg.train.layer_dir else out_dir / "layers"
-
-
-def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
-    """Everything that determines a layer's trained features (not which job trained it)."""
-    train = {k: v for k, v in asdict(cfg.train).items() if k not in ("layers", "layer_dir", "checkpoint_every")}
-    return {"feature_map": asdict(cfg.feature_map), "loss": asdict(cfg.loss), "window": cfg.attention.window,
-            "train": train, "seed": cfg.seed, "cache_key": cache_key}
-
-
-def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
-    """The settings of a run's trained layers: :func:`artifact_meta` without the per-layer fields,
-    plus every layer's dims (two allocations must not share a directory)."""
-    return canonical({**artifact_meta(cfg, cache_key), "dims": dims})
-
-
-def settings_dir(cfg: RunConfig, out_dir: Path, settings: dict) -> Path:
-    """Where this run writes layer artifacts, checkpoints and ``direct_done.json``: the run's own
-    ``layers/``, or ``<train.layer_dir>/<hash12 of settings>/`` so that jobs of other settings
-    sharing ``train.layer_dir`` never touch each other's files."""
-    if not cfg.train.layer_dir:
-        return out_dir / "layers"
-    return layer_dir(cfg, out_dir) / settings_digest(settings)
-
-
-def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
-    """Directories a layer is looked up in: ours first, then (read only) a shared ``train.layer_dir``
-    itself, which may hold a run's own flat ``layers/`` of the same settings."""
-    own, base = settings_dir(cfg, out_dir, settings), layer_dir(cfg, out_dir)
-    return [own] if own == base else [own, base]
-
-
-def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path) -> dict:
-    """Layerwise (l2 / softmax, from the cache) or end-to-end (direct) feature training."""
-    layers = list(range(len(dims))) if cfg.train.layers is None else list(cfg.train.layers)
-    meta, settings = artifact_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
-    directory, *also_read = layer_dirs(cfg, out_dir, settings)
-    if distributed.is_main():  # tells a human what the hash directory's name stands for
-        write_json(directory / "settings.json", settings)
-    if cfg.loss.name == "direct":
-        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings)
-    from dofla.train import run_layerwise
-
-    feature_maps = build_feature_maps(cfg, geometry, dims)
-
-    def activations(i: int):
-        acts = cache.layer(i)
-        return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
-
-    train_cfg = layer_train_config(cfg)
-    if distributed.world() == 1:
-        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
-    # torchrun: layer i on rank i mod N, then every rank reads all the artifacts
-    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta, also_read)
-    distributed.barrier()
-    return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
-
-
-def _layer_meta(meta: dict, i: int, attn) -> dict:
-    return {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
-
-
-def _trainable(attn) -> bool:
-    return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
-
-
-def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict) -> dict:
-    """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies."""
-    from dofla.artifacts import artifact_problem, save_artifact
-    from dofla.train import train_direct
-
-    done = directory / "direct_done.json"
-    student = make_student(cfg, teacher, dims)
-    marker = read_json(done)
-    if marker is not None and marker.get("settings") == settings and not any(
-            artifact_problem(directory / f"layer_{i:02d}.pt", _layer_meta(meta, i, attn))
-            for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
-        return marker
-    dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
-    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
-    if distributed.is_main():  # under torchrun every rank holds the same features
-        for i, attn in enumerate(student.student_attentions()):
-            save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
-                                                             "curve": curve}, _layer_meta(meta, i, attn))
-        write_json(done, {"settings": settings, "steps": len(curve), "curve": curve})
-    distributed.barrier()
-    return read_json(done)
-
-
 def make_student(cfg: RunConfig, teacher, dims):
     from dofla.models import convert
 
     return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
                    feature_map_options=dict(cfg.feature_map.options),
                    chunk_size=cfg.attention.chunk_size, seed=cfg.seed,
-                   window=cfg.attention.window)
+                   window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks)
 
 
 def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:

@@ -23,6 +23,8 @@ def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
         p.requires_grad_(False)
     groups = []
     for attn in student.student_attentions():
+        if attn.feature_map is None:  # an exact (sliding-window) layer: nothing to train
+            continue
         for p in attn.feature_map.parameters():
             p.requires_grad_(True)
         groups += param_groups(attn.feature_map, cfg)

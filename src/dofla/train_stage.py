@@ -1,0 +1,202 @@
+"""The train stage: which layers get trained features, where their artifacts live, and how they
+are trained: layerwise from the activation cache, layerwise from a stream of fresh teacher
+activations (``train.source=stream``), or end to end (``loss=direct``)."""
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from dofla import distributed
+from dofla.artifacts import canonical, settings_digest
+from dofla.config import RunConfig
+from dofla.feature_maps.blocks import feature_dims
+from dofla.record import read_json, write_json
+
+# bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
+# so layer artifacts of the old layout are retrained instead of failing to load
+ARTIFACT_FORMAT = 2
+STREAM_CACHE_TOKENS = 8192  # data.cache_tokens default when training streams
+
+
+def linear_layers(cfg: RunConfig, geometry) -> list[int]:
+    """Layers that get feature maps: none for training-free sliding-window attention; otherwise
+    every layer the teacher itself does not already restrict to a sliding window."""
+    if cfg.attention.name == "sliding_window":
+        return []
+    windows = geometry.layer_windows or (None,) * geometry.num_layers
+    return [i for i, w in enumerate(windows) if w is None]
+
+
+def train_source(cfg: RunConfig, predicted_cache_bytes: int) -> str:
+    """``cache`` or ``stream``: ``train.source``, or for ``auto`` stream when caching every
+    distillation token would exceed ``train.cache_limit_gb`` (direct training always reads tokens)."""
+    if cfg.train.source != "auto":
+        return cfg.train.source
+    if cfg.loss.name == "direct":
+        return "cache"
+    return "stream" if predicted_cache_bytes > cfg.train.cache_limit_gb * 2**30 else "cache"
+
+
+def cached_tokens(cfg: RunConfig, source: str) -> int:
+    """Distillation tokens whose activations go to the cache: all of them for the cache path, a
+    bounded sample (``data.cache_tokens``, default 8,192) when training streams."""
+    if source == "cache":
+        return cfg.data.num_tokens
+    return min(cfg.data.num_tokens, cfg.data.cache_tokens or STREAM_CACHE_TOKENS)
+
+
+def build_feature_maps(cfg: RunConfig, geometry, dims: list):
+    from dofla.feature_maps import build_layer_feature_map
+
+    return [
+        build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
+                                seed=cfg.seed + i, **cfg.feature_map.options)
+        for i, m in enumerate(dims)
+    ]
+
+
+def layer_train_config(cfg: RunConfig):
+    from dofla.train import LayerTrainConfig
+
+    t = cfg.train
+    return LayerTrainConfig(
+        loss=cfg.loss.name, loss_options=dict(cfg.loss.options), steps=t.steps,
+        batch_size=t.batch_size, lr_z=t.lr_z, lr_alpha=t.lr_alpha, lr_other=t.lr_other,
+        warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
+        eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
+        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite, window=cfg.attention.window,
+    )
+
+
+def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:
+    """Where layer artifacts live: the run's ``layers/``, or a directory shared by parallel jobs."""
+    return Path(cfg.train.layer_dir).expanduser() if cfg.train.layer_dir else out_dir / "layers"
+
+
+def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
+    """Everything that determines a layer's trained features (not which job trained it)."""
+    skip = ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb")
+    train = {k: v for k, v in asdict(cfg.train).items() if k not in skip}
+    meta = {"feature_map": asdict(cfg.feature_map), "loss": asdict(cfg.loss), "window": cfg.attention.window,
+            "train": train, "seed": cfg.seed, "cache_key": cache_key, "format": ARTIFACT_FORMAT}
+    if cfg.attention.sinks:
+        meta["sinks"] = cfg.attention.sinks
+    if train["source"] != "cache":  # a streamed layer also depends on what was streamed
+        meta["stream"] = {"data": asdict(cfg.data)}
+    return meta
+
+
+def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """The settings of a run's trained layers: :func:`artifact_meta` without the per-layer fields,
+    plus every layer's dims (two allocations must not share a directory)."""
+    return canonical({**artifact_meta(cfg, cache_key), "dims": dims})
+
+
+def settings_dir(cfg: RunConfig, out_dir: Path, settings: dict) -> Path:
+    """Where this run writes layer artifacts, checkpoints and ``direct_done.json``: the run's own
+    ``layers/``, or ``<train.layer_dir>/<hash12 of settings>/`` so that jobs of other settings
+    sharing ``train.layer_dir`` never touch each other's files."""
+    if not cfg.train.layer_dir:
+        return out_dir / "layers"
+    return layer_dir(cfg, out_dir) / settings_digest(settings)
+
+
+def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
+    """Directories a layer is looked up in: ours first, then (read only) a shared ``train.layer_dir``
+    itself, which may hold a run's own flat ``layers/`` of the same settings."""
+    own, base = settings_dir(cfg, out_dir, settings), layer_dir(cfg, out_dir)
+    return [own] if own == base else [own, base]
+
+
+def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
+                tokenizer=None, source: str = "cache") -> dict:
+    """Layerwise (l2 / softmax; from the cache or streamed) or end-to-end (direct) feature training
+    of the layers that have feature maps (:func:`linear_layers`)."""
+    requested = range(len(dims)) if cfg.train.layers is None else cfg.train.layers
+    layers = [i for i in requested if i in set(linear_layers(cfg, geometry))]
+    meta, settings = artifact_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
+    directory, *also_read = layer_dirs(cfg, out_dir, settings)
+    if distributed.is_main():  # tells a human what the hash directory's name stands for
+        write_json(directory / "settings.json", settings)
+    if cfg.loss.name == "direct":
+        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings)
+    if not layers:
+        return {}
+    feature_maps = build_feature_maps(cfg, geometry, dims)
+    train_cfg = layer_train_config(cfg)
+    if source == "stream":
+        return _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta)
+    from dofla.train import run_layerwise
+
+    def activations(i: int):
+        acts = cache.layer(i)
+        return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
+
+    if distributed.world() == 1:
+        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
+    # torchrun: layer i on rank i mod N, then every rank reads all the artifacts
+    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta, also_read)
+    distributed.barrier()
+    return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
+
+
+def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta) -> dict:
+    """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
+    from dofla.data.stream import source_stream
+    from dofla.train.stream import cache_heldout, run_streaming
+
+    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, cfg.train.batch_size,
+                            cfg.data.seq_len)
+    cached_seqs = cache.layer(0).q.shape[0]
+    batches.discard(cached_seqs * cfg.data.seq_len)  # the cached sample stays held out
+    held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
+    heldout = cache_heldout(cache, num_seqs=held)
+    batch_tokens = cfg.train.batch_size * cfg.data.seq_len
+    steps = cfg.data.num_tokens // batch_tokens
+    if cfg.train.max_steps is not None:
+        steps = min(steps, cfg.train.max_steps)
+    kwargs = dict(num_tokens=cfg.data.num_tokens, steps=max(1, steps))
+    if distributed.world() > 1:
+        run_streaming(teacher, batches, feature_maps, distributed.mine(layers), train_cfg, heldout, directory,
+                      meta, **kwargs)
+        distributed.barrier()
+    return run_streaming(teacher, batches, feature_maps, layers, train_cfg, heldout, directory, meta, **kwargs)
+
+
+def _layer_meta(meta: dict, i: int, attn) -> dict:
+    return {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
+
+
+def _trainable(attn) -> bool:
+    return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
+
+
+def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict) -> dict:
+    """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies."""
+    from dofla.artifacts import artifact_problem, save_artifact
+    from dofla.train import train_direct
+
+    from dofla.stages import make_student
+
+    done = directory / "direct_done.json"
+    student = make_student(cfg, teacher, dims)
+    marker = read_json(done)
+    if marker is not None and marker.get("settings") == settings and not any(
+            artifact_problem(directory / f"layer_{i:02d}.pt", _layer_meta(meta, i, attn))
+            for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
+        return marker
+    dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
+    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
+    if distributed.is_main():  # under torchrun every rank holds the same features
+        for i, attn in enumerate(student.student_attentions()):
+            if attn.feature_map is None:  # a teacher sliding-window layer: kept exact, nothing trained
+                continue
+            save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
+                                                             "curve": curve}, _layer_meta(meta, i, attn))
+        write_json(done, {"settings": settings, "steps": len(curve), "curve": curve})
+    distributed.barrier()
+    return read_json(done)
+
+
