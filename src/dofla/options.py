@@ -7,10 +7,11 @@ option before any model loads.
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from dofla.registry import did_you_mean
 
 # Arguments the pipeline passes itself, so they are not user options.
 FEATURE_MAP_PASSED = ("num_heads", "head_dim", "num_features", "seed")
@@ -91,9 +92,7 @@ def option_problem(key: str, owner: str, declared: dict[str, Option] | None, giv
     for name, value in given.items():
         if name not in declared:
             valid = ", ".join(declared) or "none"
-            close = difflib.get_close_matches(str(name), list(declared), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            return f"{key}.{name} is not an option of {owner}{hint}; valid options: {valid}"
+            return f"{key}.{name} is not an option of {owner}{did_you_mean(name, declared)}; valid options: {valid}"
         option = declared[name]
         if not _type_ok(value, option.types):
             return (f"{key}.{name}={value!r} must be {_type_names(option.types)} "

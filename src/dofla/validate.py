@@ -74,20 +74,17 @@ def validate_config(cfg: RunConfig) -> None:
     _require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
-    _require(
-        0 <= cfg.train.heldout_fraction < 1,
-        f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)",
-    )
-    _require(
-        cfg.data.num_tokens >= cfg.data.seq_len,
-        f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
-        f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len",
-    )
-    stage_plan(cfg)
-    _validate_options(cfg)
+    _require(0 <= cfg.train.heldout_fraction < 1,
+             f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
+    _require(cfg.data.num_tokens >= cfg.data.seq_len,
+             f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
+             f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
-    _require(cfg.attention.window >= 0, f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    _require(cfg.attention.window >= 0,
+             f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    stage_plan(cfg)
+    _validate_options(cfg)
     _validate_eval(cfg)
 
 

@@ -116,3 +116,13 @@ def test_help_introduces_the_tool_groups_and_examples(tmp_path):
         assert listed.removeprefix(f"{group}: ").split(", ") == _options(group)
     examples = [line.strip() for line in lines if line.strip().startswith("dofla ")]
     assert len(examples) >= 3 and "== Examples ==" in done.stdout
+
+
+@pytest.mark.parametrize("overrides", [[f"experiment={e}"] for e in _options("experiment")]
+                         + [["experiment=paper_gpt2", f"+variant={v}"] for v in _options("variant")], ids=str)
+def test_every_experiment_and_grid_cell_passes_validation(overrides):
+    from dofla.validate import stage_plan, validate_config
+
+    cfg = _compose(overrides)
+    validate_config(cfg)
+    assert ("dof" in stage_plan(cfg)) == (cfg.allocation.policy != "fix")
