@@ -25,29 +25,45 @@ _TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "list": lis
 
 @dataclass(frozen=True)
 class Option:
-    """One declared option: its default and the value types it accepts (empty: any)."""
+    """One declared option: its default, the value types it accepts and, for a list, the types of
+    its items (empty: any)."""
 
     name: str
     default: Any
     types: tuple[type, ...]
+    item_types: tuple[type, ...] = ()
 
 
-def _annotation_types(annotation) -> tuple[type, ...]:
-    """Types named by an annotation such as ``int``, ``"list[str] | str"`` or ``Optional[float]``."""
+def _annotation_parts(annotation) -> list[tuple[str, str]]:
+    """(base name, bracketed argument) per union member: ``"list[str] | str"`` -> [("list", "str"), ("str", "")]."""
     if annotation is inspect.Parameter.empty:
-        return ()
+        return []
     text = annotation if isinstance(annotation, str) else (
         annotation.__name__ if isinstance(annotation, type) else str(annotation))
     text = text.replace("typing.", "")
     if text.startswith("Optional[") and text.endswith("]"):
         text = text[len("Optional["):-1] + " | None"
-    types = []
+    parts = []
     for part in text.split("|"):
-        base = part.strip().split("[", 1)[0]
-        if base not in _TYPE_NAMES:
-            return ()  # an annotation this check cannot read accepts anything
-        types.append(_TYPE_NAMES[base])
-    return tuple(dict.fromkeys(types))
+        base, _, argument = part.strip().partition("[")
+        parts.append((base, argument[:-1]))
+    return parts
+
+
+def _annotation_types(annotation) -> tuple[type, ...]:
+    """Types named by an annotation such as ``int``, ``"list[str] | str"`` or ``Optional[float]``."""
+    parts = _annotation_parts(annotation)
+    if any(base not in _TYPE_NAMES for base, _ in parts):
+        return ()  # an annotation this check cannot read accepts anything
+    return tuple(dict.fromkeys(_TYPE_NAMES[base] for base, _ in parts))
+
+
+def _item_types(annotation) -> tuple[type, ...]:
+    """The item types of the list in an annotation (``list[str]`` -> (str,)); empty when unstated."""
+    for base, argument in _annotation_parts(annotation):
+        if _TYPE_NAMES.get(base) is list and argument and "," not in argument:
+            return _annotation_types(argument)
+    return ()
 
 
 def declared_options(obj, passed: tuple[str, ...]) -> dict[str, Option] | None:
@@ -64,7 +80,7 @@ def declared_options(obj, passed: tuple[str, ...]) -> dict[str, Option] | None:
             types = _annotation_types(type(p.default).__name__)
         if p.default is None and types and type(None) not in types:
             types = (*types, type(None))
-        options[p.name] = Option(p.name, p.default, types)
+        options[p.name] = Option(p.name, p.default, types, _item_types(p.annotation) if types else ())
     return options
 
 
@@ -97,4 +113,8 @@ def option_problem(key: str, owner: str, declared: dict[str, Option] | None, giv
         if not _type_ok(value, option.types):
             return (f"{key}.{name}={value!r} must be {_type_names(option.types)} "
                     f"(got {type(value).__name__}); fix the value in {key}")
+        bad = [v for v in value if not _type_ok(v, option.item_types)] if isinstance(value, (list, tuple)) else []
+        if bad:
+            return (f"{key}.{name} holds {bad[0]!r} ({type(bad[0]).__name__}) but its items must be "
+                    f"{_type_names(option.item_types)}; fix the list in {key}")
     return None

@@ -107,6 +107,8 @@ BAD_OPTIONS = [
     ({"data__name": "text_files", "data__options": {"paths": ["a.txt"], "text_feild": "body"}},
      "data.options.text_feild", "did you mean 'text_field'?"),
     ({"data__name": "text_files", "data__options": {"paths": 3}}, "data.options.paths=3", "must be list or str"),
+    ({"data__name": "text_files", "data__options": {"paths": ["a.txt", 7]}}, "data.options.paths holds 7 (int)",
+     "items must be str"),
     ({"data__name": "embedded", "data__options": {"heldout_every": 2.5}}, "heldout_every", "must be int"),
 ]
 
@@ -160,10 +162,12 @@ def test_option_types_from_typing_annotations_defaults_and_kwargs():
     strict.__annotations__ = {"size": typing.Optional[int], "names": typing.List[str], "blob": dict}
     declared = declared_options(strict, ())
     assert declared["size"].types == (int, type(None)) and declared["names"].types == (list,)
+    assert declared["names"].item_types == (str,) and declared["size"].item_types == ()
     assert declared["rate"].types == (float,) and declared["blob"].types == ()
     assert option_problem("x", "it", declared, {"size": None, "names": ["a"], "rate": 1, "blob": [1]}) is None
     assert "x.size='3' must be int or null" in option_problem("x", "it", declared, {"size": "3"})
     assert "x.rate=[1] must be float" in option_problem("x", "it", declared, {"rate": [1]})
+    assert "x.names holds 2 (int) but its items must be str" in option_problem("x", "it", declared, {"names": ["a", 2]})
 
 
 def _stages(stages, **changes):
