@@ -100,11 +100,12 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
 
 
 def allocate_without_dof(cfg: RunConfig, head_dim: int, num_layers: int, out_dir: Path) -> list:
-    """``fix`` when Algorithm 1 did not run: the budget in every layer -> allocation.json (layer_dof null)."""
+    """A policy that needs no DoF (``fix``) when Algorithm 1 did not run -> allocation.json (layer_dof null)."""
     from dofla.dof import ALLOCATION_POLICIES
 
     budget = feature_budget(cfg, head_dim)
-    dims = ALLOCATION_POLICIES.get("fix")([0.0] * num_layers, budget, head_dim)  # fix reads only the count
+    # such a policy reads only how many layers there are, not their DoF
+    dims = ALLOCATION_POLICIES.get(cfg.allocation.policy)([0.0] * num_layers, budget, head_dim)
     if distributed.is_main():
         write_json(out_dir / "allocation.json", {
             "policy": cfg.allocation.policy, "budget": budget, "lambda": cfg.allocation.lam,

@@ -12,6 +12,7 @@ from dofla.config import RunConfig
 
 STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
 PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
+POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 LOSS_NAMES = ("l2", "softmax", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
@@ -113,7 +114,7 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
     """The stages each stage reads the artifact of, for this config (see stage_plan)."""
     return {
         "dof": ("cache",),
-        "allocate": () if cfg.allocation.policy == "fix" else ("dof",),
+        "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
         "train": ("cache", "allocate"),  # direct needs only the cache's key, stages.train_stage reads it
         "assemble": ("allocate", "train"),
         "finetune": ("assemble",),
