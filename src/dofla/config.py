@@ -22,7 +22,10 @@ class DataConfig:
     name: str = "embedded"
     options: dict[str, Any] = field(default_factory=dict)
     seq_len: int = 512
-    num_tokens: int = 8192  # distillation tokens cached from the teacher
+    num_tokens: int = 8192  # distillation tokens (cached, or streamed once with train.source=stream)
+    # tokens whose activations are cached when training streams: Algorithm 1's sample and the
+    # held-out set of the layerwise trainer (None: min(num_tokens, 8192)); the cache path caches all
+    cache_tokens: Optional[int] = None
     heldout_tokens: int = 4096  # for held-out perplexity and attention error
 
 
@@ -36,6 +39,7 @@ class FeatureMapConfig:
 class AttentionConfig:
     name: str = "linear"
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
+    sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
     chunk_size: int = 128  # fastest of 16..256 on CPU at T = 16K (benchmarks/bench_attention.py)
 
 
@@ -52,6 +56,10 @@ class AllocationConfig:
     num_samples: int = 1024  # J, vectors per head for Algorithm 1
     gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
+    head_aggregate: str = "max"  # a layer's DoF from its heads: max (the paper's) | mean | median
+    spread_samples: int = 0  # > 0: also estimate each layer's DoF on this many other J-samples (spread)
+    measured_dims: List[int] = field(default_factory=lambda: [16, 64, 256])  # measured: M grid per layer
+    measured_steps: int = 60  # measured: training steps per (layer, M) point
     head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
     head_blocks: int = 2  # dof_head: at most this many blocks (distinct dims) per layer; 0 = no limit
 
@@ -80,6 +88,12 @@ class TrainConfig:
     layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
     layer_dir: Optional[str] = None  # layer artifacts (None: <run>/layers); share it across parallel jobs
     direct_batch_size: int = 1
+    # where layerwise training reads teacher activations: cache (all of data.num_tokens on disk),
+    # stream (a fresh teacher forward per step, one pass over data.num_tokens), auto (stream when
+    # the cache would exceed cache_limit_gb)
+    source: str = "auto"
+    cache_limit_gb: float = 4.0
+    max_steps: Optional[int] = None  # stream: stop after this many steps even if tokens remain
 
 
 @dataclass
@@ -115,6 +129,13 @@ class EvalConfig:
     mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
     mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])
     mqar_examples: int = 16
+    ablate_linear: bool = False  # also evaluate a hybrid student with its linear part removed
+    window_mass: bool = False  # teacher's attention mass outside window + sinks, per layer
+    position_buckets: List[int] = field(default_factory=list)  # loss by position: bucket edges
+    long_context_seqs: int = 2  # sequences of data.long_seq_len for loss by position
+    long_seq_len: Optional[int] = None  # None: data.seq_len
+    passkey_lengths: List[int] = field(default_factory=list)  # passkey probe context lengths
+    passkey_trials: int = 4
 
 
 @dataclass

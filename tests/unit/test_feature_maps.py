@@ -21,7 +21,7 @@ def _inputs(norm: float | None = None, seed: int = 0, d: int = D) -> torch.Tenso
 
 
 def test_all_expected_maps_registered():
-    assert {"performer", "learned_prf", "dijiang", "hedgehog", "elu1"} <= set(NAMES)
+    assert {"performer", "learned_prf", "dijiang", "hedgehog", "hedgehog_joint", "elu1"} <= set(NAMES)
 
 
 def test_unknown_name_lists_valid_names():
@@ -154,10 +154,81 @@ def test_dijiang_matches_paper_formula():
     torch.testing.assert_close(fm(x), expected)
 
 
-def test_hedgehog_features_are_a_distribution():
-    for m in (1, 5, 64):
-        phi = build_feature_map("hedgehog", H, D, m)(_inputs())
-        torch.testing.assert_close(phi.sum(-1), torch.ones(B, H, T))
+def _hedgehog_reference(name: str, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, m: int):
+    """φ(x) from the formulas, token by token in float64: published [softmax(y), softmax(−y)] with
+    y = xW + b, or the joint softmax([y, −y]) without bias; the second half has ⌊M/2⌋ entries."""
+    out = torch.empty(*x.shape[:-1], m, dtype=torch.float64)
+    rest = m - weight.shape[-1]
+    for b, h, t in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:-1])).tolist():
+        y = x[b, h, t].double() @ weight[h].double()
+        if name == "hedgehog":
+            y = y + bias[h].double()
+            pos, neg = y.exp() / y.exp().sum(), (-y[:rest]).exp() / (-y[:rest]).exp().sum()
+            out[b, h, t] = torch.cat([pos, neg])
+        else:
+            both = torch.cat([y, -y[:rest]]).exp()
+            out[b, h, t] = both / both.sum()
+    return out
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "hedgehog_joint"])
+@pytest.mark.parametrize("m", [1, 7, 32, 40])  # d' < d, d' = d (M = 2d), d' > d (noise columns)
+def test_hedgehog_matches_formula(name, m):
+    fm = build_feature_map(name, H, D, m, seed=2)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # move away from the identity init so W and b both matter
+        fm.weight.add_(0.3 * torch.randn(fm.weight.shape, generator=g))
+        if name == "hedgehog":
+            fm.bias.copy_(torch.randn(fm.bias.shape, generator=g))
+    x = _inputs(seed=6)
+    expected = _hedgehog_reference(name, fm.weight.detach(), getattr(fm, "bias", None), x, m)
+    torch.testing.assert_close(fm(x).double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_hedgehog_halves_are_distributions(m):
+    x = _inputs(norm=3.0)
+    half = math.ceil(m / 2)
+    phi = build_feature_map("hedgehog", H, D, m)(x)
+    torch.testing.assert_close(phi[..., :half].sum(-1), torch.ones(B, H, T))
+    if m > 1:
+        torch.testing.assert_close(phi[..., half:].sum(-1), torch.ones(B, H, T))
+    joint = build_feature_map("hedgehog_joint", H, D, m)(x)
+    torch.testing.assert_close(joint.sum(-1), torch.ones(B, H, T))
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "hedgehog_joint"])
+def test_hedgehog_init_is_identity(name):
+    fm = build_feature_map(name, H, D, 2 * D + 8, seed=3)  # d' = d + 4: four noise columns
+    assert fm.weight.shape == (H, D, D + 4)
+    torch.testing.assert_close(fm.weight[:, :, :D].detach(), torch.eye(D).expand(H, D, D))
+    noise = fm.weight[:, :, D:].detach()
+    assert 0 < noise.abs().max() < 0.2
+    assert torch.equal(noise, build_feature_map(name, H, D, 2 * D + 8, seed=3).weight[:, :, D:].detach())
+    if name == "hedgehog":
+        assert torch.equal(fm.bias.detach(), torch.zeros(H, D + 4))
+        x = _inputs()  # at M = 2d the map starts as [softmax(x), softmax(−x)]
+        expected = torch.cat([torch.log_softmax(x, -1), torch.log_softmax(-x, -1)], -1)
+        torch.testing.assert_close(build_feature_map(name, H, D, 2 * D).log_features(x), expected)
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "hedgehog_joint"])
+def test_hedgehog_state_dict_round_trip(name):
+    import io
+
+    fm = build_feature_map(name, H, D, 10, seed=1)
+    with torch.no_grad():
+        for p in fm.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    buffer = io.BytesIO()
+    torch.save(fm.state_dict(), buffer)
+    buffer.seek(0)
+    other = build_feature_map(name, H, D, 10, seed=7)
+    x = _inputs()
+    assert not torch.allclose(other.log_features(x), fm.log_features(x))
+    other.load_state_dict(torch.load(buffer))
+    assert set(other.state_dict()) == ({"weight", "bias"} if name == "hedgehog" else {"weight"})
+    assert torch.equal(other.log_features(x), fm.log_features(x))
 
 
 def test_elu1_starts_at_one_plus_elu():

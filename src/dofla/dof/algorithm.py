@@ -16,6 +16,9 @@ import numpy as np
 import torch
 
 GRAM_NORMS = ("none", "J", "trace")
+# how a layer's value comes from its heads' DoF: the paper's max (heads share one dimension),
+# or the mean / median, which vary less between J-samples than a max does
+HEAD_AGGREGATES = ("max", "mean", "median")
 
 
 def sample_pool(q, k, head: int, num_samples: int, generator: torch.Generator) -> torch.Tensor:
@@ -100,8 +103,8 @@ def dof_dense_reference(gram: torch.Tensor, lam: float) -> float:
 
 
 def estimate_layer_dof(q, k, lam: float, num_samples: int, gram_norm: str = "trace", seed: int = 0,
-                       method: str = "cholesky") -> tuple[list[float], float]:
-    """Per-head DoF (H floats) and the layer value (their max) for one layer.
+                       method: str = "cholesky", aggregate: str = "max") -> tuple[list[float], float]:
+    """Per-head DoF (H floats) and the layer value (their ``aggregate``, the paper's max) for one layer.
 
     q (N, H, d), k (N', H_kv, d) as in :func:`sample_pool`. All heads go through one batched
     (H, J, J) solve: ``method="cholesky"`` (default, the trace identity) or ``"eigh"`` (eigvalsh,
@@ -119,7 +122,31 @@ def estimate_layer_dof(q, k, lam: float, num_samples: int, gram_norm: str = "tra
         per_head = dof_by_cholesky(gram, lam).tolist()
     else:
         per_head = dof_from_eigenvalues(torch.linalg.eigvalsh(gram), lam).tolist()
-    return per_head, max(per_head)
+    return per_head, aggregate_heads(per_head, aggregate)
+
+
+def aggregate_heads(per_head: list[float], aggregate: str = "max") -> float:
+    """A layer's DoF from its heads' values."""
+    if aggregate not in HEAD_AGGREGATES:
+        raise ValueError(f"aggregate={aggregate!r} is not valid; choose one of {', '.join(HEAD_AGGREGATES)}")
+    values = torch.tensor(per_head, dtype=torch.float64)
+    return float({"max": values.max, "mean": values.mean, "median": values.median}[aggregate]())
+
+
+def layer_dof_spread(q, k, lam: float, num_samples: int, gram_norm: str = "trace", seeds=(0, 1, 2, 3, 4),
+                     aggregate: str = "max") -> dict:
+    """How much one layer's DoF moves between J-samples: the layer value for each seed's sample.
+
+    Returns {"values": [...], "mean", "std", "rel_spread": (max − min) / mean}; a stable estimate
+    has a small relative spread (a dim allocated from it moves by the same fraction).
+    """
+    values = [estimate_layer_dof(q, k, lam, num_samples, gram_norm, seed, aggregate=aggregate)[1]
+              for seed in seeds]
+    t = torch.tensor(values, dtype=torch.float64)
+    mean = float(t.mean())
+    std = float(t.std()) if len(values) > 1 else 0.0
+    return {"values": values, "mean": mean, "std": std,
+            "rel_spread": float((t.max() - t.min()) / mean) if mean > 0 else 0.0}
 
 
 def _check_layer_inputs(q, k, lam: float, num_samples: int, gram_norm: str, method: str) -> None:

@@ -3,7 +3,7 @@ from dofla.feature_maps.base import FEATURE_MAPS, FeatureMap, build_feature_map
 from dofla.feature_maps.blocks import HeadBlockFeatureMap, build_layer_feature_map, mean_dim
 from dofla.feature_maps.dijiang import DiJiangFeatureMap
 from dofla.feature_maps.elu1 import Elu1FeatureMap
-from dofla.feature_maps.hedgehog import HedgehogFeatureMap
+from dofla.feature_maps.hedgehog import HedgehogFeatureMap, HedgehogJointFeatureMap
 from dofla.feature_maps.learned_prf import LearnedPRFFeatureMap
 from dofla.feature_maps.performer import PerformerFeatureMap
 
@@ -17,6 +17,7 @@ __all__ = [
     "DiJiangFeatureMap",
     "Elu1FeatureMap",
     "HedgehogFeatureMap",
+    "HedgehogJointFeatureMap",
     "LearnedPRFFeatureMap",
     "PerformerFeatureMap",
 ]

@@ -1,11 +1,17 @@
-from dofla.models.adapters import ADAPTERS, AttentionGeometry, get_adapter
+from dofla.models.adapters import (
+    ADAPTERS,
+    AttentionGeometry,
+    UnsupportedModelError,
+    check_supported,
+    get_adapter,
+)
 from dofla.models.capture import capture_qkv, capturing
 from dofla.models.loading import EMBEDDED, ModelLoadError, cache_root, load_teacher
 from dofla.models.student import ConversionSpec, convert, load_student, student_class
 from dofla.models.student_attention import RecurrentStateCache, StudentAttention
 
 __all__ = [
-    "ADAPTERS", "AttentionGeometry", "get_adapter", "capture_qkv", "capturing", "EMBEDDED",
-    "ModelLoadError", "cache_root", "load_teacher", "ConversionSpec", "convert", "load_student",
-    "student_class", "RecurrentStateCache", "StudentAttention",
+    "ADAPTERS", "AttentionGeometry", "UnsupportedModelError", "check_supported", "get_adapter", "capture_qkv",
+    "capturing", "EMBEDDED", "ModelLoadError", "cache_root", "load_teacher", "ConversionSpec", "convert",
+    "load_student", "student_class", "RecurrentStateCache", "StudentAttention",
 ]

