@@ -1,3 +1,5 @@
+"""``python -m dofla``: the same as the ``dofla`` command."""
 from dofla.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

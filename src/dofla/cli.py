@@ -16,7 +16,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from dofla.config import RunConfig
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def find_conf_dir() -> Path:
+    """The checkout's top-level conf/ when running from a source tree, else the wheel's dofla/conf."""
+    package = Path(__file__).resolve().parent
+    root = package.parents[1]
+    checkout = root / "conf"
+    in_checkout = package == root / "src" / "dofla" and (root / "pyproject.toml").is_file()
+    if in_checkout and (checkout / "config.yaml").is_file():
+        return checkout
+    return package / "conf"
+
+
+CONF_DIR = find_conf_dir()
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
 
@@ -67,9 +80,9 @@ def main_hydra(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    if not CONF_DIR.is_dir():
-        sys.exit(f"dofla: error: config directory {CONF_DIR} not found; install dofla from a "
-                 "source checkout with `pip install -e .`")
+    if not (CONF_DIR / "config.yaml").is_file():
+        sys.exit(f"dofla: error: config directory {CONF_DIR} has no config.yaml; reinstall dofla "
+                 "(`pip install .` from a checkout ships conf/ inside the package)")
     main_hydra()
     from dofla import distributed
 

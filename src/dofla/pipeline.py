@@ -18,7 +18,8 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import build_record, read_json, write_json
-from dofla.validate import validate_against_model, validate_config, validate_output_dir, validate_world
+from dofla.validate import (feature_budget, stage_plan, validate_against_model, validate_config, validate_output_dir,
+                            validate_world)
 
 
 class StageTimer:
@@ -42,11 +43,11 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root() / "activations"
 
 
-def load_data(cfg: RunConfig, tokenizer):
-    """(train tokens (S, L), held-out tokens (S', L), data fingerprint)."""
+def load_data(cfg: RunConfig, tokenizer, source=None):
+    """(train tokens (S, L), held-out tokens (S', L), data fingerprint); ``source`` is built when not given."""
     from dofla.data import build_source, pack_tokens
 
-    source = build_source(cfg.data.name, **cfg.data.options)
+    source = source or build_source(cfg.data.name, **cfg.data.options)
     L = cfg.data.seq_len
     train = pack_tokens(source.texts("train"), tokenizer, L, cfg.data.num_tokens, desc="tokenize train",
                         source=cfg.data.name)
@@ -55,11 +56,14 @@ def load_data(cfg: RunConfig, tokenizer):
     return train, heldout, source.fingerprint()
 
 
-def log_allocation(tracker, dof: dict, dims: list) -> None:
-    """The DoF table (per layer and head) and the dims, as scalars and tables."""
+def log_allocation(tracker, dof: dict | None, dims: list) -> None:
+    """The dims as scalars; with Algorithm 1's result (None when it did not run), the DoF per layer
+    and the (layer, head, dof, dim) table."""
     tracker.log({"allocation/mean_dim": mean_dim(dims),
-                 **{f"allocation/dim/layer_{i:02d}": layer_mean_dim(d) for i, d in enumerate(dims)},
-                 **{f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"])}})
+                 **{f"allocation/dim/layer_{i:02d}": layer_mean_dim(d) for i, d in enumerate(dims)}})
+    if dof is None:
+        return
+    tracker.log({f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"])})
     tracker.log_table("dof_table", ["layer", "head", "dof", "dim"], [
         [i, h, n, d if isinstance(d, int) else d[h]]
         for i, (heads, d) in enumerate(zip(dof["per_head"], dims)) for h, n in enumerate(heads)])
@@ -74,88 +78,150 @@ def log_training(tracker, summaries: dict) -> None:
         for i, summary in sorted(summaries.items()) for point in summary.get("curve", [])])
 
 
-def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
-    """Run the configured stages in ``out_dir``; returns the metrics (also in metrics.json)."""
-    from dofla import stages
-    from dofla.cache import build_or_load_cache
-    from dofla.eval.stage import eval_stage
-    from dofla.models import get_adapter, load_teacher
-    from dofla.report import print_run_summary, write_report
-    from dofla.tracking import NullTracker
+def check_before_loading(cfg: RunConfig, out_dir: Path):
+    """Every check that needs no model: config, world size, run directory, data files, lm-eval tasks.
 
-    out_dir = Path(out_dir)
+    Returns (the stages to run, the checked data source, the eval task plan or None).
+    """
+    from dofla.data import build_source
+
     validate_config(cfg)
     validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
-    plan = None
-    main = distributed.is_main()  # under torchrun: rank 0 writes every file, see dofla.distributed
-    if cfg.eval.tasks and "eval" in cfg.stages and main:  # before any model loads: unknown names, missing data
+    plan = stage_plan(cfg)
+    source = build_source(cfg.data.name, **cfg.data.options)  # checks the files exist and are text
+    tasks = None
+    if cfg.eval.tasks and "eval" in plan and distributed.is_main():
         from dofla.eval.suite import plan_tasks
 
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
-        plan = plan_tasks(cfg.eval, out_dir, others_requested=others)
+        tasks = plan_tasks(cfg.eval, out_dir, others_requested=others)
+    return plan, source, tasks
+
+
+def allocate_without_dof(cfg: RunConfig, head_dim: int, num_layers: int, out_dir: Path) -> list:
+    """A policy that needs no DoF (``fix``) when Algorithm 1 did not run -> allocation.json (layer_dof null)."""
+    from dofla.dof import ALLOCATION_POLICIES
+
+    budget = feature_budget(cfg, head_dim)
+    # such a policy reads only how many layers there are, not their DoF
+    dims = ALLOCATION_POLICIES.get(cfg.allocation.policy)([0.0] * num_layers, budget, head_dim)
+    if distributed.is_main():
+        write_json(out_dir / "allocation.json", {
+            "policy": cfg.allocation.policy, "budget": budget, "lambda": cfg.allocation.lam,
+            "gram_norm": cfg.allocation.gram_norm, "dims": dims, "layer_dof": None, "mean_dim": mean_dim(dims)})
+    return dims
+
+
+def _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir):
+    """cache -> dof -> allocate, each only when in ``plan``: (cache or None, DoF or None, dims or None)."""
+    from dofla import stages
+    from dofla.cache import build_or_load_cache
+
+    cache = dof = dims = None
+    if "cache" in plan:
+        with timer("cache"):
+            cache = build_or_load_cache(teacher, train_tokens, fields, cache_root(cfg))
+    if "dof" in plan:
+        with timer("dof"):
+            dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir)
+    if "allocate" in plan:
+        with timer("allocate"):
+            if dof is None:
+                dims = allocate_without_dof(cfg, geometry.head_dim, geometry.num_layers, out_dir)
+            else:
+                dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry.head_dim,
+                                              geometry.num_layers, out_dir)
+    return cache, dof, dims
+
+
+def cache_fields(cfg: RunConfig, fingerprint: str) -> dict:
+    """What determines the activation cache (its key names the data every later artifact came from)."""
+    fields = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
+              "seq_len": cfg.data.seq_len, "num_tokens": cfg.data.num_tokens, "dtype": "float16"}
+    if cfg.model.source.startswith("tiny:"):
+        fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
+    return fields
+
+
+def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
+    """Run the stages ``stage_plan(cfg)`` names in ``out_dir``; returns the metrics (also in metrics.json)."""
+    from dofla.cache import cache_key
+    from dofla.models import get_adapter, load_teacher
+    from dofla.tracking import NullTracker
+
+    out_dir = Path(out_dir)
+    plan, source, tasks = check_before_loading(cfg, out_dir)
     tracker = tracker or NullTracker()
     torch.manual_seed(cfg.seed)
     record = build_record(cfg, overrides)
     timer = StageTimer()
-
     with timer("load"):
         teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
         geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
     with timer("data"):
-        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer)
-
-    with timer("cache"):
-        fields = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
-                  "seq_len": cfg.data.seq_len, "num_tokens": cfg.data.num_tokens, "dtype": "float16"}
-        if cfg.model.source.startswith("tiny:"):
-            fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
-        cache = build_or_load_cache(teacher, train_tokens, fields, cache_root(cfg))
-    record["cache_key"] = cache.key
-    record["world_size"] = distributed.world()
-    if main:
+        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer, source)
+    fields = cache_fields(cfg, fingerprint)
+    record.update(cache_key=cache_key(fields), world_size=distributed.world(), stages=plan)
+    if distributed.is_main():
         write_json(out_dir / "run.json", record)
-
-    with timer("dof"):
-        dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir)
-    with timer("allocate"):
-        dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry.head_dim, geometry.num_layers,
-                                      out_dir)
-    log_allocation(tracker, dof, dims)
-    if "train" not in cfg.stages:
+    cache, dof, dims = _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir)
+    if dims is not None:
+        log_allocation(tracker, dof, dims)
+    if "train" not in plan:
         return {}
+    data = {"cache": cache, "geometry": geometry, "dims": dims, "teacher": teacher, "tokenizer": tokenizer,
+            "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"]}
+    return _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir)
+
+
+def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -> dict:
+    """train -> assemble -> finetune -> eval -> report, each only when in ``plan``."""
+    from dofla import stages
+    from dofla.eval.stage import eval_stage
+
+    main = distributed.is_main()  # under torchrun: rank 0 writes every file, see dofla.distributed
     with timer("train"):
-        summaries = stages.train_stage(cfg, cache, geometry, dims, teacher, train_tokens, out_dir)
+        summaries = stages.train_stage(cfg, data["cache"], data["geometry"], data["dims"], data["teacher"],
+                                       data["train_tokens"], out_dir)
     if cfg.loss.name != "direct" and main:
         write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
         log_training(tracker, summaries)
-    if cfg.train.layers is not None and len(set(cfg.train.layers)) < geometry.num_layers:
+    if cfg.train.layers is not None and len(set(cfg.train.layers)) < data["geometry"].num_layers:
         if main:
             print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
                   "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
         return {}
-    if "assemble" not in cfg.stages:
+    if "assemble" not in plan:
         return {}
     with timer("assemble"):
-        student = distributed.main_first(stages.assemble_stage, cfg, teacher, tokenizer, dims, out_dir, cache.key)
-    if cfg.finetune.name == "lora" and "finetune" in cfg.stages:
+        student = distributed.main_first(stages.assemble_stage, cfg, data["teacher"], data["tokenizer"],
+                                         data["dims"], out_dir, data["cache_key"])
+    if cfg.finetune.name == "lora" and "finetune" in plan:
         with timer("finetune"):
-            student = distributed.main_first(stages.finetune_stage, cfg, student, tokenizer, train_tokens, out_dir)
-    if "eval" not in cfg.stages:
+            student = distributed.main_first(stages.finetune_stage, cfg, student, data["tokenizer"],
+                                             data["train_tokens"], out_dir)
+    if "eval" not in plan:
         return {}
     with timer("eval"):
-        metrics = eval_stage(cfg, teacher, student, heldout_tokens, out_dir, tokenizer, plan,
-                                    teacher_scores=cache_root(cfg) / "teacher_scores")
-    if not main:
-        return metrics
+        metrics = eval_stage(cfg, data["teacher"], student, data["heldout_tokens"], out_dir, data["tokenizer"],
+                             tasks, teacher_scores=cache_root(cfg) / "teacher_scores")
+    if main:
+        _finish(cfg, plan, timer, metrics, tracker, out_dir)
+    return metrics
+
+
+def _finish(cfg, plan, timer, metrics: dict, tracker, out_dir: Path) -> None:
+    """Timings, metrics to the tracker, the report and plots, the run summary."""
+    from dofla.report import print_run_summary, write_report
+
     timings = read_json(out_dir / "timings.json") or {}
     timings.update({f"time/{k}": v for k, v in timer.seconds.items()})
     write_json(out_dir / "timings.json", timings)
     tracker.log({**metrics, **timings})
-    if "report" in cfg.stages:
+    if "report" in plan:
         write_report(out_dir, console=Console(file=io.StringIO()))
         for plot in sorted(out_dir.glob("*.png")):
             tracker.log_image(plot.stem, plot)
     print_run_summary(out_dir)
-    return metrics

@@ -11,6 +11,12 @@ from typing import Callable, Generic, TypeVar
 T = TypeVar("T")
 
 
+def did_you_mean(name: object, valid) -> str:
+    """`` (did you mean 'x'?)`` for the closest valid name, or "" when none is close."""
+    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class UnknownNameError(KeyError, ValueError):
     """Raised for a name that is not registered; the message lists the valid names."""
 
@@ -40,9 +46,7 @@ class Registry(Generic[T]):
         return self._items[name]
 
     def unknown_message(self, name: str) -> str:
-        close = difflib.get_close_matches(str(name), self.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown {self.kind} {name!r}{hint}; valid: {', '.join(self.names())}"
+        return f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; valid: {', '.join(self.names())}"
 
     def names(self) -> list[str]:
         return sorted(self._items)

@@ -11,6 +11,8 @@ from pathlib import Path
 from dofla.config import RunConfig
 
 STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
+PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
+POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 LOSS_NAMES = ("l2", "softmax", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
@@ -73,21 +75,77 @@ def validate_config(cfg: RunConfig) -> None:
     _require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
-    _require(
-        0 <= cfg.train.heldout_fraction < 1,
-        f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)",
-    )
-    _require(
-        cfg.data.num_tokens >= cfg.data.seq_len,
-        f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
-        f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len",
-    )
-    unknown = [s for s in cfg.stages if s not in STAGES]
-    _require(not unknown, f"stages={unknown} unknown; valid stages: {', '.join(STAGES)}")
+    _require(0 <= cfg.train.heldout_fraction < 1,
+             f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
+    _require(cfg.data.num_tokens >= cfg.data.seq_len,
+             f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
+             f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
-    _require(cfg.attention.window >= 0, f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    _require(cfg.attention.window >= 0,
+             f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    stage_plan(cfg)
+    _validate_options(cfg)
     _validate_eval(cfg)
+
+
+def _validate_options(cfg: RunConfig) -> None:
+    """feature_map/loss/data options against the signature of what they are passed to."""
+    from dofla.data import DATA_SOURCES
+    from dofla.feature_maps import FEATURE_MAPS
+    from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
+    from dofla.train.losses import LOSSES
+
+    fm, loss, data = cfg.feature_map, cfg.loss, cfg.data
+    # direct trains end to end on next-token loss: it is no registered function and takes no options
+    loss_declared = declared_options(LOSSES.get(loss.name), LOSS_PASSED) if loss.name in LOSSES else {}
+    for key, owner, declared, given in [
+        ("feature_map.options", f"feature map {fm.name!r}",
+         declared_options(FEATURE_MAPS.get(fm.name), FEATURE_MAP_PASSED), fm.options),
+        ("loss.options", f"loss {loss.name!r}", loss_declared, loss.options),
+        ("data.options", f"data source {data.name!r}", declared_options(DATA_SOURCES.get(data.name), DATA_PASSED),
+         data.options),
+    ]:
+        problem = option_problem(key, owner, declared, given)
+        _require(problem is None, problem or "")
+
+
+def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
+    """The stages each stage reads the artifact of, for this config (see stage_plan)."""
+    return {
+        "dof": ("cache",),
+        "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
+        "train": ("cache", "allocate"),  # direct needs only the cache's key, stages.train_stage reads it
+        "assemble": ("allocate", "train"),
+        "finetune": ("assemble",),
+        "eval": ("assemble",),
+        "report": ("eval",),
+    }
+
+
+def stage_plan(cfg: RunConfig) -> list[str]:
+    """The stages this run executes, in pipeline order.
+
+    The listed stages run; the preparation stages (cache, dof, allocate) a listed stage needs are
+    computed too (they are shared and deterministic); a later stage a listed one needs (train,
+    assemble, eval) must be listed, else the run fails naming it. So ``dof`` (Algorithm 1) runs
+    when the allocation policy needs it, and under ``fix`` only when listed.
+    """
+    unknown = [s for s in cfg.stages if s not in STAGES]
+    _require(not unknown, f"stages={list(cfg.stages)} names unknown stage(s) {', '.join(map(str, unknown))}; "
+             f"valid stages: {', '.join(STAGES)}")
+    needs, chosen, missing = stage_needs(cfg), set(cfg.stages), []
+    for stage in reversed(STAGES):  # every stage needs only earlier ones, so one backward pass closes the set
+        if stage not in chosen:
+            continue
+        for need in needs.get(stage, ()):
+            if need not in chosen and need not in PREPARATION:
+                missing.append(need)
+            chosen.add(need)
+    order = [s for s in STAGES if s in chosen]
+    _require(not missing, f"stages={list(cfg.stages)} leaves out {', '.join(s for s in STAGES if s in missing)}, "
+             f"which the listed stages need; use stages=[{','.join(order)}]")
+    return order
 
 
 def _validate_eval(cfg: RunConfig) -> None:

@@ -89,3 +89,40 @@ def test_paper_grids_list_all_fourteen_cells(experiment):
     text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
     grid = OmegaConf.create(text)["hydra"]["sweeper"]["params"]["+variant"].split(",")
     assert sorted(grid) == sorted(_options("variant")) and len(grid) == 14
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in ("feature_map", "loss", "data") for o in _options(g)])
+def test_every_shipped_option_file_passes_the_typed_option_check(group, option):
+    from dofla.validate import validate_config
+
+    cfg = _compose([f"{group}={option}"])
+    if option == "text_files":  # the shipped file leaves paths empty on purpose: the user names the files
+        cfg.data.options["paths"] = ["corpus.txt"]
+    validate_config(cfg)
+
+
+def test_help_introduces_the_tool_groups_and_examples(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dofla", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("dofla: distil") and "powered by Hydra" not in done.stdout
+    for group in ("allocation", "data", "feature_map", "loss", "model", "experiment"):
+        listed = next(line for line in lines if line.startswith(f"{group}: "))
+        assert listed.removeprefix(f"{group}: ").split(", ") == _options(group)
+    examples = [line.strip() for line in lines if line.strip().startswith("dofla ")]
+    assert len(examples) >= 3 and "== Examples ==" in done.stdout
+
+
+@pytest.mark.parametrize("overrides", [[f"experiment={e}"] for e in _options("experiment")]
+                         + [["experiment=paper_gpt2", f"+variant={v}"] for v in _options("variant")], ids=str)
+def test_every_experiment_and_grid_cell_passes_validation(overrides):
+    from dofla.validate import stage_plan, validate_config
+
+    cfg = _compose(overrides)
+    validate_config(cfg)
+    assert ("dof" in stage_plan(cfg)) == (cfg.allocation.policy != "fix")

@@ -90,3 +90,113 @@ def test_unwritable_output_dir(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate_output_dir(blocker / "run")
     assert "output directory" in str(err.value)
+
+
+BAD_OPTIONS = [
+    ({"feature_map__options": {"alpha_parm": "log"}}, "feature_map.options.alpha_parm",
+     "did you mean 'alpha_param'?"),
+    ({"feature_map__options": {"bogus": 3}}, "feature_map.options.bogus", "valid options: alpha_param"),
+    ({"feature_map__name": "performer", "feature_map__options": {"alpha_param": "log"}},
+     "feature_map.options.alpha_param", "valid options: none"),
+    ({"feature_map__options": {"alpha_param": 1}}, "feature_map.options.alpha_param=1", "must be str"),
+    ({"feature_map__name": "hedgehog", "feature_map__options": {"init_std": "small"}}, "init_std", "must be float"),
+    ({"feature_map__name": "hedgehog", "feature_map__options": {"init_std": True}}, "init_std", "got bool"),
+    ({"loss__name": "l2", "loss__options": {"scael": "none"}}, "loss.options.scael", "did you mean 'scale'?"),
+    ({"loss__name": "softmax", "loss__options": {"window": 4}}, "loss.options.window", "valid options: none"),
+    ({"loss__name": "direct", "loss__options": {"scale": "none"}}, "loss.options.scale", "valid options: none"),
+    ({"data__name": "text_files", "data__options": {"paths": ["a.txt"], "text_feild": "body"}},
+     "data.options.text_feild", "did you mean 'text_field'?"),
+    ({"data__name": "text_files", "data__options": {"paths": 3}}, "data.options.paths=3", "must be list or str"),
+    ({"data__name": "text_files", "data__options": {"paths": ["a.txt", 7]}}, "data.options.paths holds 7 (int)",
+     "items must be str"),
+    ({"data__name": "embedded", "data__options": {"heldout_every": 2.5}}, "heldout_every", "must be int"),
+]
+
+
+@pytest.mark.parametrize("changes,key,hint", BAD_OPTIONS, ids=[k for _, k, _ in BAD_OPTIONS])
+def test_bad_option_names_the_key_and_the_valid_ones(changes, key, hint):
+    with pytest.raises(ConfigError) as err:
+        validate_config(_cfg(**changes))
+    message = str(err.value)
+    assert key in message and hint in message and "\n" not in message
+
+
+@pytest.mark.parametrize("changes", [
+    {"feature_map__name": "hedgehog", "feature_map__options": {"init_std": 1}},  # an int is a float
+    {"loss__name": "l2", "loss__options": {"scale": "none"}},
+    {"data__name": "text_files", "data__options": {"paths": "a.txt", "heldout_fraction": 0}},
+    {"data__name": "wikipedia", "data__options": {"fraction": 0.5, "seed": 3}},
+])
+def test_good_options_pass(changes):
+    validate_config(_cfg(**changes))
+
+
+def test_options_are_read_from_the_signatures():
+    from dofla.data import DATA_SOURCES
+    from dofla.feature_maps import FEATURE_MAPS
+    from dofla.options import FEATURE_MAP_PASSED, LOSS_PASSED, declared_options
+    from dofla.train.losses import LOSSES
+
+    prf = declared_options(FEATURE_MAPS.get("learned_prf"), FEATURE_MAP_PASSED)
+    assert list(prf) == ["alpha_param"] and prf["alpha_param"].default == "log"
+    assert prf["alpha_param"].types == (str,)
+    assert list(declared_options(LOSSES.get("l2"), LOSS_PASSED)) == ["scale"]
+    files = declared_options(DATA_SOURCES.get("text_files"), ())
+    assert list(files) == ["paths", "text_field", "heldout_fraction", "on_bad_line"]
+    assert files["paths"].types == (list, str) and files["heldout_fraction"].types == (float,)
+
+
+def test_option_types_from_typing_annotations_defaults_and_kwargs():
+    import typing
+
+    from dofla.options import declared_options, option_problem
+
+    def loose(size: int = 0, **extra):
+        """Takes **extra: every name is accepted, so nothing can be checked."""
+
+    assert declared_options(loose, ()) is None
+
+    def strict(size: typing.Optional[int] = None, names: typing.List[str] = (), rate=0.5, blob: dict = None):
+        """No **kwargs: the signature is the whole declaration."""
+
+    strict.__annotations__ = {"size": typing.Optional[int], "names": typing.List[str], "blob": dict}
+    declared = declared_options(strict, ())
+    assert declared["size"].types == (int, type(None)) and declared["names"].types == (list,)
+    assert declared["names"].item_types == (str,) and declared["size"].item_types == ()
+    assert declared["rate"].types == (float,) and declared["blob"].types == ()
+    assert option_problem("x", "it", declared, {"size": None, "names": ["a"], "rate": 1, "blob": [1]}) is None
+    assert "x.size='3' must be int or null" in option_problem("x", "it", declared, {"size": "3"})
+    assert "x.rate=[1] must be float" in option_problem("x", "it", declared, {"rate": [1]})
+    assert "x.names holds 2 (int) but its items must be str" in option_problem("x", "it", declared, {"names": ["a", 2]})
+
+
+def _stages(stages, **changes):
+    from dofla.validate import stage_plan
+
+    return stage_plan(_cfg(stages=stages, **changes))
+
+
+def test_stage_plan_runs_dof_only_when_the_policy_needs_it_or_it_is_listed():
+    configured = ["cache", "allocate", "train", "assemble", "finetune", "eval", "report"]  # conf/config.yaml
+    assert _stages(configured) == ["cache", "dof", *configured[1:]]
+    for policy in ("dof_clip", "dof_head", "fix_max"):
+        assert "dof" in _stages(configured, allocation__policy=policy)
+    assert _stages(configured, allocation__policy="fix") == configured
+    assert _stages(["cache", "dof", "allocate"], allocation__policy="fix") == ["cache", "dof", "allocate"]
+    assert _stages(["allocate"], allocation__policy="fix") == ["allocate"]
+    assert _stages(["allocate"]) == ["cache", "dof", "allocate"]
+    assert _stages(["dof"], allocation__policy="fix") == ["cache", "dof"]
+    assert _stages(["cache"]) == ["cache"]
+
+
+@pytest.mark.parametrize("stages,needle", [
+    (["eval"], "stages=['eval'] leaves out train, assemble, which the listed stages need; "
+               "use stages=[cache,dof,allocate,train,assemble,eval]"),
+    (["cache", "dof", "allocate", "assemble"], "leaves out train,"),
+    (["train", "assemble", "report"], "leaves out eval,"),
+    (["cache", "trian"], "unknown stage(s) trian; valid stages: cache, dof, allocate"),
+])
+def test_stage_plan_names_the_missing_or_unknown_stage(stages, needle):
+    with pytest.raises(ConfigError) as err:
+        _stages(stages)
+    assert needle in str(err.value) and "\n" not in str(err.value)

@@ -153,3 +153,29 @@ def test_hub_probe_bounds_a_hanging_dns_lookup(monkeypatch):
         start = time.perf_counter()
         assert not hub_reachable(timeout=0.5)
         assert time.perf_counter() - start < 5
+
+
+def test_check_reads_only_the_start_and_respects_skip_mode(tmp_path):
+    cut = _write(tmp_path, "cut.txt", b"a" * 65535 + "é".encode())  # the 64 KiB read ends mid-character
+    assert list(build_source("text_files", paths=[cut], heldout_fraction=0).texts("train"))[0].endswith("é")
+    late = _write(tmp_path, "late.txt", b"a" * 70_000 + "caf\xe9".encode("latin-1"))
+    source = build_source("text_files", paths=[late], heldout_fraction=0)  # past the checked start
+    with pytest.raises(DataError, match="late.txt is not UTF-8 text"):
+        list(source.texts("train"))
+    bad = _write(tmp_path, "bad.jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n{"text": "b"}\n')
+    with pytest.raises(DataError, match="bad.jsonl line 2 is not UTF-8"):
+        build_source("text_files", paths=[bad])
+    skipping = build_source("text_files", paths=[bad], on_bad_line="skip", heldout_fraction=0)
+    assert list(skipping.texts("train")) == ["a", "b"] and skipping.skipped == 1
+
+
+def test_data_is_checked_before_the_model_loads(tmp_path):
+    from dofla.config import RunConfig
+    from dofla.pipeline import run
+
+    cfg = RunConfig()
+    cfg.model.source = str(tmp_path / "no_model")  # loading it would fail with a model error
+    cfg.data.name, cfg.data.options = "text_files", {"paths": [str(tmp_path / "nonexistent" / "a.txt")]}
+    with pytest.raises(DataError, match="a.txt does not exist; fix data.options.paths"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "run.json").exists()

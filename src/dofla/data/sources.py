@@ -5,10 +5,12 @@ exactly the data (it goes into the activation cache's key).
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator
@@ -33,6 +35,10 @@ class DataSource:
 
     def fingerprint(self) -> str:
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Cheap checks of the data (files exist, are text) that run before any model loads;
+        raises DataError naming the problem and the fix."""
 
 
 def _check_split(split: str) -> None:
@@ -100,9 +106,15 @@ class TextFiles(DataSource):
         self.text_field, self.on_bad_line = text_field, on_bad_line
         # every n-th document is held out: deterministic, and stable when documents are appended
         self.heldout_every = max(2, round(1 / heldout_fraction)) if heldout_fraction > 0 else 0
+        self.skipped = 0
+
+    def check(self) -> None:
+        """Every path is a readable, non-empty text file whose first bytes are UTF-8 (JSONL with
+        on_bad_line=skip may hold bad lines anywhere, so only its NUL bytes are checked)."""
         for path in self.paths:
             _check_readable(path)
-        self.skipped = 0
+            if path.suffix != ".jsonl" or self.on_bad_line == "error":
+                _check_utf8_start(path)
 
     def documents(self) -> Iterator[str]:
         """Every document in order: one per ``.txt`` file, one per ``.jsonl`` line."""
@@ -157,8 +169,6 @@ class TextFiles(DataSource):
         return "text_files-" + digest.hexdigest()[:16]
 
 
-
-
 def _check_readable(path: Path) -> None:
     if path.is_dir():
         raise DataError(f"data path {path} is a directory; list its .txt/.jsonl files in data.options.paths")
@@ -166,12 +176,24 @@ def _check_readable(path: Path) -> None:
         raise DataError(f"data file {path} does not exist; fix data.options.paths")
     if path.suffix == ".json":
         raise DataError(f"data file {path} is JSON, not JSONL; write one JSON object per line to a .jsonl file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"data file {path} is not readable (permission denied); fix its permissions")
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty; remove it from data.options.paths")
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             if b"\x00" in block:
                 raise DataError(f"data file {path} looks binary (it contains NUL bytes); pass .txt or .jsonl text")
+
+
+def _check_utf8_start(path: Path, size: int = 1 << 16) -> None:
+    with open(path, "rb") as f:
+        head = f.read(size)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut multi-byte char is fine
+    except UnicodeDecodeError as err:
+        line = head[: err.start].count(b"\n") + 1
+        raise DataError(f"data file {path} line {line} is not UTF-8; convert the file to UTF-8") from None
 
 
 def _read_text(path: Path) -> str:
@@ -199,6 +221,9 @@ def _bad_line(path: Path, number: int, err: Exception, field: str) -> str:
 
 
 def build_source(name: str, **options) -> DataSource:
-    """The registered source ``name`` built with its options (an unknown name lists the valid ones)."""
-    return DATA_SOURCES.get(name)(**options)
+    """The registered source ``name`` built with its options and checked (``DataSource.check``); an
+    unknown name lists the valid ones. The pipeline calls this before it loads the model."""
+    source = DATA_SOURCES.get(name)(**options)
+    source.check()
+    return source
 
