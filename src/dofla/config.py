@@ -162,6 +162,8 @@ class RunConfig:
     seed: int = 0
     cache_dir: Optional[str] = None  # activation caches (None: DOFLA_CACHE_DIR or the user cache)
     stages: list[str] = field(
-        default_factory=lambda: ["cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report"]
+        # dof is computed when the allocation policy needs it (dofla.validate.stage_plan); list it to
+        # run Algorithm 1 under fix too
+        default_factory=lambda: ["cache", "allocate", "train", "assemble", "finetune", "eval", "report"]
     )
     experiment: Optional[str] = None

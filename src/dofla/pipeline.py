@@ -18,6 +18,7 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import build_record, read_json, write_json
+from dofla.train_stage import cached_tokens, choose_train_source
 from dofla.validate import (feature_budget, stage_plan, validate_against_model, validate_config, validate_output_dir,
                             validate_world)
 
@@ -43,14 +44,16 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root() / "activations"
 
 
-def load_data(cfg: RunConfig, tokenizer, source=None):
-    """(train tokens (S, L), held-out tokens (S', L), data fingerprint); ``source`` is built when not given."""
+def load_data(cfg: RunConfig, tokenizer, source=None, train_tokens: int | None = None):
+    """(train tokens (S, L), held-out tokens (S', L), data fingerprint); ``source`` is built when not
+    given. ``train_tokens`` (default ``data.num_tokens``): how many training tokens to pack here (a
+    streaming run packs only the cached sample; the stream reads the rest as it trains)."""
     from dofla.data import build_source, pack_tokens
 
     source = source or build_source(cfg.data.name, **cfg.data.options)
     L = cfg.data.seq_len
-    train = pack_tokens(source.texts("train"), tokenizer, L, cfg.data.num_tokens, desc="tokenize train",
-                        source=cfg.data.name)
+    train = pack_tokens(source.texts("train"), tokenizer, L, train_tokens or cfg.data.num_tokens,
+                        desc="tokenize train", source=cfg.data.name)
     heldout = pack_tokens(source.texts("heldout"), tokenizer, L, cfg.data.heldout_tokens,
                           desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
     return train, heldout, source.fingerprint()
@@ -99,20 +102,6 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     return plan, source, tasks
 
 
-def allocate_without_dof(cfg: RunConfig, head_dim: int, num_layers: int, out_dir: Path) -> list:
-    """A policy that needs no DoF (``fix``) when Algorithm 1 did not run -> allocation.json (layer_dof null)."""
-    from dofla.dof import ALLOCATION_POLICIES
-
-    budget = feature_budget(cfg, head_dim)
-    # such a policy reads only how many layers there are, not their DoF
-    dims = ALLOCATION_POLICIES.get(cfg.allocation.policy)([0.0] * num_layers, budget, head_dim)
-    if distributed.is_main():
-        write_json(out_dir / "allocation.json", {
-            "policy": cfg.allocation.policy, "budget": budget, "lambda": cfg.allocation.lam,
-            "gram_norm": cfg.allocation.gram_norm, "dims": dims, "layer_dof": None, "mean_dim": mean_dim(dims)})
-    return dims
-
-
 def _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir):
     """cache -> dof -> allocate, each only when in ``plan``: (cache or None, DoF or None, dims or None)."""
     from dofla import stages
@@ -127,18 +116,16 @@ def _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir)
             dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir)
     if "allocate" in plan:
         with timer("allocate"):
-            if dof is None:
-                dims = allocate_without_dof(cfg, geometry.head_dim, geometry.num_layers, out_dir)
-            else:
-                dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry.head_dim,
-                                              geometry.num_layers, out_dir)
+            dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry, out_dir, cache)
+    elif "train" not in plan:  # training-free attention: no feature maps, dims unused
+        dims = [0] * geometry.num_layers
     return cache, dof, dims
 
 
-def cache_fields(cfg: RunConfig, fingerprint: str) -> dict:
+def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None) -> dict:
     """What determines the activation cache (its key names the data every later artifact came from)."""
     fields = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
-              "seq_len": cfg.data.seq_len, "num_tokens": cfg.data.num_tokens, "dtype": "float16"}
+              "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
     if cfg.model.source.startswith("tiny:"):
         fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
     return fields
@@ -160,19 +147,23 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
         geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
+    train_from = choose_train_source(cfg, plan, geometry, teacher) if distributed.is_main() else None
+    train_from = distributed.broadcast(train_from)
     with timer("data"):
-        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer, source)
-    fields = cache_fields(cfg, fingerprint)
-    record.update(cache_key=cache_key(fields), world_size=distributed.world(), stages=plan)
+        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer, source,
+                                                              cached_tokens(cfg, train_from))
+    fields = cache_fields(cfg, fingerprint, cached_tokens(cfg, train_from))
+    record.update(cache_key=cache_key(fields), world_size=distributed.world(), stages=plan, train_source=train_from)
     if distributed.is_main():
         write_json(out_dir / "run.json", record)
     cache, dof, dims = _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir)
     if dims is not None:
         log_allocation(tracker, dof, dims)
-    if "train" not in plan:
+    if "train" not in plan and "assemble" not in plan:
         return {}
     data = {"cache": cache, "geometry": geometry, "dims": dims, "teacher": teacher, "tokenizer": tokenizer,
-            "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"]}
+            "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"],
+            "source": train_from}
     return _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir)
 
 
@@ -182,12 +173,14 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
     from dofla.eval.stage import eval_stage
 
     main = distributed.is_main()  # under torchrun: rank 0 writes every file, see dofla.distributed
-    with timer("train"):
-        summaries = stages.train_stage(cfg, data["cache"], data["geometry"], data["dims"], data["teacher"],
-                                       data["train_tokens"], out_dir)
-    if cfg.loss.name != "direct" and main:
-        write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
-        log_training(tracker, summaries)
+    summaries = {}
+    if "train" in plan:
+        with timer("train"):
+            summaries = stages.train_stage(cfg, data["cache"], data["geometry"], data["dims"], data["teacher"],
+                                           data["train_tokens"], out_dir, data["tokenizer"], data["source"])
+        if cfg.loss.name != "direct" and main:
+            write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
+            log_training(tracker, summaries)
     if cfg.train.layers is not None and len(set(cfg.train.layers)) < data["geometry"].num_layers:
         if main:
             print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {stages.layer_dir(cfg, out_dir)}; "
@@ -207,9 +200,20 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
     with timer("eval"):
         metrics = eval_stage(cfg, data["teacher"], student, data["heldout_tokens"], out_dir, data["tokenizer"],
                              tasks, teacher_scores=cache_root(cfg) / "teacher_scores")
+    metrics.update(data_budget(data, summaries))
     if main:
+        write_json(out_dir / "metrics.json", metrics)
         _finish(cfg, plan, timer, metrics, tracker, out_dir)
     return metrics
+
+
+def data_budget(data: dict, summaries: dict) -> dict:
+    """``train/tokens``: distinct distillation tokens the features saw (the cached tokens, or the
+    tokens streamed); ``cache/bytes``: the activation cache's size on disk (0 without a cache)."""
+    streamed = [s["tokens"] for s in summaries.values() if isinstance(s, dict) and "tokens" in s]
+    tokens = max(streamed) if streamed else (data["train_tokens"].numel() if data["source"] == "cache" else 0)
+    cache = data["cache"]
+    return {"train/tokens": int(tokens), "cache/bytes": int(cache.nbytes()) if cache is not None else 0}
 
 
 def _finish(cfg, plan, timer, metrics: dict, tracker, out_dir: Path) -> None:

@@ -25,6 +25,7 @@ from dofla.train_stage import (  # noqa: F401  (the training stage lives in its 
     layer_dirs,
     layer_settings,
     layer_train_config,
+    linear_layers,
     settings_dir,
     train_stage,
 )
@@ -36,7 +37,8 @@ def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
     every copy records its settings, the activation cache's key included, and is reused only for them."""
     a = cfg.allocation
     settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
-                "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache.key}
+                "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache.key,
+                "head_aggregate": a.head_aggregate, "spread_samples": a.spread_samples}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     shared = Path(cache.path) / f"dof-{digest}.json"
     result = read_json(out_dir / "dof.json")
@@ -56,6 +58,7 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
     from tqdm.auto import tqdm
 
     from dofla.dof import check_degenerate, estimate_layer_dof
+    from dofla.dof.algorithm import layer_dof_spread
     from dofla.faults import kill_point
 
     a = cfg.allocation
@@ -66,13 +69,21 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
             continue
         kill_point(f"dof:layer{i}")
         q, k = _pooled_activations(cache, i, a.num_tokens)
-        heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i)
+        heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i,
+                                          aggregate=a.head_aggregate)
         done[str(i)] = {"per_head": [float(h) for h in heads], "layer": float(value)}
+        if a.spread_samples:  # the same estimate on other J-samples: how stable the dims built on it are
+            seeds = [cfg.seed + i + 1000 * (r + 1) for r in range(a.spread_samples)]
+            done[str(i)]["spread"] = layer_dof_spread(q, k, a.lam, a.num_samples, a.gram_norm, seeds,
+                                                      a.head_aggregate)
         write_json(partial_path, {"settings": settings, "layers": done})
     layers = [done[str(i)] for i in range(cache.meta["num_layers"])]
     per_layer = [layer["layer"] for layer in layers]
-    return {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
-            "layer_dof": per_layer, "warning": check_degenerate(per_layer, a.num_samples)}
+    result = {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
+              "layer_dof": per_layer, "warning": check_degenerate(per_layer, a.num_samples)}
+    if a.spread_samples:
+        result["spread"] = [layer["spread"] for layer in layers]
+    return result
 
 
 def _pooled_activations(cache, layer: int, num_tokens: int | None):
@@ -86,22 +97,43 @@ def _pooled_activations(cache, layer: int, num_tokens: int | None):
     return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)
 
 
-def allocate_stage(cfg: RunConfig, dof: dict, head_dim: int, num_layers: int, out_dir: Path) -> list:
+def allocate_stage(cfg: RunConfig, dof: dict | None, geometry, out_dir: Path, cache=None) -> list:
     """Feature dims from the policy and budget -> allocation.json: one int per layer, or for
-    ``dof_head`` one list of per-head ints per layer."""
+    ``dof_head`` one list of per-head ints per layer.
+
+    Only layers that get feature maps share the budget (:func:`linear_layers`); a teacher
+    sliding-window layer stays exact and gets 0. ``dof`` is None when Algorithm 1 did not run
+    (``fix``); ``measured`` trains briefly at a few dims per layer (:mod:`dofla.dof.oracle`).
+    """
     from dofla.dof import PER_HEAD_POLICIES, allocate_dims, allocate_head_dims
     from dofla.feature_maps import mean_dim
 
-    a = cfg.allocation
+    a, head_dim = cfg.allocation, geometry.head_dim
     budget = feature_budget(cfg, head_dim)
-    if a.policy in PER_HEAD_POLICIES:
-        dims = allocate_head_dims(dof["per_head"], budget, head_dim, a.head_quantum, a.head_blocks)
-    else:
-        dims = allocate_dims(dof["layer_dof"], budget, a.policy, head_dim)
-    assert len(dims) == num_layers
+    layers = linear_layers(cfg, geometry)
+    pick = (lambda values: [values[i] for i in layers]) if dof is not None else (lambda values: None)
+    layer_dof = pick(dof["layer_dof"]) if dof is not None else None
+    record = {}
+    if not layers:
+        chosen = []
+    elif a.policy in PER_HEAD_POLICIES:
+        chosen = allocate_head_dims(pick(dof["per_head"]), budget, head_dim, a.head_quantum, a.head_blocks)
+    elif a.policy == "measured":
+        from dofla.dof.oracle import measured_allocation
+
+        record = measured_allocation(cfg, cache, geometry, layer_train_config(cfg), budget, layer_dof, layers,
+                                     out_dir)
+        chosen = record["dims"]
+    else:  # fix reads only how many layers there are
+        chosen = allocate_dims(layer_dof if layer_dof is not None else [0.0] * len(layers), budget, a.policy,
+                               head_dim)
+    dims: list = [0] * geometry.num_layers
+    for i, m in zip(layers, chosen):
+        dims[i] = m
     write_json(out_dir / "allocation.json", {
-        "policy": a.policy, "budget": budget, "lambda": a.lam, "gram_norm": a.gram_norm, "dims": dims,
-        "layer_dof": dof["layer_dof"], "mean_dim": mean_dim(dims),
+        **record, "policy": a.policy, "budget": budget, "lambda": a.lam, "gram_norm": a.gram_norm, "dims": dims,
+        "layer_dof": None if dof is None else dof["layer_dof"], "linear_layers": layers,
+        "mean_dim": mean_dim(chosen) if chosen else 0.0,
     })
     return dims
 

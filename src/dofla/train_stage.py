@@ -42,17 +42,52 @@ def train_source(cfg: RunConfig, predicted_cache_bytes: int) -> str:
 def cached_tokens(cfg: RunConfig, source: str) -> int:
     """Distillation tokens whose activations go to the cache: all of them for the cache path, a
     bounded sample (``data.cache_tokens``, default 8,192) when training streams."""
-    if source == "cache":
+    if source != "stream":
         return cfg.data.num_tokens
     return min(cfg.data.num_tokens, cfg.data.cache_tokens or STREAM_CACHE_TOKENS)
 
 
-def build_feature_maps(cfg: RunConfig, geometry, dims: list):
+@torch.no_grad()
+def teacher_tokens_per_second(teacher, seq_len: int) -> float:
+    """One timed teacher forward of a (1, seq_len) batch: the throughput the predictions use."""
+    import time
+
+    device = next(teacher.parameters()).device
+    ids = torch.randint(0, teacher.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    teacher(input_ids=ids.to(device), use_cache=False)
+    return seq_len / max(time.perf_counter() - start, 1e-9)
+
+
+def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> str:
+    """``cache``, ``stream`` or ``none`` (nothing to train); prints the choice with the predicted
+    disk use and teacher time before any teacher pass."""
+    from dofla.cache import predict_cache_bytes
+
+    if "train" not in plan:
+        return "none"
+    L = cfg.data.seq_len
+    full = predict_cache_bytes(geometry, cfg.data.num_tokens // L, L)
+    source = train_source(cfg, full)
+    kept = predict_cache_bytes(geometry, cached_tokens(cfg, source) // L, L)
+    rate = teacher_tokens_per_second(teacher, L)
+    why = {"auto": f"train.source=auto, limit {cfg.train.cache_limit_gb:g} GB"}.get(cfg.train.source,
+                                                                                   f"train.source={source}")
+    print(f"dofla: training reads {'a stream of fresh' if source == 'stream' else 'cached'} teacher activations "
+          f"({why}); caching all {cfg.data.num_tokens:,} tokens would take {full / 2**30:.2f} GB, this run caches "
+          f"{cached_tokens(cfg, source):,} tokens ({kept / 2**30:.2f} GB); the teacher runs at ≈ {rate:,.0f} tokens/s "
+          f"here, so its passes over {cfg.data.num_tokens:,} tokens take ≈ {cfg.data.num_tokens / rate / 60:.1f} min"
+          + (" (plus every layer's loss and update per step)" if source == "stream" else ""), flush=True)
+    return source
+
+
+def build_feature_maps(cfg: RunConfig, geometry, dims: list) -> list:
+    """One fresh feature map per layer (seeded by layer); None for a layer without features (dim 0)."""
     from dofla.feature_maps import build_layer_feature_map
 
     return [
-        build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
-                                seed=cfg.seed + i, **cfg.feature_map.options)
+        None if m == 0 else build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim,
+                                                    m, seed=cfg.seed + i, **cfg.feature_map.options)
         for i, m in enumerate(dims)
     ]
 

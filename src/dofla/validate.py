@@ -6,6 +6,7 @@ fails in a second instead of after an hour of caching.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from dofla.config import RunConfig
@@ -13,6 +14,9 @@ from dofla.config import RunConfig
 STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
 PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
 POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
+ATTENTIONS = ("linear", "hybrid", "sliding_window")
+TRAIN_SOURCES = ("auto", "cache", "stream")
+TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
 LOSS_NAMES = ("l2", "softmax", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
@@ -46,7 +50,8 @@ def validate_config(cfg: RunConfig) -> None:
 
     _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
     _one_of("loss.name", cfg.loss.name, LOSS_NAMES)
-    _one_of("allocation.policy", cfg.allocation.policy, [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES])
+    _one_of("allocation.policy", cfg.allocation.policy,
+            [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, "measured"])
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
@@ -82,11 +87,53 @@ def validate_config(cfg: RunConfig) -> None:
              f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
-    _require(cfg.attention.window >= 0,
-             f"attention.window={cfg.attention.window!r} must be 0 (pure linear) or a positive number of tokens")
+    _validate_attention(cfg)
+    _validate_scale(cfg)
     stage_plan(cfg)
     _validate_options(cfg)
     _validate_eval(cfg)
+
+
+def _validate_attention(cfg: RunConfig) -> None:
+    a = cfg.attention
+    _one_of("attention.name", a.name, ATTENTIONS)
+    _require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
+    _require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
+    if a.name in ("hybrid", "sliding_window"):
+        _require(a.window >= 1, f"attention={a.name} needs attention.window ≥ 1 (the exact softmax window), "
+                                f"got {a.window}")
+    _require(a.sinks == 0 or a.name != "linear" or a.window > 0,
+             f"attention.sinks={a.sinks} needs attention=hybrid or attention=sliding_window (pure linear "
+             "attention has no exact part to keep sinks in)")
+    _require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
+             "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
+
+
+def _validate_scale(cfg: RunConfig) -> None:
+    """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
+    t, a = cfg.train, cfg.allocation
+    _one_of("train.source", t.source, TRAIN_SOURCES)
+    _require(not (t.source == "stream" and cfg.loss.name == "direct"),
+             "train.source=stream streams layerwise training; loss=direct trains end to end from tokens, "
+             "use train.source=cache (or auto) with it")
+    _positive("train.cache_limit_gb", t.cache_limit_gb)
+    if t.max_steps is not None:
+        _positive("train.max_steps", t.max_steps)
+    if cfg.data.cache_tokens is not None:
+        _require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
+                 f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
+                 f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
+    _one_of("allocation.head_aggregate", a.head_aggregate, ("max", "mean", "median"))
+    _require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
+    if a.policy == "measured":
+        _require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
+                 f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
+        _positive("allocation.measured_steps", a.measured_steps)
+    ev = cfg.eval
+    _require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
+             f"eval.position_buckets={list(ev.position_buckets)} must be increasing positions ≥ 1")
+    _require(all(isinstance(n, int) and n >= 64 for n in ev.passkey_lengths),
+             f"eval.passkey_lengths={list(ev.passkey_lengths)} must be context lengths of at least 64 tokens")
 
 
 def _validate_options(cfg: RunConfig) -> None:
@@ -112,6 +159,8 @@ def _validate_options(cfg: RunConfig) -> None:
 
 def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
     """The stages each stage reads the artifact of, for this config (see stage_plan)."""
+    if cfg.attention.name in TRAINING_FREE:  # nothing to allocate or train: assemble from the teacher
+        return {"assemble": (), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
         "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
@@ -132,6 +181,8 @@ def stage_plan(cfg: RunConfig) -> list[str]:
     when the allocation policy needs it, and under ``fix`` only when listed.
     """
     unknown = [s for s in cfg.stages if s not in STAGES]
+    if cfg.attention.name in TRAINING_FREE:  # its student needs no cache, DoF, allocation or training
+        cfg = replace(cfg, stages=[s for s in cfg.stages if s not in (*PREPARATION, "train")])
     _require(not unknown, f"stages={list(cfg.stages)} names unknown stage(s) {', '.join(map(str, unknown))}; "
              f"valid stages: {', '.join(STAGES)}")
     needs, chosen, missing = stage_needs(cfg), set(cfg.stages), []

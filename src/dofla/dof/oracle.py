@@ -25,8 +25,8 @@ def sensitivity(curve_losses: list[float]) -> float:
     return float(curve_losses[0] - curve_losses[-1])
 
 
-def measured_curves(cfg, cache, geometry, train_cfg, path: Path) -> list[list[float]]:
-    """Held-out loss per (layer, M in ``allocation.measured_dims``), resumable through ``path``."""
+def measured_curves(cfg, cache, geometry, train_cfg, layers: list[int], path: Path) -> list[list[float]]:
+    """Held-out loss per (layer in ``layers``, M in ``allocation.measured_dims``), resumable through ``path``."""
     a = cfg.allocation
     dims = sorted(int(m) for m in a.measured_dims)
     settings = {"dims": dims, "steps": a.measured_steps, "feature_map": cfg.feature_map.name,
@@ -36,7 +36,7 @@ def measured_curves(cfg, cache, geometry, train_cfg, path: Path) -> list[list[fl
     done = saved["layers"] if saved and saved.get("settings") == settings else {}
     short = replace(train_cfg, steps=a.measured_steps, checkpoint_every=10**9, patience=0,
                     eval_every=a.measured_steps)
-    for i in tqdm(range(geometry.num_layers), desc="measured allocation", unit="layer"):
+    for i in tqdm(layers, desc="measured allocation", unit="layer"):
         if str(i) in done:
             continue
         acts = cache.layer(i)
@@ -50,14 +50,16 @@ def measured_curves(cfg, cache, geometry, train_cfg, path: Path) -> list[list[fl
 
         done[str(i)] = measure_layer_curve(make, q, k, dims, short)
         write_json(path, {"settings": settings, "layers": done})
-    return [done[str(i)] for i in range(geometry.num_layers)]
+    return [done[str(i)] for i in layers]
 
 
-def measured_allocation(cfg, cache, geometry, train_cfg, budget: float, layer_dof, out_dir: Path) -> dict:
-    """Dims from the measured curves under ``budget`` (mean dim per layer) -> an allocation record."""
+def measured_allocation(cfg, cache, geometry, train_cfg, budget: float, layer_dof, layers: list[int],
+                        out_dir: Path) -> dict:
+    """Dims of ``layers`` from their measured curves under ``budget`` (mean dim per layer), with the
+    curves, each layer's sensitivity and its rank correlation with the layer DoF (when given)."""
     a = cfg.allocation
     dims_grid = sorted(int(m) for m in a.measured_dims)
-    losses = measured_curves(cfg, cache, geometry, train_cfg, out_dir / "measured.json")
+    losses = measured_curves(cfg, cache, geometry, train_cfg, layers, out_dir / "measured.json")
     curves = [fit_monotone(dims_grid, layer) for layer in losses]
     dims = allocate_measured(curves, budget, min_dim=min(dims_grid), max_dim=max(dims_grid))
     gains = [sensitivity(layer) for layer in losses]

@@ -212,7 +212,7 @@ def print_run_summary(run_dir: Path, console: Console | None = None) -> str:
     for col in ("layer", "DoF", "dim", "attn error"):
         layers.add_column(col, justify="right")
     for i, dim in enumerate(alloc.get("dims", [])):
-        dof = alloc.get("layer_dof", [None] * (i + 1))[i]
+        dof = (alloc.get("layer_dof") or [None] * len(alloc["dims"]))[i]
         shown = str(dim) if isinstance(dim, int) else f"{layer_mean_dim(dim):.1f} ({min(dim)}–{max(dim)})"
         layers.add_row(str(i), _fmt(dof), shown, _fmt(m.get(f"eval/attn_error/layer_{i:02d}")))
     times = Table(title="wall time per stage (s)")
