@@ -1,0 +1,148 @@
+"""The causal stabiliser shared by the chunked/hybrid kernels and the layerwise losses.
+
+Linear attention sums K̂_ij = Σ_m exp(log_q[i, m] + log_k[j, m]) over the keys j a row sees. To
+keep the bulk as matrix products, a block of keys is shifted per feature by c_m (the block's key
+maximum, at least the carried state's offset) and each row by r_i:
+
+    K̂_ij = e^{r_i} · Σ_m exp(log_q[i, m] + c_m − r_i) · exp(log_k[j, m] − c_m).
+
+r_i is causal: it is built only from keys row i sees (its largest single term), so a huge later
+key can never push a row's terms below the float range. The per-feature shift c_m does include
+later keys of the block; that is harmless unless a feature the row relies on sits more than
+``GUARD`` nats below c_m, in which case the query factor would overflow and the key factor
+underflow. Rows with such a feature are detected and recomputed exactly in log space (only they:
+an (N, n, M) exponential for N rows, not the whole block), so the result is exact for every row.
+
+All shifts are detached constants: the outputs do not depend on them, so gradients are exact.
+Layouts: log_q (B, H, C, M) a block of rows, log_k (B, H, n, M) the block's keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def guard(dtype: torch.dtype) -> tuple[float, float]:
+    """(G, E) for a dtype: query factors stay ≤ e^G; a feature contributing < e^{−E} of the row's
+    largest term is negligible. E + G stays inside the normal range (e^{±87} in fp32), so every
+    non-negligible term is representable."""
+    return (600.0, 60.0) if dtype == torch.float64 else (55.0, 30.0)
+
+
+def prefix_mask(limit: torch.Tensor, keys: int, like: torch.Tensor) -> torch.Tensor:
+    """(C, keys) 0/1 in ``like``'s dtype: row i sees keys j < limit[i]."""
+    return (torch.arange(keys, device=limit.device)[None, :] < limit[:, None]).to(like.dtype)
+
+
+@dataclass
+class Block:
+    """A stabilised block. scores (B, H, C, n) = K̂_ij e^{−r_i} for visible j, 0 elsewhere;
+    row_scale r (B, H, C, 1); query exp(log_q + c − r) (B, H, C, M); keys exp(log_k − c)
+    (B, H, n, M); offset c (B, H, M). ``direct``: the query also reads a state rescaled to c
+    exactly; otherwise read the state with exp(log_q + floor − r) at its own offset."""
+
+    scores: torch.Tensor
+    row_scale: torch.Tensor
+    query: torch.Tensor
+    keys: torch.Tensor
+    offset: torch.Tensor
+    direct: bool
+
+
+def stable_block(
+    log_q: torch.Tensor, log_k: torch.Tensor, limit: torch.Tensor, floor: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> Block:
+    """Causally stabilised scores of a block of rows against a block of keys.
+
+    limit (C,) long, non-decreasing: row i sees keys j < limit[i] of this block. floor (B, H, M):
+    the per-feature key maximum of everything every row sees besides (a carried state's offset;
+    the dtype's most negative value if none). mask: prefix_mask(limit, n, log_q), if cached.
+    """
+    g, e = guard(log_q.dtype)
+    fmin = torch.finfo(log_q.dtype).min
+    n = log_k.shape[2]
+    mask = prefix_mask(limit, n, log_q) if mask is None else mask
+    lq, lk = log_q.detach(), log_k.detach()
+    offset = torch.maximum(floor, lk.amax(2)) if n else floor
+    keys = torch.exp(log_k - offset[:, :, None])
+    # Lower bound of the causal row scale: every row with limit ≥ 1 sees the block's first key.
+    base = torch.maximum(floor, lk[:, :, 0]) if n else floor
+    r = (lq + base[:, :, None]).amax(-1, keepdim=True)
+    if n and not bool(limit[0] > 0):
+        alone = (lq + floor[:, :, None]).amax(-1, keepdim=True)
+        r = torch.where((limit > 0)[:, None], r, alone)
+    r = r.clamp_min(fmin)
+    d = log_q + offset[:, :, None] - r
+    if not bool((d.detach() > g).any()):
+        query = torch.exp(d)
+        return Block((query @ keys.transpose(-1, -2)) * mask, r, query, keys, offset, True)
+    return _guarded_block(log_q, log_k, limit, floor, mask, keys, offset)
+
+
+def _guarded_block(log_q, log_k, limit, floor, mask, keys, offset) -> Block:
+    """The slow path: exact causal row scale (cumulative key maximum), query exponents clamped at
+    G, and rows that rely on a clamped feature recomputed in log space."""
+    g, e = guard(log_q.dtype)
+    fmin = torch.finfo(log_q.dtype).min
+    lq, lk = log_q.detach(), log_k.detach()
+    seen = lk.cummax(2).values[:, :, (limit - 1).clamp_min(0)]  # (B, H, C, M) visible in-block max
+    seen = seen.masked_fill((limit == 0)[:, None], float("-inf"))
+    r = (lq + torch.maximum(floor[:, :, None], seen)).amax(-1, keepdim=True).clamp_min(fmin)
+    d = log_q + offset[:, :, None] - r
+    query = torch.exp(d.clamp_max(g))
+    scores = (query @ keys.transpose(-1, -2)) * mask
+    bad = ((d.detach() > g) & (lq + seen - r > -e)).any(-1)  # (B, H, C)
+    if bool(bad.any()):
+        scores = _exact_rows(scores, log_q, log_k, r, limit, bad)
+    return Block(scores, r, query, keys, offset, False)
+
+
+def _exact_rows(scores, log_q, log_k, r, limit, bad) -> torch.Tensor:
+    """Replace the ``bad`` rows (B, H, C) of scores by Σ_m exp(log_q + log_k − r), term by term."""
+    b, h, i = bad.nonzero(as_tuple=True)
+    x = log_q[b, h, i][:, None, :] + log_k[b, h] - r[b, h, i][:, :, None]  # (N, n, M)
+    hidden = torch.arange(log_k.shape[2], device=x.device)[None, :] >= limit[i][:, None]
+    rows = torch.exp(x.masked_fill(hidden[..., None], float("-inf"))).sum(-1)
+    return scores.index_put((b, h, i), rows)
+
+
+def causal_log_kernel(
+    log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log K̂ (B, H, L, L), log normaliser (B, H, L, 1)) where row i sees keys j ≤ i − lag.
+
+    log_q, log_k (B, H, L, M). Invisible entries are −inf; a visible K̂_ij smaller than the
+    dtype's normal range relative to the row's largest term is floored there (finite, no
+    gradient). The normaliser is log Σ_{j ≤ i−lag} K̂_ij (−inf for a row that sees nothing).
+    Keys go in column blocks of ``block``: each block's rows get their own causal scale, and only
+    the block's diagonal rows can see part of it, so only they go through :func:`stable_block`.
+    """
+    b, h, length, _ = log_q.shape
+    fmin, tiny = torch.finfo(log_q.dtype).min, torch.finfo(log_q.dtype).tiny
+    out = log_q.new_full((b, h, length, length), float("-inf"))
+    parts = []
+    for start in range(0, length, block):
+        first = start + lag  # first row that sees key `start`
+        if first >= length:
+            break
+        lk = log_k[:, :, start:start + block]
+        n = lk.shape[2]
+        diag_rows = min(n, length - first)
+        limit = torch.arange(1, diag_rows + 1, device=log_q.device)
+        floor = log_q.new_full((b, h, log_q.shape[-1]), fmin)
+        blk = stable_block(log_q[:, :, first:first + diag_rows], lk, limit, floor)
+        later = log_q[:, :, first + diag_rows:]
+        r_late = (later.detach() + blk.offset[:, :, None]).amax(-1, keepdim=True).clamp_min(fmin)
+        s_late = torch.exp(later - r_late + blk.offset[:, :, None]) @ blk.keys.transpose(-1, -2)
+        scores = torch.cat([blk.scores, s_late], dim=2)  # rows first.., keys start..start+n
+        r = torch.cat([blk.row_scale, r_late], dim=2)
+        logs = r + torch.log(scores.clamp_min(tiny))
+        visible = torch.ones_like(scores[0, 0], dtype=torch.bool).tril_()
+        out[:, :, first:, start:start + n] = logs.masked_fill(~visible, float("-inf"))
+        part = r + torch.log(scores.sum(-1, keepdim=True).clamp_min(tiny))
+        parts.append(torch.nn.functional.pad(part, (0, 0, first, 0), value=float("-inf")))
+    if not parts:
+        return out, log_q.new_full((b, h, length, 1), float("-inf"))
+    return out, torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)
