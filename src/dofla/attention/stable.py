@@ -74,8 +74,8 @@ def stable_block(
         alone = (lq + floor[:, :, None]).amax(-1, keepdim=True)
         r = torch.where((limit > 0)[:, None], r, alone)
     r = r.clamp_min(fmin)
-    d = log_q + offset[:, :, None] - r
-    if not bool((d.detach() > g).any()):
+    d = (log_q + offset[:, :, None]).sub_(r)
+    if n == 0 or not bool(d.detach().amax() > g):
         query = torch.exp(d)
         return Block((query @ keys.transpose(-1, -2)) * mask, r, query, keys, offset, True)
     return _guarded_block(log_q, log_k, limit, floor, mask, keys, offset)
@@ -108,41 +108,52 @@ def _exact_rows(scores, log_q, log_k, r, limit, bad) -> torch.Tensor:
     return scores.index_put((b, h, i), rows)
 
 
+def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: int = 128):
+    """Yield (first, start, scores, r) per column block of keys start..start+n, row i seeing keys
+    j ≤ i − lag: scores (B, H, L − first, n) = K̂_ij e^{−r_i} for rows first.. (0 where hidden),
+    r (B, H, L − first, 1). Each block's rows get their own causal scale; only the block's
+    diagonal rows see part of it, so only they go through :func:`stable_block`.
+    log_q, log_k (B, H, L, M)."""
+    b, h, length, m = log_q.shape
+    fmin = torch.finfo(log_q.dtype).min
+    floor = log_q.new_full((b, h, m), fmin)
+    for start in range(0, length, block):
+        first = start + lag  # first row that sees key `start`
+        if first >= length:
+            return
+        lk = log_k[:, :, start:start + block]
+        diag = min(lk.shape[2], length - first)
+        blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor)
+        later = log_q[:, :, first + diag:]  # rows that see the whole block: its offset is causal for them
+        c = blk.offset[:, :, None]
+        r_late = (later.detach() + c).amax(-1, keepdim=True).clamp_min(fmin)
+        s_late = torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2)
+        yield first, start, torch.cat([blk.scores, s_late], dim=2), torch.cat([blk.row_scale, r_late], dim=2)
+
+
+def merge_normaliser(parts: list[torch.Tensor], length: int, like: torch.Tensor) -> torch.Tensor:
+    """log Σ over blocks of (first, r + log Σ_j scores) pieces -> (B, H, L, 1), −inf where none."""
+    if not parts:
+        return like.new_full((*like.shape[:2], length, 1), float("-inf"))
+    padded = [torch.nn.functional.pad(x, (0, 0, length - x.shape[2], 0), value=float("-inf")) for x in parts]
+    return torch.logsumexp(torch.cat(padded, dim=-1), dim=-1, keepdim=True)
+
+
 def causal_log_kernel(
     log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log K̂ (B, H, L, L), log normaliser (B, H, L, 1)) where row i sees keys j ≤ i − lag.
 
-    log_q, log_k (B, H, L, M). Invisible entries are −inf; a visible K̂_ij smaller than the
-    dtype's normal range relative to the row's largest term is floored there (finite, no
-    gradient). The normaliser is log Σ_{j ≤ i−lag} K̂_ij (−inf for a row that sees nothing).
-    Keys go in column blocks of ``block``: each block's rows get their own causal scale, and only
-    the block's diagonal rows can see part of it, so only they go through :func:`stable_block`.
+    log_q, log_k (B, H, L, M). Hidden entries are −inf; a visible K̂_ij below the dtype's normal
+    range relative to the row's largest term is floored there (finite, no gradient). The
+    normaliser is log Σ_{j ≤ i−lag} K̂_ij (−inf for a row that sees nothing).
     """
-    b, h, length, _ = log_q.shape
-    fmin, tiny = torch.finfo(log_q.dtype).min, torch.finfo(log_q.dtype).tiny
-    out = log_q.new_full((b, h, length, length), float("-inf"))
+    length, tiny = log_q.shape[2], torch.finfo(log_q.dtype).tiny
+    out = log_q.new_full((*log_q.shape[:2], length, length), float("-inf"))
     parts = []
-    for start in range(0, length, block):
-        first = start + lag  # first row that sees key `start`
-        if first >= length:
-            break
-        lk = log_k[:, :, start:start + block]
-        n = lk.shape[2]
-        diag_rows = min(n, length - first)
-        limit = torch.arange(1, diag_rows + 1, device=log_q.device)
-        floor = log_q.new_full((b, h, log_q.shape[-1]), fmin)
-        blk = stable_block(log_q[:, :, first:first + diag_rows], lk, limit, floor)
-        later = log_q[:, :, first + diag_rows:]
-        r_late = (later.detach() + blk.offset[:, :, None]).amax(-1, keepdim=True).clamp_min(fmin)
-        s_late = torch.exp(later - r_late + blk.offset[:, :, None]) @ blk.keys.transpose(-1, -2)
-        scores = torch.cat([blk.scores, s_late], dim=2)  # rows first.., keys start..start+n
-        r = torch.cat([blk.row_scale, r_late], dim=2)
-        logs = r + torch.log(scores.clamp_min(tiny))
+    for first, start, scores, r in kernel_slabs(log_q, log_k, lag, block):
         visible = torch.ones_like(scores[0, 0], dtype=torch.bool).tril_()
-        out[:, :, first:, start:start + n] = logs.masked_fill(~visible, float("-inf"))
-        part = r + torch.log(scores.sum(-1, keepdim=True).clamp_min(tiny))
-        parts.append(torch.nn.functional.pad(part, (0, 0, first, 0), value=float("-inf")))
-    if not parts:
-        return out, log_q.new_full((b, h, length, 1), float("-inf"))
-    return out, torch.logsumexp(torch.cat(parts, dim=-1), dim=-1, keepdim=True)
+        logs = r + torch.log(scores.clamp_min(tiny))
+        out[:, :, first:, start:start + scores.shape[-1]] = logs.masked_fill(~visible, float("-inf"))
+        parts.append(r + torch.log(scores.sum(-1, keepdim=True).clamp_min(tiny)))
+    return out, merge_normaliser(parts, length, log_q)
