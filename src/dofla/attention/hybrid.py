@@ -126,8 +126,11 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit)
 
     exact = _exact_mask(c, n_b + c, window, sinks, q.device, first)[None] & ctx_valid[:, None, :]
-    exact = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), exact], dim=2)[:, None]
-    keys, vals = torch.cat([state.sink_k, ctx_k], dim=2), torch.cat([state.sink_v, ctx_v], dim=2)
+    keys, vals = ctx_k, ctx_v
+    if state.sink_k.shape[2]:
+        exact = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), exact], dim=2)
+        keys, vals = torch.cat([state.sink_k, ctx_k], dim=2), torch.cat([state.sink_v, ctx_v], dim=2)
+    exact = exact[:, None]  # (B, 1, C, S): the same for every head
     s = ((q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~exact, float("-inf"))
     mx = s.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
     p = torch.exp(s - mx)
