@@ -160,3 +160,15 @@ def test_l2_loss_rows_before_a_huge_key_keep_their_gradient(scale, gap):
     LOSSES.get("l2")(lq, log_k, q, k, scale=scale).backward()
     early = lq.grad[:, :, 1: t - 1]  # row 0 sees one key only; the last row sees the outlier
     assert torch.isfinite(early).all() and (early.abs().sum(-1) > 0).all()  # every earlier row still trains
+
+
+def test_exact_rows_in_small_groups_give_the_same_result(monkeypatch):
+    """The exact recomputation runs in memory-bounded groups of rows; grouping must not matter."""
+    from dofla.attention import stable
+
+    log_q, log_k, v = _adversarial(64, 150.0, torch.float32, seed=10, at=(10, 40, 50))
+    whole, _ = linear_attention_chunked(log_q, log_k, v, chunk_size=64)
+    monkeypatch.setattr(stable, "EXACT_ELEMENTS", 3 * 64 * M)  # three rows per group
+    grouped, _ = linear_attention_chunked(log_q, log_k, v, chunk_size=64)
+    assert torch.equal(whole, grouped)
+    _check_rows(grouped, linear_attention_naive(log_q.double(), log_k.double(), v.double()), torch.float32)

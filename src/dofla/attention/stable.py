@@ -99,13 +99,22 @@ def _guarded_block(log_q, log_k, limit, floor, mask, keys, offset) -> Block:
     return Block(scores, r, query, keys, offset, False)
 
 
+EXACT_ELEMENTS = 1 << 24  # at most this many (row, key, feature) terms per exact group (64 MiB fp32)
+
+
 def _exact_rows(scores, log_q, log_k, r, limit, bad) -> torch.Tensor:
-    """Replace the ``bad`` rows (B, H, C) of scores by Σ_m exp(log_q + log_k − r), term by term."""
+    """Replace the ``bad`` rows (B, H, C) of scores by Σ_m exp(log_q + log_k − r), term by term,
+    in groups of rows so the (N, n, M) terms stay bounded in memory."""
     b, h, i = bad.nonzero(as_tuple=True)
-    x = log_q[b, h, i][:, None, :] + log_k[b, h] - r[b, h, i][:, :, None]  # (N, n, M)
-    hidden = torch.arange(log_k.shape[2], device=x.device)[None, :] >= limit[i][:, None]
-    rows = torch.exp(x.masked_fill(hidden[..., None], float("-inf"))).sum(-1)
-    return scores.index_put((b, h, i), rows)
+    n, m = log_k.shape[2], log_k.shape[3]
+    group = max(1, EXACT_ELEMENTS // max(1, n * m))
+    for lo in range(0, b.numel(), group):
+        bb, hh, ii = b[lo:lo + group], h[lo:lo + group], i[lo:lo + group]
+        x = log_q[bb, hh, ii][:, None, :] + log_k[bb, hh] - r[bb, hh, ii][:, :, None]  # (N, n, M)
+        hidden = torch.arange(n, device=x.device)[None, :] >= limit[ii][:, None]
+        rows = torch.exp(x.masked_fill(hidden[..., None], float("-inf"))).sum(-1)
+        scores = scores.index_put((bb, hh, ii), rows)
+    return scores
 
 
 def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: int = 128):
