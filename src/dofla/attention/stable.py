@@ -118,10 +118,11 @@ def _exact_rows(scores, log_q, log_k, r, limit, bad) -> torch.Tensor:
 
 
 def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: int = 128):
-    """Yield (first, start, scores, r) per column block of keys start..start+n, row i seeing keys
-    j ≤ i − lag: scores (B, H, L − first, n) = K̂_ij e^{−r_i} for rows first.. (0 where hidden),
-    r (B, H, L − first, 1). Each block's rows get their own causal scale; only the block's
-    diagonal rows see part of it, so only they go through :func:`stable_block`.
+    """Yield (row0, start, scores, r, diagonal) pieces per column block of keys start..start+n,
+    row i seeing keys j ≤ i − lag: scores (B, H, R, n) = K̂_ij e^{−r_i} for rows row0..row0+R
+    (0 where hidden), r (B, H, R, 1). Each block's rows get their own causal scale. The block's
+    diagonal rows (``diagonal`` True: row row0+a sees keys start..start+a) go through
+    :func:`stable_block`; the rows after them see the whole block, whose offset is causal for them.
     log_q, log_k (B, H, L, M)."""
     b, h, length, m = log_q.shape
     fmin = torch.finfo(log_q.dtype).min
@@ -133,18 +134,21 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
         lk = log_k[:, :, start:start + block]
         diag = min(lk.shape[2], length - first)
         blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor)
-        later = log_q[:, :, first + diag:]  # rows that see the whole block: its offset is causal for them
-        c = blk.offset[:, :, None]
-        r_late = (later.detach() + c).amax(-1, keepdim=True).clamp_min(fmin)
-        s_late = torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2)
-        yield first, start, torch.cat([blk.scores, s_late], dim=2), torch.cat([blk.row_scale, r_late], dim=2)
+        yield first, start, blk.scores, blk.row_scale, True
+        later = log_q[:, :, first + diag:]
+        if later.shape[2]:
+            c = blk.offset[:, :, None]
+            r_late = (later.detach() + c).amax(-1, keepdim=True).clamp_min(fmin)
+            s_late = torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2)
+            yield first + diag, start, s_late, r_late, False
 
 
-def merge_normaliser(parts: list[torch.Tensor], length: int, like: torch.Tensor) -> torch.Tensor:
-    """log Σ over blocks of (first, r + log Σ_j scores) pieces -> (B, H, L, 1), −inf where none."""
+def merge_normaliser(parts: list[tuple[int, torch.Tensor]], length: int, like: torch.Tensor) -> torch.Tensor:
+    """log Σ of (row0, log partial sum (B, H, R, 1)) pieces -> (B, H, L, 1), −inf where none."""
     if not parts:
         return like.new_full((*like.shape[:2], length, 1), float("-inf"))
-    padded = [torch.nn.functional.pad(x, (0, 0, length - x.shape[2], 0), value=float("-inf")) for x in parts]
+    pad = torch.nn.functional.pad
+    padded = [pad(x, (0, 0, row0, length - row0 - x.shape[2]), value=float("-inf")) for row0, x in parts]
     return torch.logsumexp(torch.cat(padded, dim=-1), dim=-1, keepdim=True)
 
 
@@ -160,9 +164,11 @@ def causal_log_kernel(
     length, tiny = log_q.shape[2], torch.finfo(log_q.dtype).tiny
     out = log_q.new_full((*log_q.shape[:2], length, length), float("-inf"))
     parts = []
-    for first, start, scores, r in kernel_slabs(log_q, log_k, lag, block):
-        visible = torch.ones_like(scores[0, 0], dtype=torch.bool).tril_()
-        logs = r + torch.log(scores.clamp_min(tiny))
-        out[:, :, first:, start:start + scores.shape[-1]] = logs.masked_fill(~visible, float("-inf"))
-        parts.append(r + torch.log(scores.sum(-1, keepdim=True).clamp_min(tiny)))
+    for row0, start, scores, r, diagonal in kernel_slabs(log_q, log_k, lag, block):
+        rows, n = scores.shape[2], scores.shape[3]
+        view = out[:, :, row0:row0 + rows, start:start + n]
+        view.copy_(r + torch.log(scores.clamp_min(tiny)))
+        if diagonal:
+            view.masked_fill_(torch.ones(rows, n, dtype=torch.bool, device=out.device).triu_(1), float("-inf"))
+        parts.append((row0, r + torch.log(scores.sum(-1, keepdim=True).clamp_min(tiny))))
     return out, merge_normaliser(parts, length, log_q)

@@ -106,11 +106,12 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, si
         return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
     length = s.shape[-1]
     cross, parts = s.new_zeros(s.shape[:-1]), []
-    for first, start, scores, r in kernel_slabs(log_q, log_k):  # p is 0 on hidden keys: no mask needed
-        p_slab = p[:, :, first:, start:start + scores.shape[-1]]
+    for row0, start, scores, r, _ in kernel_slabs(log_q, log_k):  # p is 0 on hidden keys: no mask needed
+        rows = scores.shape[2]
+        p_slab = p[:, :, row0:row0 + rows, start:start + scores.shape[-1]]
         slab = (p_slab * _log_floor(scores)).sum(-1) + (r * p_slab.sum(-1, keepdim=True)).squeeze(-1)
-        cross = cross + torch.nn.functional.pad(slab, (first, 0))
-        parts.append(r + _log_floor(scores.sum(-1, keepdim=True)))
+        cross = cross + torch.nn.functional.pad(slab, (row0, length - row0 - rows))
+        parts.append((row0, r + _log_floor(scores.sum(-1, keepdim=True))))
     return (merge_normaliser(parts, length, s).squeeze(-1) - cross).mean()
 
 
