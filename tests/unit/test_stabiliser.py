@@ -116,7 +116,8 @@ def _reference_ce(log_q, log_k, q, k, window):
     t = q.shape[2]
     i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    student = torch.where(j > i - window, s, log_kernel_matrix(log_q, log_k)) if window else log_kernel_matrix(log_q, log_k)
+    log_kernel = log_kernel_matrix(log_q, log_k)
+    student = torch.where(j > i - window, s, log_kernel) if window else log_kernel
     p = torch.softmax(s.masked_fill(j > i, -math.inf), -1)
     log_p_hat = torch.log_softmax(student.masked_fill(j > i, -math.inf), -1).masked_fill(j > i, 0.0)
     return -(p * log_p_hat).sum(-1).mean()

@@ -3,9 +3,11 @@
 Both keep a per-head state of fixed size: kv (M, dv) = Σ_j exp(log_k_j − c) v_jᵀ and
 k_sum (M,) = Σ_j exp(log_k_j − c), with c (M,) the running per-feature maximum of the key log
 features. Working relative to c keeps every key feature ≤ 1 (no overflow at PRF norms where
-|x|²/sqrt(d) ≈ 140); queries read the state with exp(log_q + c − max_m(log_q + c)), whose
-per-row shift cancels in numerator/denominator. c and the shift are detached: the output does
-not depend on them, so gradients are exact.
+|x|²/sqrt(d) ≈ 140); each query row is shifted by r_i, its largest single term over the keys it
+can see, which cancels in numerator/denominator. The chunked form gets r_i and the in-chunk
+scores from the causal stabiliser (:mod:`dofla.attention.stable`), so a huge later key in the
+same chunk cannot underflow earlier rows. c and the shifts are detached: the output does not
+depend on them, so gradients are exact.
 
 Layouts: log_q, log_k (B, H, T, M); v (B, H, T, dv); outputs (B, H, T, dv).
 """
@@ -74,7 +76,9 @@ def _prepare(log_q, log_k, v, state, key_valid=None):
     log_q, log_k, v = log_q.to(dtype), log_k.to(dtype), v.to(dtype)
     if key_valid is not None:
         if key_valid.shape != (b, t):
-            raise ValueError(f"key_valid must be (B, T) = {(b, t)} bool for the new tokens; got {tuple(key_valid.shape)}")
+            raise ValueError(
+                f"key_valid must be (B, T) = {(b, t)} bool for the new tokens; got {tuple(key_valid.shape)}"
+            )
         pad = ~key_valid.to(torch.bool)[:, None, :, None]
         log_k, v = log_k.masked_fill(pad, float("-inf")), v.masked_fill(pad, 0.0)
     return log_q, log_k, v, state.to(dtype)

@@ -83,7 +83,9 @@ def _student(log_q, log_k, causal: bool, window: int, sinks: int = 0):
 
 def _check_sinks(window: int, sinks: int) -> None:
     if sinks < 0 or (sinks > 0 and window <= 0):
-        raise ValueError(f"loss option sinks={sinks!r} needs window > 0 and sinks ≥ 0 (sinks are exact keys of a hybrid layer)")
+        raise ValueError(
+            f"loss option sinks={sinks!r} needs window > 0 and sinks ≥ 0 (sinks are exact keys of a hybrid layer)"
+        )
 
 
 @LOSSES.register("softmax")
