@@ -148,3 +148,12 @@ def test_fp64_inputs_stay_fp64():
     out, state = hybrid_attention_chunked(*x, 4, chunk_size=3)
     assert out.dtype == torch.float64 and state.linear.kv.dtype == torch.float64
     assert _rel(out, hybrid_attention_naive(*x, 4)) < 1e-12
+
+
+def test_softcap_caps_the_exact_part_like_the_reference():
+    q, k, v, fm = _inputs(t=21, seed=7, scale=3.0)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    ref = hybrid_attention_naive(q, k, v, lq, lk, 6, sinks=2, softcap=4.0)
+    out, _ = hybrid_attention_chunked(q, k, v, lq, lk, 6, chunk_size=4, sinks=2, softcap=4.0)
+    assert _rel(out, ref) < 1e-5
+    assert _rel(hybrid_attention_naive(q, k, v, lq, lk, 6, sinks=2), ref) > 1e-3

@@ -71,7 +71,13 @@ def _exact_mask(queries: int, keys: int, window: int, sinks: int, device, first:
     return (j <= i) & ((j > i - window) | (j + first < sinks))
 
 
-def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid=None) -> torch.Tensor:
+def exact_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """(B, H, T, S) q·k/sqrt(d), soft-capped to softcap·tanh(·/softcap) when given (Gemma 2)."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid=None, softcap=None) -> torch.Tensor:
     """The quadratic reference's (B, H, T, T) log-kernel matrix: softmax inside the window and on
     the first ``sinks`` tokens, log K̂ elsewhere, −inf above the diagonal and on padding keys."""
     t = q.shape[2]
@@ -80,16 +86,17 @@ def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid
     if key_valid is not None:
         visible = visible & key_valid.to(torch.bool)[:, None, None, :]
         log_k = log_k.masked_fill(~key_valid.to(torch.bool)[:, None, :, None], 0.0)  # finite: no NaN grads
-    scores = torch.where(exact, (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]), log_kernel_matrix(log_q, log_k))
+    scores = torch.where(exact, exact_logits(q, k, softcap), log_kernel_matrix(log_q, log_k))
     return scores.masked_fill(~visible, float("-inf"))
 
 
 def hybrid_attention_naive(
-    q, k, v, log_q, log_k, window: int, *, sinks: int = 0, key_valid: torch.Tensor | None = None
+    q, k, v, log_q, log_k, window: int, *, sinks: int = 0, key_valid: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Quadratic reference: materialise the T×T log scores, softmax over keys, apply to v.
     A row that sees no valid key outputs 0."""
-    return masked_softmax(hybrid_log_scores(q, k, log_q, log_k, window, sinks, key_valid)).to(v.dtype) @ v
+    return masked_softmax(hybrid_log_scores(q, k, log_q, log_k, window, sinks, key_valid, softcap)).to(v.dtype) @ v
 
 
 def _empty_state(q, v, log_k, dtype) -> HybridState:
@@ -113,7 +120,7 @@ def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit):
     return total, r, LinearState(kv1[..., :-1], kv1[..., -1], offset, state.linear.length)
 
 
-def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int):
+def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None):
     """New tokens (C of them) against [sinks ; window buffer ; new tokens]; returns (out, new state)."""
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
     ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v), (state.log_k, log_k)))
@@ -131,7 +138,7 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
         exact = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), exact], dim=2)
         keys, vals = torch.cat([state.sink_k, ctx_k], dim=2), torch.cat([state.sink_v, ctx_v], dim=2)
     exact = exact[:, None]  # (B, 1, C, S): the same for every head
-    s = ((q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~exact, float("-inf"))
+    s = exact_logits(q, keys, softcap).masked_fill(~exact, float("-inf"))
     mx = s.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
     p = torch.exp(s - mx)
     top = torch.maximum(r, mx)  # flash-style merge of the two partial sums
@@ -151,16 +158,19 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
 
 def hybrid_attention_chunked(
     q, k, v, log_q, log_k, window: int, chunk_size: int | None = None, state: HybridState | None = None,
-    *, sinks: int = 0, key_valid: torch.Tensor | None = None,
+    *, sinks: int = 0, key_valid: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
     """Hybrid attention in chunks (default chunk = window); continues from ``state``.
 
     Work per chunk is O(C·(sinks + W + C)) for the exact part and O(C·M·dv) for the linear part;
     decoding one token at a time is the same call with T = 1. key_valid (B, T) bool marks the new
-    tokens' real keys (False = padding); a row that sees no valid key outputs 0.
+    tokens' real keys (False = padding); a row that sees no valid key outputs 0. ``softcap``
+    caps the exact part's logits as the teacher does (Gemma 2); None = no capping.
     """
     if window < 1:
         raise ValueError(f"window must be ≥ 1 for hybrid attention, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r} must be a positive number (or None for no capping)")
     if sinks < 0:
         raise ValueError(f"sinks must be ≥ 0 (number of leading tokens kept exact), got {sinks}")
     out_dtype, (b, _, t, _) = v.dtype, q.shape
@@ -176,7 +186,7 @@ def hybrid_attention_chunked(
     for start in range(0, t, chunk):
         sl = slice(start, start + chunk)
         out, state = _step(q[:, :, sl], k[:, :, sl], v[:, :, sl], log_q[:, :, sl], log_k[:, :, sl],
-                           key_valid[:, sl].to(torch.bool), state, window, sinks)
+                           key_valid[:, sl].to(torch.bool), state, window, sinks, softcap)
         outs.append(out)
     if not outs:
         return v.new_zeros(v.shape).to(out_dtype), state

@@ -8,10 +8,10 @@ teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
+from dofla.attention.hybrid import exact_logits
 from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser
 from dofla.registry import Registry
 
@@ -51,12 +51,9 @@ def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor
 
 def teacher_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """(B, H, L, L) q·k/sqrt(d); with ``softcap`` (Gemma 2) softcap·tanh(logits/softcap)."""
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if softcap is None:
-        return s
-    if not softcap > 0:
+    if softcap is not None and not softcap > 0:
         raise ValueError(f"loss option softcap={softcap!r} must be a positive number (or None for no capping)")
-    return softcap * torch.tanh(s / softcap)
+    return exact_logits(q, k, softcap)
 
 
 def _masks(length: int, causal: bool, window: int, device, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
