@@ -8,7 +8,6 @@ teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.
 """
 from __future__ import annotations
 
-
 import torch
 
 from dofla.attention.hybrid import exact_logits
