@@ -1,5 +1,6 @@
 """One attention layer at long context: linear (chunked) vs SDPA softmax, peak memory vs T,
-the chunked kernel's FLOP rate and a chunk-size sweep.
+the chunked kernel's FLOP rate, a chunk-size sweep and the cost of the causal stabiliser's
+guarded path (a far-future outlier key in every chunk).
 
     python -m benchmarks.bench_attention [--seq-len 16384] [--repeats 3] [--threads N] [--quick]
 """
@@ -52,6 +53,24 @@ def chunked_flops(t: int, chunk: int, m: int = M, dv: int = D) -> float:
     per_chunk = (2 * c * c * m + 2 * c * c * dv + 4 * c * m * dv + 2 * c * m + c * c + c * m
                  + m * dv + m + 2 * c * m)
     return HEADS * n * per_chunk
+
+
+def with_outliers(log_k: torch.Tensor, chunk: int, gap: float = 120.0) -> torch.Tensor:
+    """log_k with key feature 0 raised by ``gap`` nats at the middle of every chunk: every earlier
+    row of the chunk that leans on feature 0 goes through the exact (log-space) recomputation."""
+    out = log_k.clone()
+    out[:, :, chunk // 2::chunk, 0] += gap
+    return out
+
+
+def outlier_row(log_q, log_k, v, t: int, reps: int, plain_s: float) -> Row:
+    """Kernel time with an outlier in every chunk vs the same inputs without (same run)."""
+    spiked = with_outliers(log_k, DEFAULT_CHUNK)
+    slow = timeit(lambda: linear_attention_chunked(log_q, spiked, v, chunk_size=DEFAULT_CHUNK), repeats=reps)
+    return Row(f"chunked kernel T={t}, a 120-nat outlier key in every chunk (worst case for the stabiliser)",
+               f"same inputs without outliers ({plain_s * 1e3:.0f} ms)", "exact; slowdown reported",
+               f"{slow * 1e3:.0f} ms", slow / plain_s, None,
+               "rows that see the outlier's feature only later are recomputed in log space")
 
 
 def memory_point(kind: str, t: int) -> dict:
@@ -119,6 +138,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             ", ".join(f"{c}: {s * 1e3:.0f} ms" for c, s in sweep.items()), sweep[base] / sweep[best],
             None, f"best {best}" + ("" if best == base else f", {sweep[base] / sweep[best]:.2f}× vs {base}")),
     ]
+    rows.append(outlier_row(log_q, log_k, v, t, reps, sweep[base]))
     if args.mem_lens:
         rows += memory_rows([int(x) for x in args.mem_lens.split(",")])
     return rows

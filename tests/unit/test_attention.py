@@ -183,3 +183,66 @@ def test_softmax_gqa_repeats_each_kv_head_for_its_group():
     torch.testing.assert_close(out[:, 4:5], softmax_attention(q[:, 4:5], k[:, 1:2], v[:, 1:2]))
     with pytest.raises(ValueError, match="divide"):
         softmax_attention(q, k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(-1, 4, -1, -1))
+
+
+def _left_padded(lengths, t, seed=9, m=12):
+    """log_q, log_k, v (B, H, T, ·) with random data everywhere and key_valid (B, T): row b holds
+    lengths[b] real tokens at the end (left padding)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    log_q, log_k = (torch.randn(b, H, t, m, generator=g) for _ in range(2))
+    v = torch.randn(b, H, t, D, generator=g)
+    valid = torch.arange(t)[None, :] >= torch.tensor([t - n for n in lengths])[:, None]
+    return log_q, log_k, v, valid
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_left_padded_batch_matches_each_row_alone(chunk):
+    lengths, t = [13, 6, 1], 13
+    log_q, log_k, v, valid = _left_padded(lengths, t)
+    out, _ = linear_attention_chunked(log_q, log_k, v, chunk_size=chunk, key_valid=valid)
+    rec, _ = linear_attention_recurrent(log_q, log_k, v, key_valid=valid)
+    ref = linear_attention_naive(log_q, log_k, v, key_valid=valid)
+    for b, n in enumerate(lengths):
+        alone, _ = linear_attention_chunked(log_q[b:b + 1, :, t - n:], log_k[b:b + 1, :, t - n:],
+                                            v[b:b + 1, :, t - n:], chunk_size=chunk)
+        for got in (out, rec, ref):
+            assert rel(got[b:b + 1, :, t - n:], alone) < TOL
+        # padding rows see no valid key: zeros, not NaN
+        for got in (out, rec, ref):
+            assert torch.equal(got[b, :, : t - n], torch.zeros_like(got[b, :, : t - n]))
+
+
+def test_padding_then_decoding_matches_the_unpadded_sequence():
+    lengths, t = [9, 4], 9
+    log_q, log_k, v, _ = _left_padded(lengths, t + 3, seed=10)
+    # row b: padding, then lengths[b] prompt tokens ending at t, then three decoded tokens
+    valid = torch.arange(t + 3)[None, :] >= torch.tensor([t - n for n in lengths])[:, None]
+    pre, state = linear_attention_chunked(log_q[:, :, :t], log_k[:, :, :t], v[:, :, :t], 4, key_valid=valid[:, :t])
+    outs = [pre]
+    for i in range(t, t + 3):
+        o, state = linear_attention_recurrent(log_q[:, :, i:i + 1], log_k[:, :, i:i + 1], v[:, :, i:i + 1], state,
+                                              key_valid=valid[:, i:i + 1])
+        outs.append(o)
+    out = torch.cat(outs, dim=2)
+    for b, n in enumerate(lengths):
+        s = t - n
+        alone = linear_attention_naive(log_q[b:b + 1, :, s:], log_k[b:b + 1, :, s:], v[b:b + 1, :, s:])
+        assert rel(out[b:b + 1, :, s:], alone) < TOL
+
+
+def test_minus_inf_log_features_contribute_nothing():
+    log_q, log_k, v = _log_features(12, 20, seed=11)
+    log_k = log_k.clone()
+    log_k[:, :, 3] = float("-inf")  # a whole key: the same as padding it
+    log_k[:, :, 7:9, :5] = float("-inf")  # some features of two keys
+    valid = torch.ones(B, 20, dtype=torch.bool)
+    valid[:, 3] = False
+    finite_k = log_k.masked_fill(~valid[:, None, :, None], 0.0)
+    ref = linear_attention_naive(log_q.double(), finite_k.double(), v.double(), key_valid=valid)
+    for chunk in (1, 8):
+        out, state = linear_attention_chunked(log_q, log_k, v, chunk_size=chunk)
+        assert torch.isfinite(out).all() and torch.isfinite(state.kv).all() and rel(out, ref) < TOL
+    assert rel(linear_attention_recurrent(log_q, log_k, v)[0], ref) < TOL
+    with pytest.raises(ValueError, match="key_valid"):
+        linear_attention_chunked(log_q, log_k, v, key_valid=valid[:, :5])

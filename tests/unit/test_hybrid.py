@@ -65,3 +65,95 @@ def test_window_covering_everything_is_softmax():
     q, k, v, fm = _inputs(t=20)
     out = hybrid_attention_naive(q, k, v, fm.log_features(q), fm.log_features(k), 20)
     assert torch.allclose(out, softmax_attention(q, k, v), atol=1e-6)
+
+
+@pytest.mark.parametrize("window,sinks", [(4, 1), (5, 3), (8, 8), (3, 12)])
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_sinks_chunked_matches_reference(window, sinks, chunk):
+    q, k, v, fm = _inputs(t=31)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    ref = hybrid_attention_naive(q, k, v, lq, lk, window, sinks=sinks)
+    out, state = hybrid_attention_chunked(q, k, v, lq, lk, window, chunk_size=chunk, sinks=sinks)
+    assert _rel(out, ref) < 1e-5
+    assert state.length == 31 and state.sink_k.shape[2] == min(sinks, 31 - window)
+    # sinks change the result: they are exact, not approximated
+    assert _rel(hybrid_attention_naive(q, k, v, lq, lk, window), ref) > 1e-3
+
+
+def test_sinks_decoding_token_by_token_matches_and_memory_is_bounded():
+    q, k, v, fm = _inputs(t=40, seed=2)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    window, sinks = 6, 3
+    ref = hybrid_attention_naive(q, k, v, lq, lk, window, sinks=sinks)
+    state, outs, sizes = None, [], []
+    for t in range(40):
+        sl = slice(t, t + 1)
+        o, state = hybrid_attention_chunked(q[:, :, sl], k[:, :, sl], v[:, :, sl], lq[:, :, sl], lk[:, :, sl], window,
+                                            state=state, sinks=sinks)
+        outs.append(o)
+        sizes.append(state.nbytes())
+    assert _rel(torch.cat(outs, dim=2), ref) < 1e-5
+    assert len(set(sizes[sinks + window:])) == 1  # bounded by sinks + W + the linear state
+
+
+def test_sinks_gradients_match_reference():
+    q, k, v, fm = _inputs(t=23, seed=3)
+    grads = []
+    for fn in (hybrid_attention_naive, hybrid_attention_chunked):
+        fm.zero_grad()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, fm.log_features(leaves[0]), fm.log_features(leaves[1]), 5, sinks=2)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([x.grad for x in leaves] + [p.grad.clone() for p in fm.parameters()])
+    for a, b in zip(*grads):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_left_padded_batch_matches_each_row_alone(chunk):
+    q, k, v, fm = _inputs(t=19, seed=4)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    lengths, t, window = [19, 7], 19, 5
+    valid = torch.arange(t)[None, :] >= torch.tensor([t - n for n in lengths])[:, None]
+    out, state = hybrid_attention_chunked(q, k, v, lq, lk, window, chunk_size=chunk, key_valid=valid)
+    ref = hybrid_attention_naive(q, k, v, lq, lk, window, key_valid=valid)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5
+    assert state.valid.shape == (2, window)
+    for b, n in enumerate(lengths):
+        x = [a[b:b + 1, :, t - n:] for a in (q, k, v, lq, lk)]
+        alone, _ = hybrid_attention_chunked(*x, window, chunk_size=chunk)
+        assert _rel(out[b:b + 1, :, t - n:], alone) < 1e-5
+        assert torch.equal(out[b, :, : t - n], torch.zeros_like(out[b, :, : t - n]))  # padding rows: 0
+
+
+def test_decode_state_carries_key_validity():
+    q, k, v, fm = _inputs(t=16, seed=5)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[1, :6] = False  # row 1 is left-padded by 6
+    ref = hybrid_attention_naive(q, k, v, lq, lk, 4, key_valid=valid)
+    out, state = hybrid_attention_chunked(*(a[:, :, :10] for a in (q, k, v, lq, lk)), 4, key_valid=valid[:, :10])
+    outs = [out]
+    for t in range(10, 16):
+        o, state = hybrid_attention_chunked(*(a[:, :, t:t + 1] for a in (q, k, v, lq, lk)), 4, state=state)
+        outs.append(o)
+    assert _rel(torch.cat(outs, dim=2), ref) < 1e-5
+
+
+def test_fp64_inputs_stay_fp64():
+    q, k, v, fm = _inputs(t=12, seed=6)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    x = [a.double() for a in (q, k, v, lq, lk)]
+    out, state = hybrid_attention_chunked(*x, 4, chunk_size=3)
+    assert out.dtype == torch.float64 and state.linear.kv.dtype == torch.float64
+    assert _rel(out, hybrid_attention_naive(*x, 4)) < 1e-12
+
+
+def test_softcap_caps_the_exact_part_like_the_reference():
+    q, k, v, fm = _inputs(t=21, seed=7, scale=3.0)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    ref = hybrid_attention_naive(q, k, v, lq, lk, 6, sinks=2, softcap=4.0)
+    out, _ = hybrid_attention_chunked(q, k, v, lq, lk, 6, chunk_size=4, sinks=2, softcap=4.0)
+    assert _rel(out, ref) < 1e-5
+    assert _rel(hybrid_attention_naive(q, k, v, lq, lk, 6, sinks=2), ref) > 1e-3

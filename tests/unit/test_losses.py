@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dofla.attention import log_kernel_matrix
+from dofla.attention.hybrid import hybrid_log_scores
 from dofla.feature_maps import build_feature_map
-from dofla.train.losses import LOSSES, log_student_kernel
+from dofla.train.losses import LOSSES, log_student_kernel, teacher_logits
 
 
 def _qk(scale, t=32, d=64, h=2, seed=0):
@@ -113,3 +114,71 @@ def test_l2_scales_agree_on_which_student_is_better():
         losses = [LOSSES.get("l2")(fm.log_features(q), fm.log_features(k), q, k, scale=scale)
                   for fm in (good, bad)]
         assert losses[0] < losses[1]
+
+
+def test_teacher_logits_softcap():
+    q, k = _qk(3.0, d=16)
+    raw = teacher_logits(q, k)
+    capped = teacher_logits(q, k, softcap=5.0)
+    assert raw.abs().max() > 5.0 and capped.abs().max() < 5.0
+    torch.testing.assert_close(capped, 5.0 * torch.tanh(raw / 5.0))
+    with pytest.raises(ValueError, match="softcap"):
+        teacher_logits(q, k, softcap=0.0)
+
+
+def test_softmax_loss_distils_against_the_capped_teacher():
+    """With a window covering everything the student is the (capped) teacher: CE = its entropy."""
+    q, k = _qk(3.0, t=24, d=16)
+    zeros = torch.zeros(1, 2, 24, 4)
+    capped = teacher_logits(q, k, softcap=4.0)
+    loss = LOSSES.get("softmax")(zeros, zeros, q, k, window=24, softcap=4.0)
+    assert torch.allclose(loss, _entropy(capped), atol=1e-5)
+    assert not torch.allclose(loss, _entropy(teacher_logits(q, k)), atol=1e-2)
+
+
+def _one_hot_student(s):
+    """log_q, log_k with K̂ = exp(s) exactly: Φ(k_j) = e_j, Φ(q_i)_j = exp(s_ij)."""
+    t = s.shape[-1]
+    return s.clone(), (torch.full((t, t), -1e4) + 1e4 * torch.eye(t)).expand(*s.shape[:2], t, t).clone()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_l2_rows_is_zero_for_an_exact_student_and_has_finite_gradients(window):
+    q, k = _qk(3.0, t=24, d=16)
+    log_q, log_k = _one_hot_student(teacher_logits(q, k))
+    assert LOSSES.get("l2")(log_q, log_k, q, k, window=window, scale="rows") < 1e-10
+    fm = build_feature_map("learned_prf", 2, 16, 24)
+    loss = LOSSES.get("l2")(fm.log_features(q), fm.log_features(k), q, k, window=window, scale="rows")
+    loss.backward()
+    assert loss > 1e-3 and all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in fm.parameters())
+
+
+def test_l2_rows_matches_plain_reference():
+    q, k = _qk(2.0, t=20, d=16)
+    fm = build_feature_map("learned_prf", 2, 16, 24)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    mask = torch.ones(20, 20).tril().bool()
+    p = torch.softmax(teacher_logits(q, k).masked_fill(~mask, -math.inf), -1)
+    p_hat = torch.softmax(log_kernel_matrix(lq, lk).masked_fill(~mask, -math.inf), -1)
+    want = (p - p_hat).pow(2).sum(-1).mean()
+    assert torch.allclose(LOSSES.get("l2")(lq, lk, q, k, scale="rows"), want, atol=1e-6)
+    with pytest.raises(ValueError, match="scale"):
+        LOSSES.get("l2")(lq, lk, q, k, scale="row")
+
+
+@pytest.mark.parametrize("sinks", [1, 4])
+def test_hybrid_softmax_loss_with_sinks_matches_reference(sinks):
+    """Sink keys are exact in the loss, as in hybrid attention: compare with the quadratic
+    reference's log scores (hybrid_log_scores with the same sinks)."""
+    q, k = _qk(1.5, t=30, d=16)
+    fm = build_feature_map("learned_prf", 2, 16, 24)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    student = hybrid_log_scores(q, k, lq, lk, 6, sinks=sinks)
+    mask = torch.ones(30, 30).tril().bool()
+    p = torch.softmax(teacher_logits(q, k).masked_fill(~mask, -math.inf), -1)
+    want = -(p * torch.log_softmax(student, -1).masked_fill(~mask, 0.0)).sum(-1).mean()
+    got = LOSSES.get("softmax")(lq, lk, q, k, window=6, sinks=sinks)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, LOSSES.get("softmax")(lq, lk, q, k, window=6), atol=1e-4)
+    with pytest.raises(ValueError, match="sinks"):
+        LOSSES.get("softmax")(lq, lk, q, k, sinks=2)  # no window: nothing is exact

@@ -5,8 +5,10 @@ from dofla.attention.naive import (
     kernel_matrix,
     linear_attention_naive,
     log_kernel_matrix,
+    masked_softmax,
     softmax_attention,
 )
+from dofla.attention.stable import causal_log_kernel, stable_block
 
 __all__ = [
     "HybridState",
@@ -18,5 +20,8 @@ __all__ = [
     "linear_attention_naive",
     "linear_attention_recurrent",
     "log_kernel_matrix",
+    "masked_softmax",
+    "causal_log_kernel",
+    "stable_block",
     "softmax_attention",
 ]

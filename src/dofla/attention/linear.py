@@ -3,9 +3,11 @@
 Both keep a per-head state of fixed size: kv (M, dv) = Σ_j exp(log_k_j − c) v_jᵀ and
 k_sum (M,) = Σ_j exp(log_k_j − c), with c (M,) the running per-feature maximum of the key log
 features. Working relative to c keeps every key feature ≤ 1 (no overflow at PRF norms where
-|x|²/sqrt(d) ≈ 140); queries read the state with exp(log_q + c − max_m(log_q + c)), whose
-per-row shift cancels in numerator/denominator. c and the shift are detached: the output does
-not depend on them, so gradients are exact.
+|x|²/sqrt(d) ≈ 140); each query row is shifted by r_i, its largest single term over the keys it
+can see, which cancels in numerator/denominator. The chunked form gets r_i and the in-chunk
+scores from the causal stabiliser (:mod:`dofla.attention.stable`), so a huge later key in the
+same chunk cannot underflow earlier rows. c and the shifts are detached: the output does not
+depend on them, so gradients are exact.
 
 Layouts: log_q, log_k (B, H, T, M); v (B, H, T, dv); outputs (B, H, T, dv).
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dofla.attention.stable import stable_block
 
 
 @dataclass
@@ -57,19 +61,27 @@ class LinearState:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.k_sum, self.offset))
 
 
-def _prepare(log_q, log_k, v, state):
+def _prepare(log_q, log_k, v, state, key_valid=None):
     """Check shapes, pick the compute dtype (≥ fp32: exp of shifted logs needs the mantissa),
-    and create an empty state if none is given."""
+    mask padding keys (log_k = −inf, v = 0: they contribute nothing) and create an empty state."""
     if log_q.shape != log_k.shape or log_k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"expected log_q, log_k (B, H, T, M) and v (B, H, T, dv); got {tuple(log_q.shape)}, "
             f"{tuple(log_k.shape)}, {tuple(v.shape)}"
         )
     dtype = torch.promote_types(torch.promote_types(log_q.dtype, v.dtype), torch.float32)
-    b, h, _, m = log_k.shape
+    b, h, t, m = log_k.shape
     if state is None:
         state = LinearState.zeros(b, h, m, v.shape[-1], dtype, v.device)
-    return log_q.to(dtype), log_k.to(dtype), v.to(dtype), state.to(dtype)
+    log_q, log_k, v = log_q.to(dtype), log_k.to(dtype), v.to(dtype)
+    if key_valid is not None:
+        if key_valid.shape != (b, t):
+            raise ValueError(
+                f"key_valid must be (B, T) = {(b, t)} bool for the new tokens; got {tuple(key_valid.shape)}"
+            )
+        pad = ~key_valid.to(torch.bool)[:, None, :, None]
+        log_k, v = log_k.masked_fill(pad, float("-inf")), v.masked_fill(pad, 0.0)
+    return log_q, log_k, v, state.to(dtype)
 
 
 def _advance(state: LinearState, key_max: torch.Tensor):
@@ -90,58 +102,70 @@ def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(size, size, dtype=like.dtype, device=like.device).tril_()
 
 
+def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None):
+    """One chunk against a carried state: (total, row_scale, kv1', offset').
+
+    log_q (B, H, C, M); log_k (B, H, n, M) and vals (B, H, n, e) the chunk's keys; kv1 (B, H, M, e)
+    the state at ``offset`` (B, H, M); row i also sees the chunk keys j < limit[i]. total
+    (B, H, C, e) = Σ_visible K̂_ij vals_j · e^{−r_i}; kv1', offset' include all n chunk keys.
+    """
+    blk = stable_block(log_q, log_k, limit, offset, mask)
+    rescaled = kv1 * torch.exp(offset - blk.offset)[..., None]
+    if blk.direct:
+        total = blk.query @ rescaled + blk.scores @ vals
+    else:  # a feature jumped inside the chunk: read the state at its own offset
+        total = torch.exp(log_q + offset[:, :, None] - blk.row_scale) @ kv1 + blk.scores @ vals
+    return total, blk.row_scale, rescaled + blk.keys.transpose(-1, -2) @ vals, blk.offset
+
+
 def linear_attention_chunked(
     log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor,
-    chunk_size: int = 128, state: LinearState | None = None,
+    chunk_size: int = 128, state: LinearState | None = None, *, key_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearState]:
     """Causal linear attention, chunk by chunk; continues from ``state`` (None = empty).
 
     log_q, log_k (B, H, T, M); v (B, H, T, dv) -> out (B, H, T, dv) in v's dtype, final state.
-    Any T ≥ 0 and chunk_size ≥ 1 (the last chunk may be partial).
+    Any T ≥ 0 and chunk_size ≥ 1 (the last chunk may be partial). key_valid (B, T) bool marks the
+    new tokens' real keys (False = padding: no contribution); a row that sees no key outputs 0.
 
     Per chunk of C tokens: three (C×M)/(C×C) matrix products and about a dozen small element-wise
-    ops, all on tensors that stay in cache. Values carry a column of ones ([v | 1]) and the state
-    is kept as [kv | k_sum], so numerator and denominator come out of the same products. The
-    chunk loop is deliberate: a version batching all chunks at once streams every intermediate
-    through memory and measured 1.6× slower on CPU.
+    ops, all on tensors that stay in cache; each row's shift uses only keys it sees
+    (:mod:`dofla.attention.stable`). Values carry a column of ones ([v | 1]) and the state is kept
+    as [kv | k_sum], so numerator and denominator come out of the same products. The chunk loop
+    is deliberate: a version batching all chunks at once measured 1.6× slower on CPU.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
     out_dtype, length = v.dtype, v.shape[2]
-    log_q, log_k, v, state = _prepare(log_q, log_k, v, state)
+    log_q, log_k, v, state = _prepare(log_q, log_k, v, state, key_valid)
     if length == 0:
         return v.new_zeros(v.shape).to(out_dtype), state
     dv = v.shape[-1]
-    ones = v.new_ones(*v.shape[:3], 1)
-    v1 = torch.cat([v, ones], dim=-1)  # (B, H, T, dv+1)
+    v1 = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)  # (B, H, T, dv+1)
     kv1 = torch.cat([state.kv, state.k_sum[..., None]], dim=-1)  # (B, H, M, dv+1)
     offset, tiny, mask, outs = state.offset, torch.finfo(v.dtype).tiny, None, []
     for start in range(0, length, chunk_size):
         lq, lk, vc = (x[:, :, start:start + chunk_size] for x in (log_q, log_k, v1))
-        new_offset = torch.maximum(offset, lk.detach().amax(dim=2))  # running per-feature key max
-        kv1 = kv1 * torch.exp(offset - new_offset)[..., None]
-        offset = new_offset
-        phi_k = torch.exp(lk - offset[:, :, None])  # (B, H, C, M), every entry ≤ 1
-        phi_q = _query_features(lq, offset[:, :, None])
         if mask is None or mask.shape[0] != lk.shape[2]:
             mask = _causal_mask(lk.shape[2], v)
-        scores = (phi_q @ phi_k.transpose(-1, -2)) * mask  # causal within the chunk
-        total = phi_q @ kv1 + scores @ vc  # (B, H, C, dv+1): numerators | denominator
+            limit = torch.arange(1, lk.shape[2] + 1, device=v.device)
+        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask)
         outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))
-        kv1 = kv1 + phi_k.transpose(-1, -2) @ vc
     final = LinearState(kv1[..., :dv].contiguous(), kv1[..., dv].contiguous(), offset, state.length + length)
     return torch.cat(outs, dim=2).to(out_dtype), final
 
 
 def linear_attention_recurrent(
-    log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, state: LinearState | None = None
+    log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, state: LinearState | None = None,
+    *, key_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearState]:
     """The plain recurrence, one token at a time (decoding); same layouts as the chunked form.
 
-    The state stays (B, H, M, dv) however many tokens have been seen.
+    The state stays (B, H, M, dv) however many tokens have been seen. Its offset is the running
+    maximum of keys already seen, so it is causal by construction; key_valid as in the chunked form.
     """
     out_dtype = v.dtype
-    log_q, log_k, v, state = _prepare(log_q, log_k, v, state)
+    log_q, log_k, v, state = _prepare(log_q, log_k, v, state, key_valid)
     tiny = torch.finfo(v.dtype).tiny
     outs = []
     for t in range(v.shape[2]):

@@ -49,15 +49,26 @@ def kernel_matrix(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
     return log_kernel_matrix(log_q, log_k).exp()
 
 
+def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where −inf marks hidden keys; a row with none visible gives 0s."""
+    seen = torch.isfinite(scores).any(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+
+
 def linear_attention_naive(
-    log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    *, key_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_i = Σ_j K̂(q_i, k_j) v_j / Σ_j K̂(q_i, k_j), via a softmax over log K̂.
 
     log_q (B, H, T, M), log_k (B, H, S, M) log features; v (B, H, S, dv) -> (B, H, T, dv).
+    key_valid (B, S) bool: False keys (padding) are hidden; a row seeing no key outputs 0.
     """
-    log_kernel = log_kernel_matrix(log_q, log_k)
+    visible = torch.ones(log_q.shape[2], log_k.shape[2], dtype=torch.bool, device=log_q.device)
     if causal:
-        mask = _causal_mask(log_q.shape[2], log_k.shape[2], log_q.device)
-        log_kernel = log_kernel.masked_fill(~mask, float("-inf"))
-    return torch.softmax(log_kernel, dim=-1).to(v.dtype) @ v
+        visible = _causal_mask(log_q.shape[2], log_k.shape[2], log_q.device)
+    if key_valid is not None:
+        visible = visible & key_valid.to(torch.bool)[:, None, None, :]
+        log_k = log_k.masked_fill(~key_valid.to(torch.bool)[:, None, :, None], 0.0)  # finite: no NaN grads
+    log_kernel = log_kernel_matrix(log_q, log_k).masked_fill(~visible, float("-inf"))
+    return masked_softmax(log_kernel).to(v.dtype) @ v

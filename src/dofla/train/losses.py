@@ -2,14 +2,16 @@
 
 All take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
 heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.
-``window > 0`` trains a hybrid layer: keys i−W < j ≤ i are exact softmax, only older keys use K̂.
+``window > 0`` trains a hybrid layer: keys i−W < j ≤ i are exact softmax, only older keys use K̂
+(``sinks`` > 0: the first ``sinks`` keys are exact too). Options ``softcap`` (Gemma 2) cap the
+teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.stable`).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from dofla.attention.hybrid import exact_logits
+from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser
 from dofla.registry import Registry
 
 LOSSES: Registry = Registry("layerwise loss")
@@ -40,68 +42,118 @@ def _log_floor(s: torch.Tensor) -> torch.Tensor:
 
 
 def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) via shifted exponentials (no overflow)."""
+    """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) for every pair (no mask; shifts over all keys).
+    The losses use the causal form, :func:`dofla.attention.causal_log_kernel`."""
     s, r = shifted_student_kernel(log_q, log_k)
     return r + _log_floor(s)
 
 
-def teacher_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+def teacher_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """(B, H, L, L) q·k/sqrt(d); with ``softcap`` (Gemma 2) softcap·tanh(logits/softcap)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"loss option softcap={softcap!r} must be a positive number (or None for no capping)")
+    return exact_logits(q, k, softcap)
 
 
-def _masks(length: int, causal: bool, window: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visible, approximated): which (i, j) the row sees, and which of those use K̂."""
+def _masks(length: int, causal: bool, window: int, device, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(visible, approximated): which (i, j) the row sees, and which of those use K̂ (older than
+    the window and not one of the first ``sinks`` tokens)."""
     i = torch.arange(length, device=device)[:, None]
     j = torch.arange(length, device=device)[None, :]
     visible = j <= i if causal else torch.ones(length, length, dtype=torch.bool, device=device)
-    approximated = visible & (j <= i - window) if window > 0 else visible
+    approximated = visible & (j <= i - window) & (j >= sinks) if window > 0 else visible
     return visible, approximated
 
 
+def _student(log_q, log_k, causal: bool, window: int, sinks: int = 0):
+    """(log K̂ (B, H, L, L), log Σ_visible K̂ (B, H, L, 1)) with a causal row scale: row i's shift
+    depends only on the keys it sees (j ≤ i − window), sink keys excluded from K̂."""
+    if not causal:
+        log_kernel = log_student_kernel(log_q, log_k)
+        return log_kernel, torch.logsumexp(log_kernel, -1, keepdim=True)
+    if sinks > 0 and window > 0:
+        is_sink = torch.arange(log_k.shape[2], device=log_k.device) < sinks
+        log_k = log_k.masked_fill(is_sink[:, None], float("-inf"))
+    return causal_log_kernel(log_q, log_k, lag=window)
+
+
+def _check_sinks(window: int, sinks: int) -> None:
+    if sinks < 0 or (sinks > 0 and window <= 0):
+        raise ValueError(
+            f"loss option sinks={sinks!r} needs window > 0 and sinks ≥ 0 (sinks are exact keys of a hybrid layer)"
+        )
+
+
 @LOSSES.register("softmax")
-def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0) -> torch.Tensor:
+def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, sinks: int = 0,
+                 softcap: float | None = None) -> torch.Tensor:
     """Cross-entropy from the teacher's attention distribution p to the student's p̂ (the paper's).
 
-    Without a window the row shift e^{r_i} cancels in p̂, so CE_i = log Σ_j S_ij − Σ_j p_ij log S_ij:
-    no (L, L) log-softmax, which is most of the cost on CPU. The normaliser Σ_{j≤i} S_ij is the
-    linear-attention denominator, φ̃(q_i)·Σ_{j≤i} φ̃(k_j): a prefix sum over L·M, not a pass over L².
+    Without a window CE_i = log Σ_{j≤i} K̂_ij − Σ_j p_ij log K̂_ij, with K̂ from the causal
+    stabiliser (a row's scale uses only keys it sees, so a huge later key cannot zero a row's loss
+    or gradient) and its normaliser from per-block row sums: no (L, L) log-softmax.
     """
+    _check_sinks(window, sinks)
     if window > 0:
-        return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window)
-    s = teacher_logits(q, k)
+        return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window, sinks, softcap)
+    s = teacher_logits(q, k, softcap)
     visible, _ = _masks(s.shape[-1], causal, window, s.device)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
-    fq, fk = shifted_features(log_q, log_k)
-    shifted = fq @ fk.transpose(-1, -2)
-    key_sums = fk.cumsum(dim=-2) if causal else fk.sum(dim=-2, keepdim=True)
-    normaliser = _log_floor((fq * key_sums).sum(-1))
-    return (normaliser - (p * _log_floor(shifted)).sum(-1)).mean()
+    if not causal:
+        log_kernel, log_norm = _student(log_q, log_k, causal, window)
+        return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
+    length = s.shape[-1]
+    cross, parts = s.new_zeros(s.shape[:-1]), []
+    for row0, start, scores, r, _ in kernel_slabs(log_q, log_k):  # p is 0 on hidden keys: no mask needed
+        rows = scores.shape[2]
+        p_slab = p[:, :, row0:row0 + rows, start:start + scores.shape[-1]]
+        slab = (p_slab * _log_floor(scores)).sum(-1) + (r * p_slab.sum(-1, keepdim=True)).squeeze(-1)
+        cross = cross + torch.nn.functional.pad(slab, (row0, length - row0 - rows))
+        parts.append((row0, r + _log_floor(scores.sum(-1, keepdim=True))))
+    return (merge_normaliser(parts, length, s).squeeze(-1) - cross).mean()
 
 
-def _hybrid_softmax_loss(log_q, log_k, q, k, causal: bool, window: int) -> torch.Tensor:
-    """The softmax loss when the last ``window`` keys are exact: both kernels need their true scale."""
-    s = teacher_logits(q, k)
-    visible, approx = _masks(s.shape[-1], causal, window, s.device)
-    student = torch.where(approx, log_student_kernel(log_q, log_k), s).masked_fill(~visible, float("-inf"))
+def _hybrid_student(log_q, log_k, s, causal, window, sinks):
+    """(B, H, L, L) student log scores of a hybrid layer (exact in window/sinks, log K̂ elsewhere,
+    −inf on hidden keys) and the visible mask."""
+    visible, approx = _masks(s.shape[-1], causal, window, s.device, sinks)
+    log_kernel, _ = _student(log_q, log_k, causal, window, sinks)
+    return torch.where(approx, log_kernel, s).masked_fill(~visible, float("-inf")), visible
+
+
+def _hybrid_softmax_loss(log_q, log_k, q, k, causal, window, sinks, softcap) -> torch.Tensor:
+    """The softmax loss when the last ``window`` keys (and the first ``sinks``) are exact: both
+    kernels need their true scale."""
+    s = teacher_logits(q, k, softcap)
+    student, visible = _hybrid_student(log_q, log_k, s, causal, window, sinks)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     log_p_hat = torch.log_softmax(student, dim=-1).masked_fill(~visible, 0.0)
     return -(p * log_p_hat).sum(-1).mean()
 
 
 @LOSSES.register("l2")
-def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str = "row_max") -> torch.Tensor:
-    """Mean over rows of Σ_j (K_ij − K̂_ij)² on the approximated pairs.
+def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str = "row_max", *,
+            sinks: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """Squared error between teacher and student attention, mean over query rows (and heads).
 
-    ``scale="row_max"`` divides row i of both kernels by the teacher's max_j K_ij (finite at real
-    norms); ``"none"`` is the paper's literal form. Both are computed in float64; the literal form
-    is also returned in float64, because at real norms (K up to e^70) its value overflows fp32.
-    Its gradient can still overflow the fp32 features; the trainer reports that as non-finite.
+    ``scale`` picks what is compared, K_ij = exp(q_i·k_j/sqrt(d)) the teacher kernel:
+      - ``"none"``: the paper's form, Σ_j (K_ij − K̂_ij)² over the approximated pairs, averaged
+        over query rows; it differs from the paper only by the causal mask and the mean over heads.
+        Computed and returned in float64 (K reaches e^70 at real norms, beyond fp32 when squared);
+        its gradient can still overflow fp32 features (the trainer reports that as non-finite).
+      - ``"row_max"``: the same with both kernels of row i divided by the teacher's max_j K_ij.
+      - ``"rows"``: Σ_j (p_ij − p̂_ij)² between the normalised attention rows, each normalised over
+        the keys it sees (p̂ includes the exact window/sink part of a hybrid layer). Bounded by 2
+        per row; this one trains on real models.
     """
-    if scale not in ("row_max", "none"):
-        raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max' or 'none'")
-    s = teacher_logits(q, k)
-    visible, approx = _masks(s.shape[-1], causal, window, s.device)
-    log_hat = log_student_kernel(log_q, log_k)
+    if scale not in ("row_max", "none", "rows"):
+        raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max', 'none' or 'rows'")
+    _check_sinks(window, sinks)
+    s = teacher_logits(q, k, softcap)
+    if scale == "rows":
+        return _l2_rows(log_q, log_k, s, causal, window, sinks)
+    visible, approx = _masks(s.shape[-1], causal, window, s.device, sinks)
+    log_hat, _ = _student(log_q, log_k, causal, window, sinks)
     s, log_hat = s.double(), log_hat.double()  # squares of exponentials: fp64 range
     if scale == "row_max":
         top = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
@@ -110,3 +162,16 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
     diff = torch.exp(s.clamp_max(300)) - torch.exp(log_hat.clamp_max(300))
     loss = torch.where(approx, diff.pow(2), 0.0).sum(-1).mean()
     return loss.to(q.dtype) if scale == "row_max" else loss
+
+
+def _l2_rows(log_q, log_k, s, causal, window, sinks) -> torch.Tensor:
+    """Σ_j (p_ij − p̂_ij)² per row, mean over rows; p, p̂ normalised over the visible keys."""
+    if window > 0:
+        student, visible = _hybrid_student(log_q, log_k, s, causal, window, sinks)
+        p_hat = torch.softmax(student, dim=-1)
+    else:
+        visible, _ = _masks(s.shape[-1], causal, window, s.device)
+        log_kernel, log_norm = _student(log_q, log_k, causal, window)
+        p_hat = torch.exp(log_kernel - log_norm)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.where(visible, p - p_hat, 0.0).pow(2).sum(-1).mean()
