@@ -121,8 +121,8 @@ def allocate_stage(cfg: RunConfig, dof: dict | None, geometry, out_dir: Path, ca
     elif a.policy == "measured":
         from dofla.dof.oracle import measured_allocation
 
-        record = measured_allocation(cfg, cache, geometry, layer_train_config(cfg), budget, layer_dof, layers,
-                                     out_dir)
+        train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
+        record = measured_allocation(cfg, cache, geometry, train_cfg, budget, layer_dof, layers, out_dir)
         chosen = record["dims"]
     else:  # fix reads only how many layers there are
         chosen = allocate_dims(layer_dof if layer_dof is not None else [0.0] * len(layers), budget, a.policy,

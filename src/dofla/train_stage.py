@@ -102,6 +102,7 @@ def layer_train_config(cfg: RunConfig):
         warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
         eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
         checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite, window=cfg.attention.window,
+        sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0,
     )
 
 
@@ -160,7 +161,7 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     if not layers:
         return {}
     feature_maps = build_feature_maps(cfg, geometry, dims)
-    train_cfg = layer_train_config(cfg)
+    train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
     if source == "stream":
         return _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta)
     from dofla.train import run_layerwise

@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.attention import linear_attention_chunked, softmax_attention
-from dofla.models import capture_qkv
+from dofla.attention.sliding import sliding_window_naive
+from dofla.models import capture_qkv, get_adapter
 from dofla.feature_maps.blocks import for_each_block
 
 
@@ -64,6 +65,20 @@ def layer_attention_error(feature_map, q: torch.Tensor, k: torch.Tensor, v: torc
     return relative_error(approx, softmax_attention(q, k, v, causal=True))
 
 
+def teacher_attention(geometry):
+    """(layer, q, k, v) -> the teacher's own attention output: causal softmax, restricted to the
+    layer's sliding window and soft-capped where the teacher is (q (B, H, T, d), k/v (B, H_kv, T, d))."""
+    windows = geometry.layer_windows or (None,) * geometry.num_layers
+
+    def attend(i: int, q, k, v):
+        if windows[i] is None and geometry.softcap is None:
+            return softmax_attention(q, k, v, causal=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return sliding_window_naive(q, k, v, windows[i] or q.shape[2], sinks=0, softcap=geometry.softcap)
+    return attend
+
+
 @torch.no_grad()
 def attention_errors(teacher, student, tokens: torch.Tensor, batch_size: int = 1,
                      data_parallel: bool = False) -> list[float]:
@@ -76,14 +91,15 @@ def attention_errors(teacher, student, tokens: torch.Tensor, batch_size: int = 1
     """
     device = next(teacher.parameters()).device
     num_layers = len(student.student_attentions())
+    reference = teacher_attention(get_adapter(teacher).geometry(teacher.config))
     sums = [[0.0, 0.0] for _ in range(num_layers)]
     batches = tokens.split(batch_size)
     batches = distributed.mine(batches) if data_parallel else batches
     for batch in tqdm(batches, desc="attention error", unit="batch", leave=False, disable=not distributed.is_main()):
         layers = capture_qkv(teacher, batch.to(device))
         batch_sums = []
-        for (q, k, v), attn in zip(layers, student.student_attentions()):
-            exact = softmax_attention(q, k, v, causal=True)
+        for i, ((q, k, v), attn) in enumerate(zip(layers, student.student_attentions())):
+            exact = reference(i, q, k, v)
             approx, _ = attn(q, k, v)
             batch_sums.append([(approx - exact).norm().item() ** 2, exact.norm().item() ** 2])
         sums = [[a + c, b + d] for (a, b), (c, d) in zip(sums, batch_sums)]

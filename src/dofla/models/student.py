@@ -192,7 +192,8 @@ def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int
         spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
         seed=spec.seed + i, **spec.feature_map_options,
     )
-    return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks)
+    return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
+                            softcap if spec.window > 0 else None)
 
 
 def convert(

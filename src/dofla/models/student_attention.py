@@ -127,6 +127,8 @@ class StudentAttention(nn.Module):
             extra = {} if key_valid is None else {"key_valid": key_valid}
             if self.sinks:
                 extra["sinks"] = self.sinks
+            if self.softcap is not None:  # the exact part is the teacher's capped softmax
+                extra["softcap"] = self.softcap
             return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state, **extra)
         if key_valid is not None:  # a padded key adds exp(−inf) = 0 to every sum, and its v is 0
             pad = ~key_valid[:, None, :, None]

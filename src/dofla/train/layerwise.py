@@ -44,6 +44,8 @@ class LayerTrainConfig:
     checkpoint_every: int = 50
     skip_nonfinite: bool = False
     window: int = 0
+    sinks: int = 0  # hybrid: the first `sinks` keys are exact too
+    softcap: float | None = None  # the teacher's logit soft-cap (Gemma 2): distil against the capped kernel
 
 
 @dataclass
@@ -90,8 +92,11 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
     total = 0.0
     for block, heads in blocks(feature_map):  # per-head dims: the heads-weighted mean over blocks
         qb, kb = (q, k) if heads is None else (q[:, heads], k[:, heads])
+        extra = {"sinks": cfg.sinks} if cfg.sinks else {}
+        if cfg.softcap is not None:
+            extra["softcap"] = cfg.softcap
         loss = loss_fn(block.log_features(qb), block.log_features(kb), qb, kb, window=cfg.window,
-                       **cfg.loss_options)
+                       **extra, **cfg.loss_options)
         total = total + loss * (qb.shape[1] / q.shape[1])
     return total
 
