@@ -45,13 +45,13 @@ def _one_of(key: str, value, valid) -> None:
 def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES, PER_HEAD_POLICIES
+    from dofla.dof import ALLOCATION_POLICIES, MEASURED_POLICIES, PER_HEAD_POLICIES
     from dofla.feature_maps import FEATURE_MAPS
 
     _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
     _one_of("loss.name", cfg.loss.name, LOSS_NAMES)
     _one_of("allocation.policy", cfg.allocation.policy,
-            [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, "measured"])
+            [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, *MEASURED_POLICIES])
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
@@ -257,6 +257,13 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
         cfg.data.seq_len <= max_positions,
         f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens",
     )
+    long = cfg.eval.long_seq_len or cfg.data.seq_len
+    _require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
+    _require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
+             f"eval.position_buckets={list(cfg.eval.position_buckets)} reach past eval.long_seq_len={long}")
+    _require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
+             f"eval.passkey_lengths={list(cfg.eval.passkey_lengths)} exceed the model's context of "
+             f"{max_positions} tokens")
 
 
 def feature_budget(cfg: RunConfig, head_dim: int) -> float:

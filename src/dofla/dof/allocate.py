@@ -10,6 +10,8 @@ Policy = Callable[[list[float], float, int], list[int]]
 ALLOCATION_POLICIES: Registry[Policy] = Registry("allocation policy")
 # Policies that give every (layer, head) its own dim, from Algorithm 1's per-head DoF.
 PER_HEAD_POLICIES = ("dof_head",)
+# Policies that train briefly to measure each layer's loss-vs-M curve (dofla.dof.oracle).
+MEASURED_POLICIES = ("measured",)
 
 
 @ALLOCATION_POLICIES.register("fix")

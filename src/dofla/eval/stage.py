@@ -103,6 +103,7 @@ def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
         metrics.update(_task_measurements(cfg, models, who_settings, tokenizer, plan, store, teacher_scores))
     if plan is not None:
         write_json(out_dir / "tasks_skipped.json", plan.skipped)
+    metrics.update(_probe_measurements(cfg, models, who_settings, heldout_tokens, tokenizer, store, metrics))
     if cfg.eval.mqar:
         from dofla.eval import suite
 
@@ -179,4 +180,39 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
     if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:
         # what the distillation lost
         metrics["tasks/acc_gap"] = metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"]
+    return metrics
+
+
+def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tokens, tokenizer, store,
+                        full: dict) -> dict:
+    """The optional probes of :mod:`dofla.eval.probes` (rank 0), each keyed by its settings."""
+    from dofla.eval import probes
+
+    ev, metrics = cfg.eval, {}
+    (_, teacher), (_, student) = models
+    held = {"heldout": tokens_digest(heldout_tokens), "batch_size": ev.batch_size,
+            "attn_error_seqs": ev.attn_error_seqs}
+    if ev.ablate_linear:
+        settings = {"student": who_settings["student"], "teacher": who_settings["teacher"], **held,
+                    "perplexity": ev.perplexity, "attention_error": ev.attention_error}
+        metrics.update(store.get("ablate_linear", settings,
+                                 lambda: probes.ablation_metrics(cfg, teacher, student, heldout_tokens, full)))
+    if ev.window_mass and cfg.attention.window > 0:
+        settings = {"teacher": who_settings["teacher"], **held, "window": cfg.attention.window,
+                    "sinks": cfg.attention.sinks}
+        metrics.update(store.get("window_mass", settings,
+                                 lambda: probes.window_mass_metrics(cfg, teacher, heldout_tokens)))
+    long = None
+    for who, model in models:
+        if ev.position_buckets:
+            long = long if long is not None else probes.long_tokens(cfg, tokenizer)
+            settings = {"model": who_settings[who], "tokens": tokens_digest(long), "edges": ev.position_buckets}
+            metrics.update(store.get(f"position/{who}", settings,
+                                     lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))
+        if ev.passkey_lengths:
+            settings = {"model": who_settings[who], "lengths": ev.passkey_lengths, "trials": ev.passkey_trials,
+                        "seed": cfg.seed}
+            metrics.update(store.get(f"passkey/{who}", settings,
+                                     lambda who=who, model=model: probes.passkey_metrics(cfg, who, model,
+                                                                                          tokenizer)))
     return metrics

@@ -1,0 +1,84 @@
+"""The eval stage's optional probes: the linear-part ablation, the teacher's attention mass outside
+the window, loss by position on long held-out sequences, and the passkey probe.
+
+Each is a measurement of :class:`dofla.eval.stage.Measurements`, keyed by its settings.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+from dofla.config import RunConfig
+
+
+@contextmanager
+def without_linear_part(student):
+    """Within the block, every hybrid layer of ``student`` keeps only its exact window and sinks
+    (its feature map is detached, so the layer runs as sliding-window attention)."""
+    hybrid = [attn for attn in student.student_attentions() if attn.mode == "hybrid"]
+    saved = [attn.feature_map for attn in hybrid]
+    try:
+        for attn in hybrid:
+            attn.feature_map = None
+        yield len(hybrid)
+    finally:
+        for attn, feature_map in zip(hybrid, saved):
+            attn.feature_map = feature_map
+
+
+def ablation_metrics(cfg: RunConfig, teacher, student, heldout_tokens, full: dict) -> dict:
+    """The student with its linear part removed: perplexity, attention error, and the differences
+    to the full student (``full``: its metrics), i.e. what the linear part contributes."""
+    from dofla.eval import attention_errors, heldout_loss
+
+    out = {}
+    with without_linear_part(student):
+        if cfg.eval.perplexity:
+            loss = heldout_loss(student, heldout_tokens, cfg.eval.batch_size)
+            out["ablate/student_loss"] = loss
+            out["ablate/student_ppl"] = math.exp(loss) if loss < 700 else float("inf")
+            out["ablate/linear_gain_loss"] = loss - full["eval/student_loss"]
+        if cfg.eval.attention_error:
+            errors = attention_errors(teacher, student, heldout_tokens[: cfg.eval.attn_error_seqs])
+            out.update({f"ablate/attn_error/layer_{i:02d}": float(e) for i, e in enumerate(errors)})
+            out["ablate/attn_error/mean"] = float(sum(errors) / len(errors))
+            out["ablate/linear_gain_attn_error"] = out["ablate/attn_error/mean"] - full["eval/attn_error/mean"]
+    return out
+
+
+def window_mass_metrics(cfg: RunConfig, teacher, heldout_tokens) -> dict:
+    """Per layer, the teacher's attention probability outside ``attention.window`` + sinks."""
+    from dofla.eval.longctx import mass_outside_window
+
+    masses = mass_outside_window(teacher, heldout_tokens[: cfg.eval.attn_error_seqs], cfg.attention.window,
+                                 cfg.attention.sinks)
+    out = {f"window_mass/layer_{i:02d}": m for i, m in enumerate(masses)}
+    out["window_mass/mean"] = sum(masses) / len(masses)
+    return out
+
+
+def long_tokens(cfg: RunConfig, tokenizer):
+    """``eval.long_context_seqs`` held-out sequences of ``eval.long_seq_len`` tokens (S, L)."""
+    from dofla.data import build_source, pack_tokens
+
+    length = cfg.eval.long_seq_len or cfg.data.seq_len
+    source = build_source(cfg.data.name, **cfg.data.options)
+    return pack_tokens(source.texts("heldout"), tokenizer, length, cfg.eval.long_context_seqs * length,
+                       desc="tokenize long held-out", source=cfg.data.name, setting="eval.long_context_seqs")
+
+
+def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:
+    """Held-out loss per position bucket ``[edges[b], edges[b+1])`` of ``eval.position_buckets``."""
+    from dofla.eval.longctx import loss_by_position
+
+    edges = list(cfg.eval.position_buckets)
+    losses = loss_by_position(model, tokens, edges)
+    return {f"position/{who}/{a}-{b}": loss for a, b, loss in zip(edges, edges[1:], losses)}
+
+
+def passkey_metrics(cfg: RunConfig, who: str, model, tokenizer) -> dict:
+    """Passkey retrieval accuracy per context length in ``eval.passkey_lengths``."""
+    from dofla.eval.longctx import passkey_accuracy
+
+    scores = passkey_accuracy(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials, cfg.seed)
+    return {f"passkey/{who}/T{length}": acc for length, acc in scores.items()}

@@ -1,0 +1,108 @@
+"""The real ``dofla`` command on the tiny model for the paths beyond the default run: the training-free
+sliding-window baseline, streaming training (with a kill and resume), the measured allocation, the
+hybrid's probes, and a family whose teacher has sliding-window layers."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+
+import pytest
+
+from dofla.cache import predict_cache_bytes
+from dofla.models import get_adapter, load_student
+from dofla.models.tiny import build_tiny_model
+from tests.integration.test_pipeline import run_cli
+
+SMOKE = ["experiment=smoke_tiny"]
+
+
+def _run(tmp_path, *overrides, name="run", env=None):
+    run_dir = tmp_path / name
+    result = run_cli(*SMOKE, f"hydra.run.dir={run_dir}", f"cache_dir={tmp_path / 'cache'}", *overrides, env=env)
+    return run_dir, result
+
+
+def _metrics(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_sliding_window_baseline_trains_nothing_and_caches_nothing(tmp_path):
+    run_dir, result = _run(tmp_path, "attention=sliding_window", "attention.window=8", "attention.sinks=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _metrics(run_dir)
+    assert math.isfinite(metrics["eval/student_ppl"]) and metrics["eval/attn_error/mean"] > 0
+    assert metrics["train/tokens"] == 0 and metrics["cache/bytes"] == 0
+    assert not (run_dir / "allocation.json").exists() and not (run_dir / "layers").exists()
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    student = load_student(run_dir / "student")
+    assert {a.mode for a in student.student_attentions()} == {"sliding_window"}
+    assert student.config.dofla["sinks"] == 2
+
+
+STREAM = ["train.source=stream", "data.num_tokens=2048", "data.cache_tokens=256", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    run_dir, result = _run(root, *STREAM)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result
+
+
+def test_streaming_run_caches_only_the_sample_and_reports_tokens(streamed):
+    run_dir, result = streamed
+    assert "a stream of fresh teacher activations" in result.stdout
+    metrics = _metrics(run_dir)
+    batch_tokens = 2 * 64  # train=smoke batch 2 × smoke_tiny's seq_len 64
+    assert metrics["train/tokens"] == (2048 // batch_tokens) * batch_tokens
+    geometry = get_adapter(build_tiny_model("llama")).geometry(build_tiny_model("llama").config)
+    sample = predict_cache_bytes(geometry, 256 // 64, 64)  # the arrays; the manifest and meta add ~1 KB
+    assert sample <= metrics["cache/bytes"] <= sample + 4096 < predict_cache_bytes(geometry, 2048 // 64, 64)
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert all(layer["tokens"] == metrics["train/tokens"] for layer in summary.values())
+
+
+def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
+    baseline, _ = streamed
+    run_dir, killed = _run(tmp_path, *STREAM, env={"DOFLA_KILL_AT": "stream:step5"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir, resumed = _run(tmp_path, *STREAM)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _metrics(run_dir) == _metrics(baseline)
+
+
+def test_measured_allocation_shares_the_budget_by_measured_curves(tmp_path):
+    run_dir, result = _run(tmp_path, "allocation=measured", "allocation.measured_dims=[4,16,48]",
+                           "allocation.measured_steps=3", "budget=absolute", "budget.value=24")
+    assert result.returncode == 0, result.stderr[-3000:]
+    allocation = json.loads((run_dir / "allocation.json").read_text())
+    assert allocation["policy"] == "measured" and sum(allocation["dims"]) == 2 * 24
+    assert all(4 <= m <= 48 for m in allocation["dims"])
+    assert len(allocation["measured_losses"]) == 2 and all(len(c) == 3 for c in allocation["measured_losses"])
+    assert "dof_sensitivity_spearman" in allocation and (run_dir / "measured.json").exists()
+    assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])
+
+
+def test_hybrid_probes_ablation_window_mass_positions_passkey(tmp_path):
+    run_dir, result = _run(tmp_path, "attention=hybrid", "attention.window=8", "attention.sinks=2",
+                           "eval.ablate_linear=true", "eval.window_mass=true", "eval.position_buckets=[1,16,40,64]",
+                           "eval.passkey_lengths=[96]", "eval.passkey_trials=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = _metrics(run_dir)
+    assert m["ablate/linear_gain_loss"] == pytest.approx(m["ablate/student_loss"] - m["eval/student_loss"])
+    assert m["ablate/student_loss"] != m["eval/student_loss"]  # the linear part does change the output
+    assert 0 < m["window_mass/mean"] < 1
+    assert {f"position/{w}/{b}" for w in ("teacher", "student") for b in ("1-16", "16-40", "40-64")} <= set(m)
+    assert {"passkey/teacher/T96", "passkey/student/T96"} <= set(m)
+
+
+def test_teacher_sliding_layers_stay_exact_and_get_no_features(tmp_path):
+    run_dir, result = _run(tmp_path, "model.source=tiny:gemma2", "model.name=tiny_gemma2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    allocation = json.loads((run_dir / "allocation.json").read_text())
+    assert allocation["linear_layers"] == [1] and allocation["dims"][0] == 0 and allocation["dims"][1] > 0
+    metrics = _metrics(run_dir)
+    assert metrics["eval/attn_error/layer_00"] < 1e-5 < metrics["eval/attn_error/layer_01"]
+    assert not (run_dir / "layers" / "layer_00.pt").exists() and (run_dir / "layers" / "layer_01.pt").exists()
