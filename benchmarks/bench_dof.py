@@ -22,7 +22,7 @@ LAMBDA = 1e-2
 
 def activations(layers: int, heads: int, n: int, d: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer q (n, H, d), k (n, H, d) fp16 with |x|²/sqrt(d) spread over ≈ 5–40 across layers,
-    the range measured on real post-RoPE activations (METHOD.md §4), plus a shared mean direction."""
+    the range measured on real post-RoPE activations (docs/method.md §4), plus a shared mean direction."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(layers):

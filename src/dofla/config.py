@@ -54,7 +54,7 @@ class AllocationConfig:
     policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured
     lam: float = 1e-2
     num_samples: int = 1024  # J, vectors per head for Algorithm 1
-    gram_norm: str = "trace"  # none | J | trace (METHOD.md §4)
+    gram_norm: str = "trace"  # none | J | trace (docs/method.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
     head_aggregate: str = "max"  # a layer's DoF from its heads: max (the paper's) | mean | median
     spread_samples: int = 0  # > 0: also estimate each layer's DoF on this many other J-samples (spread)

@@ -107,7 +107,7 @@ def test_stream_that_runs_out_raises_one_sentence(teacher, tokenizer):
         train_layers_streaming(teacher, stream(tokenizer, docs=texts(3)), feature_maps(), [0], cfg,
                                heldout(teacher, tokenizer, [0]), num_tokens=64 * 50, progress=False)
     message = str(err.value)
-    assert "'test' ran out after" in message and "lower train.num_tokens" in message
+    assert "'test' ran out after" in message and "lower data.num_tokens" in message
     assert "\n" not in message and ". " not in message
 
 

@@ -3,7 +3,7 @@
 For layer s and head h, J vectors x_1..x_J are sampled from the pooled queries and keys; with the
 Gram matrix G of K(x, y) = exp(x·y/sqrt(d)) (normalised by ``gram_norm``), the DoF is
 N = tr G(G + λI)⁻¹ = Σ_i μ_i / (μ_i + λ) over G's eigenvalues μ. A layer's value is the max over
-its heads (they share one feature dimension). METHOD.md §4 explains ``gram_norm``: ``J`` is the
+its heads (they share one feature dimension). docs/method.md §4 explains ``gram_norm``: ``J`` is the
 paper's G/J, which saturates at ≈ J on real post-RoPE activations; ``trace`` (the default)
 divides by tr G, making λ relative to the kernel's own size.
 """

@@ -1,4 +1,4 @@
-"""DiJiang (Chen et al., ICML 2024), paper form (METHOD.md §6).
+"""DiJiang (Chen et al., ICML 2024), paper form (docs/method.md §6).
 
 φ(x)_m = D_m · exp(t_m · (C x)_{m mod d} / d^{1/4}), C the orthonormal DCT-II matrix (d×d),
 t_m = Φ⁻¹(u_m) with u_m ~ U(0, 1) (a deterministic, seeded draw), D > 0 learnable per head

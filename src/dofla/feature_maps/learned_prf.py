@@ -1,4 +1,4 @@
-"""The paper's trainable PRF (METHOD.md §3): Performer whose z (H×M×d) and α (H×M) are trained.
+"""The paper's trainable PRF (docs/method.md §3): Performer whose z (H×M×d) and α (H×M) are trained.
 
 At initialisation it equals ``performer`` with the same seed (z drawn identically, α = 1), so
 training starts exactly at Performer.

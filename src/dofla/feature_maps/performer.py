@@ -1,4 +1,4 @@
-"""Positive random features (Performer, "PRF"), METHOD.md §2.
+"""Positive random features (Performer, "PRF"), docs/method.md §2.
 
 log φ(x; z_m) = z_m·x / d^{1/4} − |x|² / (2 sqrt(d)) + ½ log(α_m / M), so that
 Φ(x)·Φ(y) = (1/M) Σ_m α_m φ(x; z_m) φ(y; z_m) is, for α = 1 and z ~ N(0, I_d), an unbiased

@@ -1,4 +1,4 @@
-"""``direct``: train every layer's features end to end on next-token loss (METHOD.md §3).
+"""``direct``: train every layer's features end to end on next-token loss (docs/method.md §3).
 
 Only feature-map parameters train; the teacher's weights stay frozen. Uses the layerwise
 trainer's config (steps, batch size, learning rates, warm-up, seed) and is checkpointed like it,

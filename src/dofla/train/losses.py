@@ -1,4 +1,4 @@
-"""Layerwise distillation losses (METHOD.md §3), computed stably in log space.
+"""Layerwise distillation losses (docs/method.md §3), computed stably in log space.
 
 All take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
 heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.

@@ -154,11 +154,10 @@ def _next_batch(batches: BatchStream, total: int, steps: int | None) -> torch.Te
     try:
         return batches.next_batch()
     except StreamExhausted as err:
-        setting = "train.steps" if steps is not None else "train.num_tokens"
         raise DataError(
             f"data source {batches.source!r} ran out after {err.tokens} tokens but this run needs "
             f"{total * batches.batch_tokens} ({total} steps of {batches.batch_size}×{batches.seq_len}); "
-            f"lower {setting} or use a larger data source") from None
+            "lower data.num_tokens (or set train.max_steps) or use a larger data source") from None
 
 
 def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg) -> list[float]:
