@@ -36,6 +36,7 @@ ConfigStore.instance().store(name="base_config", node=RunConfig)
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user causes (bad config, missing data or model): one sentence, no traceback."""
+    from dofla.artifacts import ArtifactError
     from dofla.data import DataError
     from dofla.models import ModelLoadError
     from dofla.cache import CacheError
@@ -45,7 +46,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from dofla.validate import ConfigError
 
     return (ConfigError, DataError, ModelLoadError, UnknownNameError, CacheError, NonFiniteLossError,
-            TaskPlanError)
+            TaskPlanError, ArtifactError)
 
 
 def to_run_config(dcfg: DictConfig) -> RunConfig:
