@@ -19,7 +19,7 @@ from dofla.config import RunConfig
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import build_record, read_json, write_json
 from dofla.train_stage import cached_tokens, choose_train_source
-from dofla.validate import (feature_budget, stage_plan, validate_against_model, validate_config, validate_output_dir,
+from dofla.validate import (stage_plan, validate_against_model, validate_config, validate_output_dir,
                             validate_world)
 
 

@@ -11,10 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dofla import distributed
-from dofla.artifacts import canonical, settings_digest
+from dofla.artifacts import canonical
 from dofla.config import RunConfig
-from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
 from dofla.train_stage import (  # noqa: F401  (the training stage lives in its own module)
     _layer_meta,

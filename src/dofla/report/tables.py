@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 from rich.console import Console
