@@ -149,10 +149,10 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
     train_from = choose_train_source(cfg, plan, geometry, teacher) if distributed.is_main() else None
     train_from = distributed.broadcast(train_from)
+    num_cached = cached_tokens(cfg, train_from)
     with timer("data"):
-        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer, source,
-                                                              cached_tokens(cfg, train_from))
-    fields = cache_fields(cfg, fingerprint, cached_tokens(cfg, train_from))
+        train_tokens, heldout_tokens, fingerprint = load_data(cfg, tokenizer, source, num_cached)
+    fields = cache_fields(cfg, fingerprint, num_cached)
     record.update(cache_key=cache_key(fields), world_size=distributed.world(), stages=plan, train_source=train_from)
     if distributed.is_main():
         write_json(out_dir / "run.json", record)

@@ -109,7 +109,7 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     start = time.perf_counter() - state["seconds"]
     while state["step"] < total and _active(state):
         kill_point(f"stream:step{state['step']}")
-        ids = _next_batch(batches, total, steps)
+        ids = _next_batch(batches, total)
         losses = _train_step(teacher, modules, ids.to(device), feature_maps, optimizers, base_lrs, state, cfg)
         state["step"] += 1
         state["tokens"] += ids.numel()
@@ -150,7 +150,7 @@ def _active(state) -> list[int]:
     return [i for i, s in state["layers"].items() if not s["stopped"]]
 
 
-def _next_batch(batches: BatchStream, total: int, steps: int | None) -> torch.Tensor:
+def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
     try:
         return batches.next_batch()
     except StreamExhausted as err:
