@@ -69,8 +69,9 @@ def decode(model, context: int, steps: int) -> dict:
     return {"per_token": times[len(times) // 2], "prefill": prefill_s, "bytes": cache_bytes(cache)}
 
 
-def student_of(teacher, dims: list, chunk: int = AttentionConfig.chunk_size):
-    return convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=dims, chunk_size=chunk).eval()
+def student_of(teacher, dims: list, chunk: int = AttentionConfig.chunk_size, **attention):
+    """A learned-PRF student (``attention`` passes ``attention=``, ``window=``, ``sinks=`` to convert)."""
+    return convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=dims, chunk_size=chunk, **attention).eval()
 
 
 def prefill_rows(teacher, student, t: int, repeats: int) -> list[Row]:
@@ -105,6 +106,31 @@ def decode_rows(teacher, student, t: int, short: int, steps: int) -> list[Row]:
             f"student {mib(s_short)} → {mib(s_long)}; teacher {mib(t_short)} → {mib(t_long)}",
             t_long["bytes"] / s_long["bytes"], flat, "ratio = teacher/student bytes at the long context"),
     ]
+
+
+def window_rows(teacher, linear, t: int, short: int, steps: int, window: int, sinks: int) -> list[Row]:
+    """Decode time and memory of the training-free sliding window (+ sinks) and the hybrid student at
+    the same window, against the linear student, at the short and the long context."""
+    dims = [64] * teacher.config.num_hidden_layers
+    forms = {"linear": linear,
+             f"sliding window {window} + {sinks} sinks": student_of(teacher, dims, attention="sliding_window",
+                                                                   window=window, sinks=sinks),
+             f"hybrid, window {window} + {sinks} sinks": student_of(teacher, dims, attention="hybrid",
+                                                                   window=window, sinks=sinks)}
+    res = {name: (decode(model, short, steps), decode(model, t, steps)) for name, model in forms.items()}
+    lin_long = res["linear"][1]
+    rows = []
+    for name, (at_short, at_long) in res.items():
+        if name == "linear":
+            continue
+        growth = at_long["per_token"] / at_short["per_token"]
+        rows.append(Row(f"{name}: decode per token and memory, context {short} → {t}", "linear student at context "
+                        f"{t}", "flat in context", f"{at_short['per_token'] * 1e3:.1f} → {at_long['per_token'] * 1e3:.1f}"
+                        f" ms (linear {lin_long['per_token'] * 1e3:.1f} ms); {at_short['bytes'] / 2**20:.2f} → "
+                        f"{at_long['bytes'] / 2**20:.2f} MiB (linear {lin_long['bytes'] / 2**20:.2f} MiB)",
+                        growth, growth <= 1.2 and at_short["bytes"] == at_long["bytes"],
+                        f"ratio = per-token time at {t} / at {short}; median of {steps} steps"))
+    return rows
 
 
 def policy_rows(teacher, t: int, steps: int, repeats: int, dof: dict) -> list[Row]:
@@ -149,7 +175,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--dof-json", default=str(EMBEDDED_DOF_JSON),
                         help="dof.json whose layer_dof / per_head drive the policy rows (default: embedded)")
     parser.add_argument("--chunk", type=int, default=AttentionConfig.chunk_size, help="student chunk_size")
-    parser.add_argument("--skip", default="", help="comma list of: prefill,decode,policy")
+    parser.add_argument("--window", type=int, default=64, help="window of the sliding-window and hybrid rows")
+    parser.add_argument("--sinks", type=int, default=4, help="sinks of the sliding-window and hybrid rows")
+    parser.add_argument("--skip", default="", help="comma list of: prefill,decode,window,policy")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     if args.quick:
@@ -164,6 +192,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows += prefill_rows(teacher, student, args.seq_len, args.repeats)
     if "decode" not in skip:
         rows += decode_rows(teacher, student, args.seq_len, args.short, args.steps)
+    if "window" not in skip:
+        rows += window_rows(teacher, student, args.seq_len, args.short, args.steps, args.window, args.sinks)
     if "policy" not in skip:
         rows += policy_rows(teacher, args.policy_seq_len, args.steps, 1 if args.quick else 2, dof)
     return rows
