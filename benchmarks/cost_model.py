@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows += [disk_row(c, args.tokens) for c in costs[:2]]
     calibration = step_cost("smollm2-135m", 512, features=64)
     rows.append(calibration_row(calibration, args.measured_tps, args.measured_threads))
-    report = (f"## FLOPs per token (counted)\n\n{flops_table(costs + [calibration])}\n\n"
+    report = (f"## Per token: FLOPs (counted / analytic), elementwise outputs, cache bytes\n\n{flops_table(costs + [calibration])}\n\n"
               f"## Predicted wall time, disk, calibration\n\n{markdown(rows)}\n\n{NOTES}\n")
     print(report)
     if args.out is not None:
