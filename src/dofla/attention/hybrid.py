@@ -161,7 +161,9 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     out = num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
     linear.length = state.linear.length + leave
-    held = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave])
+    held = (state.sink_k, state.sink_v, state.sink_valid)
+    if sinks and leave:  # skips the host sync in _hold_sinks when no sink can leave
+        held = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave])
     new = HybridState(linear, ctx_k[:, :, leave:], ctx_v[:, :, leave:], ctx_lk[:, :, leave:], ctx_valid[:, leave:],
                       *held, ctx_sink[:, leave:])
     return out, new
