@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dofla.attention import hybrid_attention_chunked, hybrid_attention_naive, softmax_attention
+from dofla.attention.sliding import sliding_window_naive
 from dofla.feature_maps import build_feature_map
 
 
@@ -157,3 +158,97 @@ def test_softcap_caps_the_exact_part_like_the_reference():
     out, _ = hybrid_attention_chunked(q, k, v, lq, lk, 6, chunk_size=4, sinks=2, softcap=4.0)
     assert _rel(out, ref) < 1e-5
     assert _rel(hybrid_attention_naive(q, k, v, lq, lk, 6, sinks=2), ref) > 1e-3
+
+
+def _left_padded(t=21, seed=8, pads=None):
+    """Inputs for 4 rows and key_valid (4, T): row 0 unpadded, the others left-padded at random
+    (the last row by all but one token) unless ``pads`` gives each row's pad count."""
+    q, k, v, fm = _inputs(t=t, seed=seed)
+    q, k, v = (torch.cat([a, a.flip(0)]) for a in (q, k, v))  # 4 rows
+    if pads is None:
+        middle = torch.randint(1, t - 1, (2,), generator=torch.Generator().manual_seed(seed)).tolist()
+        pads = [0, *middle, t - 1]
+    valid = torch.arange(t)[None, :] >= torch.tensor(pads)[:, None]
+    return [q, k, v, fm.log_features(q).detach(), fm.log_features(k).detach()], valid
+
+
+@pytest.mark.parametrize("window", [1, 8])
+@pytest.mark.parametrize("sinks", [0, 1, 4])
+@pytest.mark.parametrize("chunk", [1, 3, "window", 64])
+def test_left_padded_sinks_chunked_matches_reference(window, sinks, chunk):
+    x, valid = _left_padded()
+    chunk = window if chunk == "window" else chunk
+    ref = hybrid_attention_naive(*x, window, sinks=sinks, key_valid=valid)
+    out, state = hybrid_attention_chunked(*x, window, chunk_size=chunk, sinks=sinks, key_valid=valid)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5
+    held = state.sink_valid.sum(-1) + state.is_sink.sum(-1)  # each row holds its first sinks valid keys
+    assert torch.equal(held, valid.sum(-1).clamp(max=sinks)) and state.length == 21
+
+
+@pytest.mark.parametrize("window,sinks", [(1, 1), (1, 4), (8, 1), (8, 4), (3, 2)])
+@pytest.mark.parametrize("form", ["naive", "chunked"])
+def test_left_padded_row_with_sinks_equals_the_row_alone(window, sinks, form):
+    x, valid = _left_padded(t=23, seed=9)
+    if form == "naive":
+        run = lambda *a, **kw: hybrid_attention_naive(*a, window, sinks=sinks, **kw)  # noqa: E731
+    else:
+        run = lambda *a, **kw: hybrid_attention_chunked(*a, window, chunk_size=3, sinks=sinks, **kw)[0]  # noqa: E731
+    out = run(*x, key_valid=valid)
+    for b in range(4):
+        pad = int((~valid[b]).sum())
+        alone = run(*(a[b:b + 1, :, pad:] for a in x))
+        assert _rel(out[b:b + 1, :, pad:], alone) < 1e-5
+        assert torch.equal(out[b, :, :pad], torch.zeros_like(out[b, :, :pad]))
+
+
+def test_without_linear_part_hybrid_is_sliding_window_with_first_valid_sinks():
+    """log_q → −∞ makes every K̂ vanish: what is left is softmax over the window and the sinks,
+    which the sliding-window reference computes independently (first valid tokens as sinks)."""
+    x, valid = _left_padded(t=19, seed=10)
+    x = [a.double() for a in x]
+    x[3] = torch.full_like(x[3], -1e4)
+    ref = sliding_window_naive(x[0], x[1], x[2], 4, sinks=3, key_valid=valid).double()  # computed in fp32
+    assert _rel(hybrid_attention_naive(*x, 4, sinks=3, key_valid=valid), ref) < 1e-6
+    out, _ = hybrid_attention_chunked(*x, 4, chunk_size=5, sinks=3, key_valid=valid)
+    assert _rel(out, ref) < 1e-6
+
+
+@pytest.mark.parametrize("prompt", [1, 10])
+def test_left_padded_sinks_decoding_token_by_token_equals_full_forward(prompt):
+    x, valid = _left_padded(t=24, seed=11, pads=[0, 3, 12, 23])  # row 3's sinks arrive while decoding
+    window, sinks = 4, 3
+    full, _ = hybrid_attention_chunked(*x, window, chunk_size=5, sinks=sinks, key_valid=valid)
+    out, state = hybrid_attention_chunked(*(a[:, :, :prompt] for a in x), window, sinks=sinks,
+                                          key_valid=valid[:, :prompt])
+    outs = [out]
+    for t in range(prompt, 24):
+        o, state = hybrid_attention_chunked(*(a[:, :, t:t + 1] for a in x), window, state=state, sinks=sinks,
+                                            key_valid=valid[:, t:t + 1])
+        outs.append(o)
+    assert _rel(torch.cat(outs, dim=2), full) < 1e-5
+    assert state.sink_valid.sum(-1).tolist() == [3, 3, 3, 0]  # row 3 has one valid key, still in the window
+
+
+def test_beam_reordering_the_state_carries_each_rows_sinks():
+    x, valid = _left_padded(t=20, seed=12, pads=[0, 2, 7, 9])
+    order = torch.tensor([2, 0, 3, 1])
+    full, _ = hybrid_attention_chunked(*(a[order] for a in x), 3, chunk_size=4, sinks=2, key_valid=valid[order])
+    _, state = hybrid_attention_chunked(*(a[:, :, :12] for a in x), 3, chunk_size=4, sinks=2, key_valid=valid[:, :12])
+    out, _ = hybrid_attention_chunked(*(a[order, :, 12:] for a in x), 3, state=state.index_select(order), sinks=2)
+    assert _rel(out, full[:, :, 12:]) < 1e-5
+
+
+def test_left_padded_sinks_gradients_are_finite_and_match_reference():
+    x, valid = _left_padded(t=17, seed=13)
+    fm = _inputs(t=17, seed=13)[3]
+    grads = []
+    for fn in (hybrid_attention_naive, hybrid_attention_chunked):
+        fm.zero_grad()
+        leaves = [a.clone().requires_grad_() for a in x[:3]]
+        chunk = {} if fn is hybrid_attention_naive else {"chunk_size": 3}
+        out = fn(*leaves, fm.log_features(leaves[0]), fm.log_features(leaves[1]), 4, sinks=2, key_valid=valid, **chunk)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([a.grad for a in leaves] + [p.grad.clone() for p in fm.parameters()])
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all() and _rel(a, b) < 1e-5

@@ -5,8 +5,11 @@ learned kernel K̂(q_i, k_j) = Φ(q_i)·Φ(k_j) to keys j ≤ i−W, normalised 
 
     y_i = (Σ_exact e^{s_ij} v_j + Σ_older K̂_ij v_j) / (Σ_exact e^{s_ij} + Σ_older K̂_ij)
 
-With ``sinks`` > 0 the first ``sinks`` tokens of the sequence are exact too (attention sinks):
-"exact" is the window plus the sinks, "older" everything else before the window.
+With ``sinks`` > 0 the first ``sinks`` valid tokens of each row are exact too (attention sinks):
+"exact" is the window plus the sinks, "older" everything else before the window; no key is in
+both. Padding: ``key_valid`` (B, T) marks real tokens and pads are never attended to. The window
+is positional (the last W positions, pads included), the sinks are counted in valid tokens, so a
+left-padded row has the same sinks as the same row alone (as in :mod:`dofla.attention.sliding`).
 
 PRF-type features estimate the same kernel, so both parts share one scale. W = 0 is pure linear
 attention (the paper's setting). Decoding keeps the last W keys/values plus the linear state of
@@ -32,8 +35,10 @@ class HybridState:
     """Linear state of tokens older than the window (sinks excepted), the window's last ≤ W
     keys/values, and the sink tokens that have left the window, each with key validity.
 
-    k (B, H, n, d), v (B, H, n, dv), log_k (B, H, n, M), valid (B, n); sink_k (B, H, s, d),
-    sink_v (B, H, s, dv), sink_valid (B, s) with s ≤ sinks.
+    k (B, H, n, d), v (B, H, n, dv), log_k (B, H, n, M), valid (B, n), is_sink (B, n): which
+    window keys are sinks of their row. sink_k (B, H, s, d), sink_v (B, H, s, dv), sink_valid (B, s)
+    with s ≤ sinks: row b's sinks that left the window fill its slots 0, 1, … in order.
+    ``linear.length`` counts every position that left the window (pads and sinks included).
     """
 
     linear: LinearState
@@ -44,13 +49,14 @@ class HybridState:
     sink_k: torch.Tensor
     sink_v: torch.Tensor
     sink_valid: torch.Tensor
+    is_sink: torch.Tensor
 
     @property
     def length(self) -> int:
-        return self.linear.length + self.sink_k.shape[2] + self.k.shape[2]
+        return self.linear.length + self.k.shape[2]
 
     def _tensors(self):
-        return (self.k, self.v, self.log_k, self.valid, self.sink_k, self.sink_v, self.sink_valid)
+        return (self.k, self.v, self.log_k, self.valid, self.sink_k, self.sink_v, self.sink_valid, self.is_sink)
 
     def index_select(self, index: torch.Tensor) -> "HybridState":
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
@@ -60,15 +66,21 @@ class HybridState:
         return self.linear.nbytes() + sum(t.numel() * t.element_size() for t in self._tensors())
 
 
-def _exact_mask(queries: int, keys: int, window: int, sinks: int, device, first: int = 0) -> torch.Tensor:
-    """(T, S) bool: which keys each query attends to exactly (window or sink, causal).
+def _exact_mask(queries: int, keys: int, window: int, sink: torch.Tensor, device) -> torch.Tensor:
+    """(B, T, S) bool: which keys each query attends to exactly (in its window or a sink, causal).
 
-    Queries are the last T of the S key positions; ``first`` is the absolute position of key 0,
-    so the sink test (position < sinks) uses absolute positions.
+    Queries are the last T of the S key positions; sink (B, S) marks each row's sink keys.
     """
     i = torch.arange(queries, device=device)[:, None] + (keys - queries)
     j = torch.arange(keys, device=device)[None, :]
-    return (j <= i) & ((j > i - window) | (j + first < sinks))
+    return (j <= i) & ((j > i - window) | sink[:, None, :])
+
+
+def _sink_keys(valid: torch.Tensor, sinks: int, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) bool: the keys among the first ``sinks`` valid keys of their row, given ``seen`` (B,)
+    valid keys before these (None: none). valid (B, T) bool."""
+    rank = valid.cumsum(-1) if seen is None else valid.cumsum(-1) + seen[:, None]
+    return valid & (rank <= sinks)
 
 
 def exact_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
@@ -79,13 +91,14 @@ def exact_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None)
 
 def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid=None, softcap=None) -> torch.Tensor:
     """The quadratic reference's (B, H, T, T) log-kernel matrix: softmax inside the window and on
-    the first ``sinks`` tokens, log K̂ elsewhere, −inf above the diagonal and on padding keys."""
-    t = q.shape[2]
-    exact = _exact_mask(t, t, window, sinks, q.device)
+    each row's first ``sinks`` valid keys, log K̂ elsewhere, −inf above the diagonal and on padding keys."""
+    b, _, t, _ = q.shape
+    valid = torch.ones(b, t, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.to(torch.bool)
+    exact = _exact_mask(t, t, window, _sink_keys(valid, sinks), q.device)[:, None]
     visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril_()
     if key_valid is not None:
-        visible = visible & key_valid.to(torch.bool)[:, None, None, :]
-        log_k = log_k.masked_fill(~key_valid.to(torch.bool)[:, None, :, None], 0.0)  # finite: no NaN grads
+        visible = visible & valid[:, None, None, :]
+        log_k = log_k.masked_fill(~valid[:, None, :, None], 0.0)  # finite: no NaN grads
     scores = torch.where(exact, exact_logits(q, k, softcap), log_kernel_matrix(log_q, log_k))
     return scores.masked_fill(~visible, float("-inf"))
 
@@ -105,7 +118,7 @@ def _empty_state(q, v, log_k, dtype) -> HybridState:
     empty = lambda last: q.new_zeros(b, h, 0, last, dtype=dtype)  # noqa: E731
     none = torch.zeros(b, 0, dtype=torch.bool, device=q.device)
     return HybridState(linear, empty(q.shape[-1]), empty(v.shape[-1]), empty(m), none,
-                       empty(q.shape[-1]), empty(v.shape[-1]), none)
+                       empty(q.shape[-1]), empty(v.shape[-1]), none, none)
 
 
 def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit):
@@ -125,14 +138,14 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
     ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v), (state.log_k, log_k)))
     ctx_valid = torch.cat([state.valid, valid], dim=1)  # (B, n_b + C)
-    first = state.length - n_b  # absolute position of ctx token 0
-    pos = torch.arange(n_b + c, device=q.device) + first
+    seen = state.sink_valid.sum(-1) + state.is_sink.sum(-1)  # sinks so far: min(valid keys so far, sinks)
+    ctx_sink = torch.cat([state.is_sink, _sink_keys(valid, sinks, seen)], dim=1)
     leave = max(0, n_b + c - window)  # tokens that fall out of the window after this step
     limit = (torch.arange(c, device=q.device) + n_b - window + 1).clamp(0, leave)
-    lin_ok = ctx_valid[:, :leave] & (pos[:leave] >= sinks)
+    lin_ok = ctx_valid[:, :leave] & ~ctx_sink[:, :leave]  # a sink stays exact, never linear
     total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit)
 
-    exact = _exact_mask(c, n_b + c, window, sinks, q.device, first)[None] & ctx_valid[:, None, :]
+    exact = _exact_mask(c, n_b + c, window, ctx_sink, q.device) & ctx_valid[:, None, :]
     keys, vals = ctx_k, ctx_v
     if state.sink_k.shape[2]:
         exact = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), exact], dim=2)
@@ -147,13 +160,35 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     den = w_l * total[..., dv:] + w_s * p.sum(-1, keepdim=True)
     out = num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
-    to_sink = int((pos[:leave] < sinks).sum())  # leaving sink tokens: a prefix of the leavers
-    linear.length = state.linear.length + leave - to_sink
-    grab = lambda a, b: torch.cat([a, b[:, :, :to_sink]], dim=2)  # noqa: E731
+    linear.length = state.linear.length + leave
+    held = (state.sink_k, state.sink_v, state.sink_valid)
+    if sinks and leave:  # skips the host sync in _hold_sinks when no sink can leave
+        held = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave])
     new = HybridState(linear, ctx_k[:, :, leave:], ctx_v[:, :, leave:], ctx_lk[:, :, leave:], ctx_valid[:, leave:],
-                      grab(state.sink_k, ctx_k), grab(state.sink_v, ctx_v),
-                      torch.cat([state.sink_valid, ctx_valid[:, :to_sink]], dim=1))
+                      *held, ctx_sink[:, leave:])
     return out, new
+
+
+def _hold_sinks(state: HybridState, k, v, leaving):
+    """(sink_k, sink_v, sink_valid) after the sinks among the keys leaving the window (k (B, H, L, d),
+    v (B, H, L, dv), leaving (B, L) bool) join each row's next free slots, in order."""
+    if not bool(leaving.any()):
+        return state.sink_k, state.sink_v, state.sink_valid
+    held = state.sink_valid.sum(-1)
+    count = held + leaving.sum(-1)
+    size = max(state.sink_k.shape[2], int(count.max()))
+    slot = torch.where(leaving, held[:, None] + leaving.cumsum(-1) - 1, size)  # non-sinks: spare slot
+    full = torch.arange(size, device=leaving.device)[None, :] < count[:, None]
+    return _scatter_slots(state.sink_k, slot, k, size), _scatter_slots(state.sink_v, slot, v, size), full
+
+
+def _scatter_slots(buffer, slot, x, size: int) -> torch.Tensor:
+    """buffer (B, H, s, D) grown to ``size`` slots with x[:, :, i] (B, H, L, D) written to slot[:, i]
+    (B, L); slot ``size`` is a spare, dropped."""
+    b, h, s, d = buffer.shape
+    grown = torch.cat([buffer, buffer.new_zeros(b, h, size + 1 - s, d)], dim=2)
+    index = slot[:, None, :, None].expand(b, h, slot.shape[1], d)
+    return grown.scatter(2, index, x)[:, :, :size]
 
 
 def hybrid_attention_chunked(
@@ -196,4 +231,4 @@ def hybrid_attention_chunked(
 def _cast(state: HybridState, dtype: torch.dtype) -> HybridState:
     f = lambda t: t.to(dtype)  # noqa: E731
     return HybridState(state.linear.to(dtype), f(state.k), f(state.v), f(state.log_k), state.valid,
-                       f(state.sink_k), f(state.sink_v), state.sink_valid)
+                       f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink)
