@@ -13,7 +13,7 @@ from dofla.models.tiny import build_tiny_model
 
 STUDENTS = {
     "linear": dict(feature_map="learned_prf", dims=[8, 8], chunk_size=4),
-    "hybrid": dict(feature_map="learned_prf", dims=[8, 8], attention="hybrid", window=3, chunk_size=4),
+    "hybrid": dict(feature_map="learned_prf", dims=[8, 8], attention="hybrid", window=3, sinks=2, chunk_size=4),
     "sliding_window": dict(attention="sliding_window", window=4, sinks=2, chunk_size=3),
     "softmax": dict(feature_map="softmax"),
 }
