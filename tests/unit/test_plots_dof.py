@@ -77,3 +77,16 @@ def test_write_plots_adds_both_for_a_sweep(tmp_path):
     made = {p.name for p in write_plots(runs, tmp_path)}
     assert {"dof_profile.png", "dof_vs_sensitivity.png"} <= made
     assert (tmp_path / "dof_vs_sensitivity.png").stat().st_size > 1000
+
+
+def test_runs_sharing_a_dof_result_count_once(tmp_path):
+    from dofla.report.plots import _dof_sets
+
+    runs = [_run_dir(tmp_path / name, policy, seed) for name, policy, seed in
+            (("a", "dof", 0), ("b", "measured", 0), ("c", "dof", 1))]
+    (label, dofs), = _dof_sets(runs)
+    assert label.startswith("J=32, max over heads") and label.endswith("(2 seeds)") and len(dofs) == 2
+    runs[2]["dof"]["settings"]["num_samples"] = 64
+    assert sorted(len(d) for _, d in _dof_sets(runs)) == [1, 1]
+    runs[2]["dof"] = {"layer_dof": [1.0, 2.0], "per_head": [[1.0], [2.0]]}  # an old dof.json, no settings
+    assert [label for label, _ in _dof_sets(runs)][-1] == "layer DoF (1 seed)"

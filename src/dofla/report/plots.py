@@ -55,21 +55,16 @@ def _dof_sets(runs: list[dict]) -> list[tuple[str, list[dict]]]:
     (label, one dof dict per seed). Runs of one seed share one dof.json, so it counts once."""
     sets: dict[str, dict] = {}
     for run in runs:
-        if not run["dof"].get("layer_dof"):
-            continue
-        settings = dict(run["dof"].get("settings") or {})
-        seed = settings.pop("seed", run["record"].get("seed"))
-        settings.pop("cache_key", None)
-        sets.setdefault(json.dumps(settings, sort_keys=True, default=str), {}).setdefault(seed, run["dof"])
-    out = []
-    for key, by_seed in sets.items():
-        s = json.loads(key)
-        label = (f"J={s.get('num_samples', '?')}, {s.get('head_aggregate') or 'max'} over heads, "
-                 f"λ={s.get('lambda', '?')}, {s.get('gram_norm', '?')}"
-                 + (f", {s['num_tokens']} tokens" if s.get("num_tokens") else "")
-                 + (f", +{s['spread_samples']} J-samples" if s.get("spread_samples") else "")) if s else "dof.json"
-        out.append((f"{label} ({len(by_seed)} seed{'s' * (len(by_seed) > 1)})", list(by_seed.values())))
-    return out
+        if run["dof"].get("layer_dof"):
+            s = {k: v for k, v in (run["dof"].get("settings") or {}).items() if k not in ("seed", "cache_key")}
+            label = ", ".join([f"J={s.get('num_samples', '?')}", f"{s.get('head_aggregate') or 'max'} over heads",
+                               f"λ={s.get('lambda', '?')}", str(s.get("gram_norm", "?"))]
+                              + [f"{s['num_tokens']} tokens"] * bool(s.get("num_tokens"))
+                              + [f"+{s.get('spread_samples')} J-samples"] * bool(s.get("spread_samples"))
+                              ) if s else "layer DoF"
+            seed = (run["dof"].get("settings") or {}).get("seed", run["record"].get("seed"))
+            sets.setdefault(label, {}).setdefault(seed, run["dof"])
+    return [(f"{label} ({len(d)} seed{'s' * (len(d) > 1)})", list(d.values())) for label, d in sets.items()]
 
 
 def dof_band(dofs: list[dict]) -> tuple[list[float], list[float], list[float]]:
