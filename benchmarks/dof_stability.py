@@ -63,27 +63,30 @@ def stability(per_head: np.ndarray, aggregate: str, budget: float, head_dim: int
             "max_dim_spread": float(spread.max()), "share_within": float(within(dims).mean())}
 
 
-def measure(layers, lam: float, samples: list[int], resamples: dict[int, int], gram_norm: str,
-            budget: float, head_dim: int, aggregates=HEAD_AGGREGATES) -> list[dict]:
-    """One summary row per (J, aggregation) over ``layers``, an iterable of (index, q, k).
+def measure(layers: list, lam: float, samples: list[int], resamples: dict[int, int], gram_norm: str,
+            budget: float, head_dim: int, aggregates=HEAD_AGGREGATES, done=None) -> list[dict]:
+    """One summary row per (J, aggregation) over ``layers``, a list of (index, q, k).
 
-    ``resamples`` maps J to its R. Each row carries its ``stability`` dict and the seconds spent
-    on that J (shared by its aggregations: they read the same per-head estimates).
+    ``resamples`` maps J to its R. Each row carries its ``stability`` dicts (all R resamples, and
+    the first two) and the CPU seconds spent on that J (shared by its aggregations: they read the
+    same per-head estimates). J runs smallest first; ``done(rows)`` is called after each J, so a
+    long run keeps what it finished.
     """
-    per_head = {j: [] for j in samples}
-    seconds = dict.fromkeys(samples, 0.0)
-    for i, q, k in layers:
-        for j in samples:
-            start = time.perf_counter()
-            per_head[j].append(resample_per_head(q, k, lam, j, gram_norm, resamples[j], layer=i))
-            seconds[j] += time.perf_counter() - start
     rows = []
     for j in samples:
-        stacked = np.stack(per_head[j], axis=1)  # (R, L, H)
+        start = time.process_time()  # CPU time: wall time on a shared machine measures the others
+        per_head = []
+        for i, q, k in layers:
+            print(f"J={j} layer {i}", file=sys.stderr, flush=True)
+            per_head.append(resample_per_head(q, k, lam, j, gram_norm, resamples[j], layer=i))
+        seconds = time.process_time() - start
+        stacked = np.stack(per_head, axis=1)  # (R, L, H)
         for aggregate in aggregates:
-            rows.append({"J": j, "aggregate": aggregate, "R": resamples[j], "seconds": seconds[j],
+            rows.append({"J": j, "aggregate": aggregate, "R": resamples[j], "seconds": seconds,
                          "stats": stability(stacked, aggregate, budget, head_dim),
                          "stats_r2": stability(stacked[:2], aggregate, budget, head_dim)})
+        if done is not None:
+            done(rows)
     return rows
 
 
@@ -95,7 +98,7 @@ def pick(rows: list[dict], most: float = MOST) -> dict | None:
 
 def summary_table(rows: list[dict]) -> str:
     lines = ["| J | aggregation | R | median dim spread | max dim spread | layers within ±10 % | "
-             "median dim spread (R=2) | median DoF spread | seconds per resample |",
+             "median dim spread (R=2) | median DoF spread | CPU s per resample |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["stats"]
@@ -164,12 +167,15 @@ def main(argv=None) -> None:
         sys.exit("need at least 2 resamples per J to measure a spread; raise --resamples / --large-resamples")
     budget = args.budget or float(meta["head_dim"])
     start = time.perf_counter()
-    rows = measure(_layers(cache, indices, args.num_tokens), args.lam, samples, resamples, args.gram_norm,
-                   budget, meta["head_dim"])
-    text = report(rows, cache, args, budget, len(indices), time.perf_counter() - start)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+
+    def done(rows: list[dict]) -> None:
+        text = report(rows, cache, args, budget, len(indices), time.perf_counter() - start)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+
+    measure(list(_layers(cache, indices, args.num_tokens)), args.lam, samples, resamples, args.gram_norm,
+            budget, meta["head_dim"], done=done)
 
 
 def report(rows: list[dict], cache, args, budget: float, num_layers: int, total: float) -> str:
@@ -184,7 +190,8 @@ def report(rows: list[dict], cache, args, budget: float, num_layers: int, total:
         f"Cache `{cache.key}` ({meta['num_layers']} layers, {meta['num_heads']} heads, "
         f"{meta['num_kv_heads']} KV heads, d={meta['head_dim']}, {meta['num_seqs']}×{meta['seq_len']} tokens); "
         f"{num_layers} layers, λ={args.lam}, gram_norm={args.gram_norm}, num_tokens={args.num_tokens or 'all'}, "
-        f"`dof` policy at budget C={budget:g}. Total {total / 60:.1f} min (OMP_NUM_THREADS=1, shared CPU).", "",
+        f"`dof` policy at budget C={budget:g}. Wall time so far {total / 60:.1f} min "
+        "(OMP_NUM_THREADS=1, nice 19 on a CPU shared with other runs; CPU seconds below).", "",
         "Spread = (max − min) / mean over R resamples (different J-sample seeds, same pool); a layer is "
         "within ±10 % when every resample's dim lies within 10 % of its mean. The min–max spread grows "
         "with R, so the column at R=2 (first two resamples of every J) compares J fairly where R differs. "

@@ -37,8 +37,10 @@ def test_identical_seeds_give_zero_spread_and_dims_from_the_dof_policy():
 
 
 def test_spread_shrinks_as_j_grows():
-    rows = measure(map(_layer, range(3)), 1e-2, [24, 384], {24: 5, 384: 5}, "trace", budget=16, head_dim=16,
-                   aggregates=("max", "mean"))
+    finished = []  # rows known after each J
+    rows = measure(list(map(_layer, range(3))), 1e-2, [24, 384], {24: 5, 384: 5}, "trace", budget=16,
+                   head_dim=16, aggregates=("max", "mean"), done=lambda so_far: finished.append(len(so_far)))
+    assert finished == [2, 4]
     assert [(r["J"], r["aggregate"], r["R"]) for r in rows] == [(24, "max", 5), (24, "mean", 5),
                                                                  (384, "max", 5), (384, "mean", 5)]
     for aggregate in ("max", "mean"):
