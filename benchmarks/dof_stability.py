@@ -63,12 +63,24 @@ def stability(per_head: np.ndarray, aggregate: str, budget: float, head_dim: int
             "max_dim_spread": float(spread.max()), "share_within": float(within(dims).mean())}
 
 
+def average_groups(per_head: np.ndarray, average: int) -> np.ndarray:
+    """(R, L, H) -> (R // average, L, H): each estimate the mean of ``average`` consecutive J-samples
+    (what ``allocation.resamples=average`` computes); leftover samples are dropped."""
+    groups = per_head.shape[0] // average
+    if groups < 1:
+        raise ValueError(f"{per_head.shape[0]} resamples cannot make one average of {average}")
+    return per_head[: groups * average].reshape(groups, average, *per_head.shape[1:]).mean(1)
+
+
 def measure(layers: list, lam: float, samples: list[int], resamples: dict[int, int], gram_norm: str,
-            budget: float, head_dim: int, aggregates=HEAD_AGGREGATES, done=None) -> list[dict]:
+            budget: float, head_dim: int, aggregates=HEAD_AGGREGATES, done=None, average: int = 1) -> list[dict]:
     """One summary row per (J, aggregation) over ``layers``, a list of (index, q, k).
 
+    With ``average`` > 1 every estimate is the mean of that many J-samples, so R resamples give
+    R // average estimates to compare.
+
     ``resamples`` maps J to its R. Each row carries its ``stability`` dicts (all R resamples, and
-    the first two) and the CPU seconds spent on that J (shared by its aggregations: they read the
+    the first two) and the CPU seconds per estimate at that J (shared by its aggregations: they read the
     same per-head estimates). J runs smallest first; ``done(rows)`` is called after each J, so a
     long run keeps what it finished.
     """
@@ -80,9 +92,10 @@ def measure(layers: list, lam: float, samples: list[int], resamples: dict[int, i
             print(f"J={j} layer {i}", file=sys.stderr, flush=True)
             per_head.append(resample_per_head(q, k, lam, j, gram_norm, resamples[j], layer=i))
         seconds = time.process_time() - start
-        stacked = np.stack(per_head, axis=1)  # (R, L, H)
+        stacked = average_groups(np.stack(per_head, axis=1), average)  # (R // average, L, H)
         for aggregate in aggregates:
-            rows.append({"J": j, "aggregate": aggregate, "R": resamples[j], "seconds": seconds,
+            rows.append({"J": j, "aggregate": aggregate, "R": len(stacked), "average": average,
+                         "seconds": seconds / len(stacked),
                          "stats": stability(stacked, aggregate, budget, head_dim),
                          "stats_r2": stability(stacked[:2], aggregate, budget, head_dim)})
         if done is not None:
@@ -98,14 +111,15 @@ def pick(rows: list[dict], most: float = MOST) -> dict | None:
 
 def summary_table(rows: list[dict]) -> str:
     lines = ["| J | aggregation | R | median dim spread | max dim spread | layers within ±10 % | "
-             "median dim spread (R=2) | median DoF spread | CPU s per resample |",
+             "median dim spread (R=2) | median DoF spread | CPU s per estimate |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["stats"]
-        lines.append(f"| {r['J']} | {r['aggregate']} | {r['R']} | {s['median_dim_spread']:.3f} | "
+        mean_of = f" (each the mean of {r['average']})" if r.get("average", 1) > 1 else ""
+        lines.append(f"| {r['J']} | {r['aggregate']} | {r['R']}{mean_of} | {s['median_dim_spread']:.3f} | "
                      f"{s['max_dim_spread']:.3f} | {s['share_within']:.0%} | "
                      f"{r['stats_r2']['median_dim_spread']:.3f} | {np.median(s['dof_spread']):.3f} | "
-                     f"{r['seconds'] / r['R']:.1f} |")
+                     f"{r['seconds']:.1f} |")
     return "\n".join(lines)
 
 
@@ -153,6 +167,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gram-norm", default="trace")
     parser.add_argument("--num-tokens", type=int, default=None, help="cache tokens pooled (default: all)")
     parser.add_argument("--budget", type=float, default=None, help="mean dim per layer (default: head size)")
+    parser.add_argument("--average", type=int, default=1,
+                        help="each estimate is the mean of this many J-samples (allocation.resamples); "
+                             "R resamples give R // average estimates")
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
 
@@ -163,8 +180,9 @@ def main(argv=None) -> None:
     indices = [int(x) for x in args.layers.split(",")] if args.layers else list(range(meta["num_layers"]))
     samples = sorted(int(x) for x in args.samples.split(","))
     resamples = {j: args.large_resamples if j >= args.large else args.resamples for j in samples}
-    if min(resamples.values()) < 2:
-        sys.exit("need at least 2 resamples per J to measure a spread; raise --resamples / --large-resamples")
+    if min(resamples.values()) < 2 * args.average:
+        sys.exit("need at least 2 estimates per J to measure a spread (2 × --average resamples); "
+                 "raise --resamples / --large-resamples")
     budget = args.budget or float(meta["head_dim"])
     start = time.perf_counter()
 
@@ -175,7 +193,7 @@ def main(argv=None) -> None:
             Path(args.out).write_text(text + "\n")
 
     measure(list(_layers(cache, indices, args.num_tokens)), args.lam, samples, resamples, args.gram_norm,
-            budget, meta["head_dim"], done=done)
+            budget, meta["head_dim"], done=done, average=args.average)
 
 
 def report(rows: list[dict], cache, args, budget: float, num_layers: int, total: float) -> str:

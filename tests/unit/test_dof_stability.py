@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.dof_stability import measure, pick, rel_spread, resample_per_head, stability, within
+from benchmarks.dof_stability import average_groups, measure, pick, rel_spread, resample_per_head, stability, within
 from dofla.dof.algorithm import aggregate_heads
 from dofla.dof.allocate import allocate_dims
 
@@ -58,3 +58,14 @@ def test_pick_takes_the_smallest_stable_j_or_none():
     rows = [row(256, 0.5, 0.2), row(512, 0.9, 0.08), row(512, 0.85, 0.05), row(1024, 1.0, 0.02)]
     assert pick(rows) is rows[2]
     assert pick(rows[:1]) is None
+
+
+def test_average_groups_are_means_of_consecutive_samples_and_steady_the_estimate():
+    rng = np.random.default_rng(0)
+    per_head = rng.normal(10.0, 2.0, size=(12, 3, 4))  # (R, L, H) independent noisy estimates
+    grouped = average_groups(per_head, 4)
+    assert grouped.shape == (3, 3, 4)
+    np.testing.assert_allclose(grouped[1], per_head[4:8].mean(0))
+    assert grouped.std(0).mean() < per_head.std(0).mean()  # a mean of 4 moves less than one sample
+    with pytest.raises(ValueError, match="cannot make one average"):
+        average_groups(per_head, 13)
