@@ -57,6 +57,7 @@ class AllocationConfig:
     gram_norm: str = "trace"  # none | J | trace (docs/method.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
     head_aggregate: str = "max"  # a layer's DoF from its heads: max (the paper's) | mean | median
+    resamples: int = 1  # J-samples averaged per head (1: the paper's single sample)
     spread_samples: int = 0  # > 0: also estimate each layer's DoF on this many other J-samples (spread)
     measured_dims: List[int] = field(default_factory=lambda: [16, 64, 256])  # measured: M grid per layer
     measured_steps: int = 60  # measured: training steps per (layer, M) point

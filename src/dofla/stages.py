@@ -37,6 +37,8 @@ def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
     settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
                 "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache.key,
                 "head_aggregate": a.head_aggregate, "spread_samples": a.spread_samples}
+    if a.resamples > 1:  # absent at 1, so a single-sample dof.json written before the key existed stays valid
+        settings["resamples"] = a.resamples
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     shared = Path(cache.path) / f"dof-{digest}.json"
     result = read_json(out_dir / "dof.json")
@@ -55,8 +57,8 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
     """Per-layer DoF, saved after every layer so a killed run redoes only the layers it lacks."""
     from tqdm.auto import tqdm
 
-    from dofla.dof import check_degenerate, estimate_layer_dof
-    from dofla.dof.algorithm import layer_dof_spread
+    from dofla.dof import check_degenerate
+    from dofla.dof.algorithm import estimate_layer_dof_averaged, layer_dof_spread
     from dofla.faults import kill_point
 
     a = cfg.allocation
@@ -67,11 +69,15 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
             continue
         kill_point(f"dof:layer{i}")
         q, k = _pooled_activations(cache, i, a.num_tokens)
-        heads, value = estimate_layer_dof(q, k, a.lam, a.num_samples, a.gram_norm, cfg.seed + i,
-                                          aggregate=a.head_aggregate)
+        # sample r draws with seed + i + 1000·r: r = 0 is the single-sample estimate
+        heads, value, samples = estimate_layer_dof_averaged(
+            q, k, a.lam, a.num_samples, a.gram_norm, [cfg.seed + i + 1000 * r for r in range(a.resamples)],
+            aggregate=a.head_aggregate)
         done[str(i)] = {"per_head": [float(h) for h in heads], "layer": float(value)}
-        if a.spread_samples:  # the same estimate on other J-samples: how stable the dims built on it are
-            seeds = [cfg.seed + i + 1000 * (r + 1) for r in range(a.spread_samples)]
+        if a.resamples > 1:
+            done[str(i)]["samples"] = samples
+        if a.spread_samples:  # the estimate on other J-samples: how stable the dims built on one sample are
+            seeds = [cfg.seed + i + 1000 * (a.resamples + r) for r in range(a.spread_samples)]
             done[str(i)]["spread"] = layer_dof_spread(q, k, a.lam, a.num_samples, a.gram_norm, seeds,
                                                       a.head_aggregate)
         write_json(partial_path, {"settings": settings, "layers": done})
@@ -79,6 +85,8 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
     per_layer = [layer["layer"] for layer in layers]
     result = {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
               "layer_dof": per_layer, "warning": check_degenerate(per_layer, a.num_samples)}
+    if a.resamples > 1:
+        result["samples"] = [layer["samples"] for layer in layers]  # each J-sample's layer value
     if a.spread_samples:
         result["spread"] = [layer["spread"] for layer in layers]
     return result

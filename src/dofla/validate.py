@@ -124,6 +124,7 @@ def _validate_scale(cfg: RunConfig) -> None:
                  f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
                  f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
     _one_of("allocation.head_aggregate", a.head_aggregate, ("max", "mean", "median"))
+    _require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
     _require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
     if a.policy == "measured":
         _require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),

@@ -75,8 +75,13 @@ def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
 
 def test_measured_allocation_shares_the_budget_by_measured_curves(tmp_path):
     run_dir, result = _run(tmp_path, "allocation=measured", "allocation.measured_dims=[4,16,48]",
-                           "allocation.measured_steps=3", "budget=absolute", "budget.value=24")
+                           "allocation.measured_steps=3", "budget=absolute", "budget.value=24",
+                           "allocation.resamples=3", "allocation.spread_samples=2")
     assert result.returncode == 0, result.stderr[-3000:]
+    dof = json.loads((run_dir / "dof.json").read_text())  # Algorithm 1 ran beside: averaged, with its spread
+    assert dof["settings"]["resamples"] == 3
+    assert len(dof["samples"]) == 2 and all(len(values) == 3 for values in dof["samples"])
+    assert all(len(s["values"]) == 2 for s in dof["spread"])
     allocation = json.loads((run_dir / "allocation.json").read_text())
     assert allocation["policy"] == "measured" and sum(allocation["dims"]) == 2 * 24
     assert all(4 <= m <= 48 for m in allocation["dims"])

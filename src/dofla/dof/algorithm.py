@@ -133,6 +133,19 @@ def aggregate_heads(per_head: list[float], aggregate: str = "max") -> float:
     return float({"max": values.max, "mean": values.mean, "median": values.median}[aggregate]())
 
 
+def estimate_layer_dof_averaged(q, k, lam: float, num_samples: int, gram_norm: str = "trace", seeds=(0,),
+                                aggregate: str = "max") -> tuple[list[float], float, list[float]]:
+    """Per-head DoF averaged over one J-sample per seed, its layer value, and each sample's layer value.
+
+    One sample (one seed) is :func:`estimate_layer_dof` exactly. The mean of R samples moves about
+    1/√R as much between runs as one sample does, so the dims built on it are steadier; heads are
+    averaged before the ``aggregate`` (a max over heads of noisy values is biased upwards).
+    """
+    runs = [estimate_layer_dof(q, k, lam, num_samples, gram_norm, seed, aggregate=aggregate) for seed in seeds]
+    per_head = torch.tensor([heads for heads, _ in runs], dtype=torch.float64).mean(0).tolist()
+    return per_head, aggregate_heads(per_head, aggregate), [value for _, value in runs]
+
+
 def layer_dof_spread(q, k, lam: float, num_samples: int, gram_norm: str = "trace", seeds=(0, 1, 2, 3, 4),
                      aggregate: str = "max") -> dict:
     """How much one layer's DoF moves between J-samples: the layer value for each seed's sample.
