@@ -10,6 +10,7 @@ import pytest
 from dofla.record import read_json, write_json
 from dofla.report import write_report
 from dofla.report.stats import gap_closed as gap_share
+from dofla.report.seeds import paired_vs_fix, seed_groups
 from dofla.report.stats import mean_ci, paired_differences, t_cdf, t_quantile
 from dofla.report.tables import distinguishing_overrides, gap_closed, load_run, record_differences_within_seeds
 
@@ -62,8 +63,11 @@ def test_gap_closed_needs_a_fix_twin_with_the_same_config(tmp_path):
     _fake_run(tmp_path / "0", "fix", 20.0, "aaa", [16, 16])
     _fake_run(tmp_path / "1", "dof", 15.0, "aaa", [14, 18])
     run = load_run(tmp_path / "1")
-    run["record"]["config"]["allocation"]["lam"] = 0.5  # a different λ: not comparable with the fix run
+    run["record"]["config"]["model"]["source"] = "other"  # another teacher: not comparable with the fix run
     assert gap_closed([load_run(tmp_path / "0"), run]) == []
+    run = load_run(tmp_path / "1")
+    run["record"]["config"]["allocation"]["lam"] = 0.5  # how the DoF were estimated: fix ignores it
+    assert [c["gap_closed"] for c in gap_closed([load_run(tmp_path / "0"), run])] == [0.5]
     assert [c["gap_closed"] for c in gap_closed([load_run(tmp_path / "0"), load_run(tmp_path / "1")])] == [0.5]
 
 
@@ -193,3 +197,32 @@ def test_seeds_evaluated_differently_still_group_and_each_metric_shows_its_n(tmp
     rows = list(csv.DictReader(open(tmp_path / "report.csv")))
     assert {r["n_seeds"] for r in rows} == {"3"} and {r["tasks/student/avg_acc_mean"] for r in rows} == {"0.4"}
     assert "| fix | 3 | 0,1,2 | 16 ± 0 | 1 ± 0 | 21 ± 2.5 | 0.4 (n=1) |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_run_recorded_before_a_config_key_existed_groups_with_its_newer_seeds(tmp_path):
+    for seed in range(3):
+        _fake_run(tmp_path / f"s{seed}", "dof", 20.0 + seed, "aaa", [14, 18], seed=seed)
+    record = read_json(tmp_path / "s2/run.json")
+    record["config"]["allocation"]["resamples"] = 1  # the newer run records the key at its old behaviour
+    write_json(tmp_path / "s2/run.json", record)
+    _fake_run(tmp_path / "other", "dof", 30.0, "aaa", [14, 18], seed=0)
+    record = read_json(tmp_path / "other/run.json")
+    record["config"]["allocation"]["resamples"] = 16  # another estimate: another group
+    write_json(tmp_path / "other/run.json", record)
+    groups, _ = seed_groups([load_run(tmp_path / d) for d in ("s0", "s1", "s2", "other")])
+    assert sorted(g["seeds"] for g in groups) == [[0], [0, 1, 2]]
+
+
+def test_each_dof_estimate_pairs_with_the_fix_run_of_its_seed(tmp_path):
+    """`fix` ignores how the DoF were estimated, so every estimate's runs share one fix twin."""
+    for seed in range(2):
+        _fake_run(tmp_path / f"fix{seed}", "fix", 20.0, "aaa", [16, 16], seed=seed)
+        for name, resamples, ppl in (("single", 1, 18.0), ("mean16", 16, 15.0)):
+            _fake_run(tmp_path / f"{name}{seed}", "dof", ppl, "aaa", [14, 18], seed=seed)
+            record = read_json(tmp_path / f"{name}{seed}/run.json")
+            record["config"]["allocation"].update(resamples=resamples, num_samples=512 * resamples)
+            write_json(tmp_path / f"{name}{seed}/run.json", record)
+    runs = [load_run(p) for p in sorted(tmp_path.iterdir())]
+    paired = paired_vs_fix(seed_groups(runs)[0])
+    assert len(paired) == 2 and all(len(p["per_seed"]) == 2 for p in paired)
+    assert sorted(round(p["stats"]["ppl_diff"][0], 6) for p in paired) == [-5.0, -2.0]

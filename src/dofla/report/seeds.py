@@ -16,8 +16,21 @@ from dofla.report.stats import gap_closed, mean_ci, paired_differences
 # trains: a seed run with other evaluation settings (say, MMLU left out) still counts as a seed;
 # each metric's statistics are over the runs that measured it.
 UNMEASURED = ("experiment", "logger", "eval", "stages")
-# How a budget is spread over layers (not what the budget is): dropped to find a run's fix twin.
-SPREAD_KEYS = ("policy", "head_quantum", "head_blocks")
+# How a budget is spread over layers (not what the budget is), the DoF estimate included, which
+# `fix` ignores: dropped to find a run's fix twin.
+SPREAD_KEYS = ("policy", "head_quantum", "head_blocks", "lam", "num_samples", "gram_norm", "num_tokens",
+               "head_aggregate", "resamples", "spread_samples", "measured_dims", "measured_steps")
+# Config keys added after runs were recorded without them, with the value that reproduces what those
+# runs did: filled in before comparing, so an older run still groups with its newer seeds.
+LEGACY_DEFAULTS = {"allocation": {"resamples": 1}}
+
+
+def _with_legacy_defaults(config: dict) -> dict:
+    config = dict(config)
+    for section, defaults in LEGACY_DEFAULTS.items():
+        if isinstance(config.get(section), dict):
+            config[section] = {**defaults, **config[section]}
+    return config
 
 
 def _strip(node, drop: tuple[str, ...]):
@@ -29,7 +42,7 @@ def _strip(node, drop: tuple[str, ...]):
 def settings_key(config: dict) -> str:
     """The run's settings without its seed, paths and what only names, logs or measures it: equal
     for runs whose students differ only in their seed (JSON, keys sorted)."""
-    return json.dumps(_strip(config, ("seed", *UNMEASURED)), sort_keys=True, default=str)
+    return json.dumps(_strip(_with_legacy_defaults(config), ("seed", *UNMEASURED)), sort_keys=True, default=str)
 
 
 def settings_hash(config: dict) -> str:
