@@ -53,11 +53,11 @@ class LossConfig:
 class AllocationConfig:
     policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured
     lam: float = 1e-2
-    num_samples: int = 1024  # J, vectors per head for Algorithm 1
+    num_samples: int = 512  # J, vectors per head for Algorithm 1 (the paper does not state its J)
     gram_norm: str = "trace"  # none | J | trace (docs/method.md §4)
     num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
-    head_aggregate: str = "max"  # a layer's DoF from its heads: max (the paper's) | mean | median
-    resamples: int = 1  # J-samples averaged per head (1: the paper's single sample)
+    head_aggregate: str = "mean"  # a layer's DoF from its heads: mean (steadiest) | max (the paper's) | median
+    resamples: int = 16  # J-samples averaged per head (1: the paper's single sample)
     spread_samples: int = 0  # > 0: also estimate each layer's DoF on this many other J-samples (spread)
     measured_dims: List[int] = field(default_factory=lambda: [16, 64, 256])  # measured: M grid per layer
     measured_steps: int = 60  # measured: training steps per (layer, M) point
