@@ -60,6 +60,7 @@ def _dof_sets(runs: list[dict]) -> list[tuple[str, list[dict]]]:
             label = ", ".join([f"J={s.get('num_samples', '?')}", f"{s.get('head_aggregate') or 'max'} over heads",
                                f"λ={s.get('lambda', '?')}", str(s.get("gram_norm", "?"))]
                               + [f"{s['num_tokens']} tokens"] * bool(s.get("num_tokens"))
+                              + [f"mean of {s.get('resamples')} J-samples"] * ((s.get("resamples") or 1) > 1)
                               + [f"+{s.get('spread_samples')} J-samples"] * bool(s.get("spread_samples"))
                               ) if s else "layer DoF"
             seed = (run["dof"].get("settings") or {}).get("seed", run["record"].get("seed"))
