@@ -72,8 +72,7 @@ def cache_run(teacher, batches: list[torch.Tensor], args) -> tuple[float, float,
         cache = build_or_load_cache(teacher, tokens, {"bench": "stream"}, Path(tmp) / "cache",
                                     batch_size=args.batch_size, progress=False)
         built = time.perf_counter()
-        activations = lambda i: tuple(t for t in cache.layer(i).torch()[:2])  # noqa: E731
-        run_layerwise(maps, activations, list(range(g.num_layers)), cfg, Path(tmp) / "layers")
+        run_layerwise(maps, lambda i: cache.layer(i).torch()[:2], list(range(g.num_layers)), cfg, Path(tmp) / "layers")
         return built - start, time.perf_counter() - built, cache.nbytes()
 
 

@@ -6,7 +6,8 @@ import torch
 
 from dofla.dof.algorithm import layer_dof_spread
 from dofla.record import write_json
-from dofla.report.plots import dof_band, plot_dof_profile, plot_dof_vs_sensitivity, write_plots
+from dofla.report.dof_plots import dof_band, plot_dof_profile, plot_dof_vs_sensitivity
+from dofla.report.plots import write_plots
 from dofla.report.seeds import seed_groups
 from dofla.report.tables import load_run
 
@@ -80,7 +81,7 @@ def test_write_plots_adds_both_for_a_sweep(tmp_path):
 
 
 def test_runs_sharing_a_dof_result_count_once(tmp_path):
-    from dofla.report.plots import _dof_sets
+    from dofla.report.dof_plots import _dof_sets
 
     runs = [_run_dir(tmp_path / name, policy, seed) for name, policy, seed in
             (("a", "dof", 0), ("b", "measured", 0), ("c", "dof", 1))]

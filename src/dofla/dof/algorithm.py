@@ -153,8 +153,7 @@ def layer_dof_spread(q, k, lam: float, num_samples: int, gram_norm: str = "trace
     Returns {"values": [...], "mean", "std", "rel_spread": (max − min) / mean}; a stable estimate
     has a small relative spread (a dim allocated from it moves by the same fraction).
     """
-    values = [estimate_layer_dof(q, k, lam, num_samples, gram_norm, seed, aggregate=aggregate)[1]
-              for seed in seeds]
+    values = estimate_layer_dof_averaged(q, k, lam, num_samples, gram_norm, list(seeds), aggregate)[2]
     t = torch.tensor(values, dtype=torch.float64)
     mean = float(t.mean())
     std = float(t.std()) if len(values) > 1 else 0.0
