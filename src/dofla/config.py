@@ -45,7 +45,7 @@ class AttentionConfig:
 
 @dataclass
 class LossConfig:
-    name: str = "softmax"  # l2 | softmax | direct
+    name: str = "softmax"  # l2 | softmax | output | direct
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -167,8 +167,7 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     from dofla.train import run_layerwise
 
     def activations(i: int):
-        acts = cache.layer(i)
-        return torch.from_numpy(acts.q.astype("float32")), torch.from_numpy(acts.k.astype("float32"))
+        return cache.layer(i).torch()
 
     if distributed.world() == 1:
         return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)

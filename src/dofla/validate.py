@@ -17,7 +17,7 @@ POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorith
 ATTENTIONS = ("linear", "hybrid", "sliding_window")
 TRAIN_SOURCES = ("auto", "cache", "stream")
 TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
-LOSS_NAMES = ("l2", "softmax", "direct")
+LOSS_NAMES = ("l2", "softmax", "output", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
 

@@ -83,10 +83,10 @@ def test_discard_skips_tokens_and_resumes(tokenizer):
 def test_cache_heldout_reads_the_last_cached_sequences(teacher, tokenizer, tmp_path):
     rows = pack_tokens(iter(texts()), tokenizer, seq_len=32, num_tokens=5 * 32)
     cache = build_or_load_cache(teacher, rows, {"test": "stream"}, tmp_path, progress=False)
-    q, k = cache_heldout(cache, num_seqs=2)(1)
+    got = cache_heldout(cache, num_seqs=2)(1)
     want = teacher_heldout(teacher, rows[-2:], [1])[1]
-    assert q.shape == want[0].shape == (2, 4, 32, 16) and k.shape == want[1].shape == (2, 2, 32, 16)
-    assert torch.allclose(q, want[0], rtol=2e-3, atol=2e-3) and torch.allclose(k, want[1], rtol=2e-3, atol=2e-3)
+    assert [t.shape for t in got] == [t.shape for t in want] == [(2, 4, 32, 16), (2, 2, 32, 16), (2, 2, 32, 16)]
+    assert all(torch.allclose(a, b, rtol=2e-3, atol=2e-3) for a, b in zip(got, want))  # q, k, v
 
 
 def test_source_stream_reads_a_registered_source(tokenizer, tmp_path):
@@ -156,17 +156,19 @@ def test_early_exit_and_layer_subset(teacher, tokenizer):
     assert not all(torch.equal(t, before[1][n]) for n, t in maps[1].state_dict().items())
 
 
-def test_one_streaming_step_equals_the_cache_path_step(teacher, tokenizer):
-    """B = 1: train_layer always draws sequence 0, so both paths take the same Adam step on the same q, k."""
+@pytest.mark.parametrize("loss", ["softmax", "output"])
+def test_one_streaming_step_equals_the_cache_path_step(teacher, tokenizer, loss):
+    """B = 1: train_layer always draws sequence 0, so both paths take the same Adam step on the same
+    q, k (and v, which the ``output`` loss reads)."""
     tokens = stream(tokenizer, batch_size=1).next_batch()
     acts = capture_qkv(teacher, tokens)
-    cfg = config(batch_size=1, steps=1, eval_every=1)
+    cfg = config(batch_size=1, steps=1, eval_every=1, loss=loss, window=8 if loss == "output" else 0)
     for i in range(3):
         cached = build_feature_map("learned_prf", 4, 16, 16, seed=i)
-        reference = train_layer(cached, acts[i][0], acts[i][1], cfg)
+        reference = train_layer(cached, acts[i][0], acts[i][1], cfg, v=acts[i][2])
         maps = feature_maps()
         result = train_layers_streaming(teacher, stream(tokenizer, batch_size=1), maps, [i], cfg,
-                                        {i: acts[i][:2]}, num_tokens=32, progress=False)
+                                        {i: acts[i]}, num_tokens=32, progress=False)
         summary = result.summaries[i]
         assert summary["curve"][0]["loss"] == reference.curve[0]["loss"]
         assert summary["final_heldout_loss"] == reference.final_heldout_loss

@@ -91,7 +91,8 @@ def test_measured_allocation_shares_the_budget_by_measured_curves(tmp_path):
 
 
 def test_hybrid_probes_ablation_window_mass_positions_passkey(tmp_path):
-    run_dir, result = _run(tmp_path, "attention=hybrid", "attention.window=8", "attention.sinks=2",
+    """Also the ``output`` loss through the cache path (it reads the cached values)."""
+    run_dir, result = _run(tmp_path, "attention=hybrid", "attention.window=8", "attention.sinks=2", "loss=output",
                            "eval.ablate_linear=true", "eval.window_mass=true", "eval.position_buckets=[1,16,40,64]",
                            "eval.passkey_lengths=[96]", "eval.passkey_trials=1")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -29,17 +29,18 @@ _TIE_RTOL = 1e-9
 
 
 def measure_layer_curve(make_feature_map: Callable[[int], FeatureMap], q: torch.Tensor, k: torch.Tensor,
-                        dims: Sequence[int], cfg: LayerTrainConfig) -> list[float]:
+                        dims: Sequence[int], cfg: LayerTrainConfig, v: torch.Tensor | None = None) -> list[float]:
     """Held-out loss after brief layerwise training, one per M in ``dims``.
 
-    ``q`` (S, H, L, d) and ``k`` (S, H_kv, L, d) are one layer's cached activations;
+    ``q`` (S, H, L, d), ``k`` and ``v`` (S, H_kv, L, d) are one layer's cached activations (v
+    is read only by a loss that needs values);
     ``make_feature_map(M)`` builds a fresh map with M features; ``cfg`` sets the (short) training.
     """
     if not dims or any(int(m) != m or m < 1 for m in dims):
         raise ValueError(f"measured dims {list(dims)} must be a non-empty list of positive integers")
     losses = []
     for m in dims:
-        result = train_layer(make_feature_map(int(m)), q, k, cfg, desc=f"M={int(m)}")
+        result = train_layer(make_feature_map(int(m)), q, k, cfg, desc=f"M={int(m)}", v=v)
         losses.append(float(result.final_heldout_loss))
     return losses
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from dofla.dof.measured import allocate_measured, fit_monotone, measure_layer_curve, rank_correlation
@@ -41,14 +40,13 @@ def measured_curves(cfg, cache, geometry, train_cfg, layers: list[int], path: Pa
             continue
         acts = cache.layer(i)
         seqs = acts.q.shape[0] if a.num_tokens is None else max(2, -(-a.num_tokens // acts.q.shape[2]))
-        q = torch.from_numpy(acts.q[:seqs].astype("float32"))
-        k = torch.from_numpy(acts.k[:seqs].astype("float32"))
+        q, k, v = acts.torch(slice(None, seqs))
 
         def make(m: int, layer: int = i):
             return build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,
                                            seed=cfg.seed + layer, **cfg.feature_map.options)
 
-        done[str(i)] = measure_layer_curve(make, q, k, dims, short)
+        done[str(i)] = measure_layer_curve(make, q, k, dims, short, v=v)
         write_json(path, {"settings": settings, "layers": done})
     return [done[str(i)] for i in layers]
 

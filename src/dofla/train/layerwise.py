@@ -85,16 +85,30 @@ def split_sequences(num_seqs: int, heldout_fraction: float, seed: int) -> tuple[
     return order[held:], order[:held] if held else order[:1]
 
 
-def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig) -> torch.Tensor:
-    """q (B, H, L, d), k (B, H_kv, L, d) -> the configured loss (GQA keys expanded per group)."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+def needs_values(loss: str) -> bool:
+    """Whether the layerwise loss ``loss`` reads the teacher's values v (``output``)."""
+    return getattr(LOSSES.get(loss), "needs_values", False)
+
+
+def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, L, d), k and v (B, H_kv, L, d) -> the configured loss (GQA keys and values
+    expanded per group; v is read only by a loss that needs values)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
     loss_fn = LOSSES.get(cfg.loss)
+    if needs_values(cfg.loss):
+        if v is None:
+            raise ValueError(f"loss {cfg.loss!r} compares attention outputs; pass the teacher's values v")
+        v = v.repeat_interleave(group, dim=1)
     total = 0.0
     for block, heads in blocks(feature_map):  # per-head dims: the heads-weighted mean over blocks
         qb, kb = (q, k) if heads is None else (q[:, heads], k[:, heads])
         extra = {"sinks": cfg.sinks} if cfg.sinks else {}
         if cfg.softcap is not None:
             extra["softcap"] = cfg.softcap
+        if needs_values(cfg.loss):
+            extra["v"] = v if heads is None else v[:, heads]
         loss = loss_fn(block.log_features(qb), block.log_features(kb), qb, kb, window=cfg.window,
                        **extra, **cfg.loss_options)
         total = total + loss * (qb.shape[1] / q.shape[1])
@@ -102,8 +116,9 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
 
 
 @torch.no_grad()
-def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig) -> float:
-    losses = [layer_loss(feature_map, q[b], k[b], cfg).item() * len(b) for b in index.split(cfg.batch_size)]
+def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig, v=None) -> float:
+    losses = [layer_loss(feature_map, q[b], k[b], cfg, None if v is None else v[b]).item() * len(b)
+              for b in index.split(cfg.batch_size)]
     return sum(losses) / len(index)
 
 
@@ -139,15 +154,16 @@ def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool
 
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                 checkpoint_path: Path | None = None, desc: str = "layer",
-                meta: dict | None = None) -> LayerTrainResult:
-    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d); returns the best-held-out state.
+                meta: dict | None = None, v: torch.Tensor | None = None) -> LayerTrainResult:
+    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d) (and values v (S, H_kv, L, d)
+    for a loss that needs them); returns the best-held-out state.
 
     The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
     """
     start_time = time.perf_counter()
     train_idx, held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
     groups = param_groups(feature_map, cfg)
-    initial = heldout_loss(feature_map, q, k, held_idx, cfg)
+    initial = heldout_loss(feature_map, q, k, held_idx, cfg, v)
     state = {"step": 0, "curve": [], "best": initial, "best_step": 0, "bad_evals": 0,
              "best_state": {n: t.clone() for n, t in feature_map.state_dict().items()}}
     if not groups or cfg.steps == 0:
@@ -167,7 +183,7 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * lr_factor(step, cfg)
         batch = train_idx[torch.randint(len(train_idx), (cfg.batch_size,), generator=generator)]
-        loss = layer_loss(feature_map, q[batch], k[batch], cfg)
+        loss = layer_loss(feature_map, q[batch], k[batch], cfg, None if v is None else v[batch])
         if apply_step(optimizer, loss, f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite):
             state["curve"].append({"step": step, "loss": loss.item()})
             bar.set_postfix(loss=f"{loss.item():.4f}")
@@ -175,7 +191,7 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
             state["curve"].append({"step": step, "loss": None, "skipped": True})
         state["step"] = step + 1
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-            if _evaluate(feature_map, q, k, held_idx, cfg, state):
+            if _evaluate(feature_map, q, k, v, held_idx, cfg, state):
                 break
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
             torch_save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
@@ -184,9 +200,9 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
     return _result(feature_map, state, initial, start_time)
 
 
-def _evaluate(feature_map, q, k, held_idx, cfg, state) -> bool:
+def _evaluate(feature_map, q, k, v, held_idx, cfg, state) -> bool:
     """Record the held-out loss, keep the best state; True when early stopping triggers."""
-    value = heldout_loss(feature_map, q, k, held_idx, cfg)
+    value = heldout_loss(feature_map, q, k, held_idx, cfg, v)
     state["curve"][-1]["heldout_loss"] = value
     if value < state["best"]:
         state.update(best=value, best_step=state["step"], bad_evals=0,
@@ -203,11 +219,12 @@ def _result(feature_map, state, initial: float, start_time: float) -> LayerTrain
                             steps_run=state["step"], seconds=time.perf_counter() - start_time)
 
 
-def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, ...]],
                   layers: list[int], cfg: LayerTrainConfig, out_dir: Path, meta: dict | None = None,
                   also_read: Sequence[Path] = ()) -> dict[int, dict]:
     """Train each requested layer independently; one verified artifact ``layer_XX.pt`` per layer.
 
+    ``activations(i)`` gives layer i's (q, k) or (q, k, v); values are needed by the ``output`` loss.
     Layers whose artifact exists and verifies (same ``meta``) in ``out_dir``, or else in one of
     ``also_read`` (directories of other runs, only read), are loaded, not retrained (resume, or
     per-layer parallel jobs sharing ``out_dir``). Only ``out_dir`` is written.
@@ -222,9 +239,10 @@ def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.T
             feature_maps[i].load_state_dict(existing["state_dict"])
             summaries[i] = existing["summary"]
             continue
-        q, k = activations(i)
+        q, k, *v = activations(i)
         ckpt = out_dir / f"layer_{i:02d}.ckpt"
-        result = train_layer(feature_maps[i], q, k, cfg, ckpt, desc=f"layer{i}", meta=layer_meta)
+        result = train_layer(feature_maps[i], q, k, cfg, ckpt, desc=f"layer{i}", meta=layer_meta,
+                             v=v[0] if v else None)
         summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
                    "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
                    "steps_run": result.steps_run, "seconds": result.seconds, "curve": result.curve}

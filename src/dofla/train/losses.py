@@ -2,6 +2,7 @@
 
 All take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
 heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.
+A loss with ``needs_values = True`` (``output``) also takes the teacher's values v (B, H, L, dv).
 ``window > 0`` trains a hybrid layer: keys i−W < j ≤ i are exact softmax, only older keys use K̂
 (``sinks`` > 0: the first ``sinks`` keys are exact too). Options ``softcap`` (Gemma 2) cap the
 teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.stable`).
@@ -175,3 +176,33 @@ def _l2_rows(log_q, log_k, s, causal, window, sinks) -> torch.Tensor:
         p_hat = torch.exp(log_kernel - log_norm)
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.where(visible, p - p_hat, 0.0).pow(2).sum(-1).mean()
+
+
+@LOSSES.register("output")
+def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: torch.Tensor | None = None,
+                sinks: int = 0, softcap: float | None = None) -> torch.Tensor:
+    """Relative squared error of the attention output, Σ‖y − ŷ‖² / Σ‖y‖² over the batch (LoLCATs'
+    attention-transfer MSE, scaled so layers compare; its square root is the attention error).
+
+    y = softmax(s) v is the teacher's output, ŷ = p̂ v the student's with p̂ its normalised
+    attention rows (for a hybrid layer the exact window/sink part included). Unlike the
+    cross-entropy of ``softmax``, which must put mass on every key the teacher attends to, it
+    rewards the student's rows only through what they change in the output: a hybrid's linear part
+    learns to stay small where the window already carries the output.
+    """
+    if v is None:
+        raise ValueError("loss 'output' compares attention outputs and needs the teacher's values v")
+    _check_sinks(window, sinks)
+    s = teacher_logits(q, k, softcap)
+    if window > 0:
+        student, visible = _hybrid_student(log_q, log_k, s, causal, window, sinks)
+        p_hat = torch.softmax(student, dim=-1)
+    else:
+        visible, _ = _masks(s.shape[-1], causal, window, s.device)
+        log_kernel, log_norm = _student(log_q, log_k, causal, window)
+        p_hat = torch.exp(log_kernel - log_norm).masked_fill(~visible, 0.0)
+    y = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    return (p_hat @ v - y).pow(2).sum() / y.pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
+
+
+output_loss.needs_values = True

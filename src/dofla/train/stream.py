@@ -61,13 +61,13 @@ def total_steps(num_tokens: int, steps: int | None, batch_tokens: int) -> int:
 
 @torch.no_grad()
 def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int]) -> dict[int, tuple]:
-    """{layer: (q (B, H, L, d), k (B, H_kv, L, d))} in fp32 for ``layers``; the forward stops
-    right after the deepest of them."""
+    """{layer: (q (B, H, L, d), k (B, H_kv, L, d), v (B, H_kv, L, d))} in fp32 for ``layers``;
+    the forward stops right after the deepest of them."""
     wanted, deepest, captured = set(layers), max(layers), {}
 
     def grab(i, q, k, v):
         if i in wanted:
-            captured[i] = (q.float(), k.float())
+            captured[i] = (q.float(), k.float(), v.float())
         if i == deepest:
             raise _Captured
 
@@ -171,8 +171,8 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
         started = time.perf_counter()
         for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
             group["lr"] = lr * lr_factor(step, cfg)
-        q, k = acts.pop(i)  # frees this layer's activations before the next layer's step
-        loss = layer_loss(feature_maps[i], q, k, cfg)
+        q, k, v = acts.pop(i)  # frees this layer's activations before the next layer's step
+        loss = layer_loss(feature_maps[i], q, k, cfg, v)
         curve = state["layers"][i]["curve"]
         if apply_step(optimizers[i], loss, f"layer{i}: non-finite training loss at streaming step {step}",
                       cfg.skip_nonfinite):
@@ -185,9 +185,8 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
 
 
 def _heldout_value(feature_map, i: int, heldout: HeldOut, cfg, device) -> float:
-    q, k = heldout[i] if isinstance(heldout, dict) else heldout(i)
-    q, k = q.to(device, torch.float32), k.to(device, torch.float32)
-    return heldout_loss(feature_map, q, k, torch.arange(q.shape[0]), cfg)
+    q, k, *v = (t.to(device, torch.float32) for t in (heldout[i] if isinstance(heldout, dict) else heldout(i)))
+    return heldout_loss(feature_map, q, k, torch.arange(q.shape[0]), cfg, v[0] if v else None)
 
 
 def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state) -> None:
@@ -276,22 +275,21 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
 
 
 def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
-    """Held-out q (S, H, L, d), k (S, H_kv, L, d) per layer from held-out token rows (S, L), on CPU.
+    """Held-out q (S, H, L, d), k and v (S, H_kv, L, d) per layer from held-out token rows (S, L), on CPU.
 
     Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``.
     """
     device = next(teacher.parameters()).device
     modules = get_adapter(teacher).attention_modules(teacher)
     parts = [teacher_qk(teacher, modules, rows.to(device), layers) for rows in tokens.split(batch_size)]
-    return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in (0, 1)) for i in layers}
+    return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in range(3)) for i in layers}
 
 
-def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """Held-out q, k per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32).
+def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """Held-out q, k, v per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32).
 
     Only held out when the stream skips the cached tokens first (``BatchStream.discard``).
     """
-    def layer(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = cache.layer(i).torch(slice(-num_seqs, None))
-        return q, k
+    def layer(i: int) -> tuple[torch.Tensor, ...]:
+        return cache.layer(i).torch(slice(-num_seqs, None))
     return layer
