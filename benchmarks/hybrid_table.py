@@ -1,0 +1,113 @@
+"""The README's trained-hybrid comparison: rows over seeds against a training-free baseline run.
+
+``python -m benchmarks.hybrid_table multirun_sweeps/hybrid_seeds --baseline sw4``
+
+Run directories are named ``ROW_sSEED`` (e.g. ``hyb4_out_s1``); each holds a finished run's
+``metrics.json``. For every row it prints the mean over seeds with the half-width of the 95 %
+Student-t interval (``dofla.report.stats.mean_ci``) of: held-out perplexity, the share of the
+baseline→teacher gap in held-out loss the row closes, (L_base − L) / (L_base − L_teacher) (the
+baseline is training-free and deterministic, so its one run serves every seed), the loss the
+linear part gains (``eval.ablate_linear``), and the mean attention error; then the loss by
+position bucket (mean over seeds) and the recall probes of the runs that have them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+from dofla.report.stats import mean_ci
+
+RUN_NAME = re.compile(r"^(?P<row>.+)_s(?P<seed>\d+)$")
+
+
+def load_rows(root: Path) -> dict[str, dict[int, dict]]:
+    """{row: {seed: metrics}} for every ``ROW_sSEED/metrics.json`` under ``root``."""
+    rows: dict[str, dict[int, dict]] = {}
+    for path in sorted(root.glob("*/metrics.json")):
+        match = RUN_NAME.match(path.parent.name)
+        if match:
+            rows.setdefault(match["row"], {})[int(match["seed"])] = json.loads(path.read_text())
+    return rows
+
+
+def fmt(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "–"
+    mean, half = mean_ci(values)
+    return f"{mean:.{digits}g}" if half is None else f"{mean:.{digits}g} ± {half:.2g}"
+
+
+def gap_closed(metrics: dict, base_loss: float) -> float:
+    return (base_loss - metrics["eval/student_loss"]) / (base_loss - metrics["eval/teacher_loss"])
+
+
+def main_table(rows: dict[str, dict[int, dict]], baseline: str) -> str:
+    base = next(iter(rows[baseline].values()))
+    lines = ["| row | seeds | held-out ppl | gap closed (loss) | linear part removed: ppl | loss the linear part gains (nats) "
+             "| mean attention error |", "|---|---|---|---|---|---|---|",
+             f"| teacher | – | {base['eval/teacher_ppl']:.2f} | 100 % | – | – | – |"]
+    for name, runs in rows.items():
+        ms = [runs[s] for s in sorted(runs)]
+        gaps = [100 * gap_closed(m, base["eval/student_loss"]) for m in ms]
+        gains = [m["ablate/student_loss"] - m["eval/student_loss"] for m in ms if "ablate/student_loss" in m]
+        lines.append(f"| {name} | {','.join(map(str, sorted(runs)))} | {fmt([m['eval/student_ppl'] for m in ms], 4)} "
+                     f"| {fmt(gaps, 2)} % | {fmt([m['ablate/student_ppl'] for m in ms if 'ablate/student_ppl' in m], 4)} "
+                     f"| {fmt(gains, 2)} | {fmt([m['eval/attn_error/mean'] for m in ms])} |")
+    return "\n".join(lines)
+
+
+def bucket_key(bucket: str) -> int:
+    return int(bucket.split("-")[0])
+
+
+def position_table(rows: dict[str, dict[int, dict]]) -> str:
+    some = next(m for runs in rows.values() for m in runs.values())
+    buckets = sorted({k.split("/")[2] for k in some if k.startswith("position/teacher/")}, key=bucket_key)
+    if not buckets:
+        return ""
+    lines = ["| position | teacher | " + " | ".join(rows) + " |", "|---" * (len(rows) + 2) + "|"]
+    for b in buckets:
+        teacher = math.exp(some[f"position/teacher/{b}"])
+        cells = []
+        for runs in rows.values():
+            losses = [m[f"position/student/{b}"] for m in runs.values() if f"position/student/{b}" in m]
+            ppl = math.exp(sum(losses) / len(losses)) if losses else float("nan")
+            cells.append(f"{ppl:.2f} ({ppl / teacher:.2f}×)")
+        lines.append(f"| [{b.replace('-', ', ')}) | {teacher:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def probe_table(rows: dict[str, dict[int, dict]]) -> str:
+    probed = {name: m for name, runs in rows.items() for m in runs.values() if any(k.startswith("passkey/") for k in m)}
+    if not probed:
+        return ""
+    some = next(iter(probed.values()))
+    keys = sorted((k.split("/", 2)[::2] for k in some if k.startswith(("passkey/student/", "mqar/student/"))),
+                  key=lambda pk: (pk[0], int(pk[1][1:])))
+    lines = ["| probe | teacher | " + " | ".join(probed) + " |", "|---" * (len(probed) + 2) + "|"]
+    for probe, length in keys:
+        cells = [f"{m.get(f'{probe}/student/{length}', float('nan')):.2f}" for m in probed.values()]
+        lines.append(f"| {probe} {length} | {some[f'{probe}/teacher/{length}']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("root", help="directory of ROW_sSEED run directories")
+    parser.add_argument("--baseline", default="sw4", help="the training-free row the gap is measured from")
+    args = parser.parse_args(argv)
+    rows = load_rows(Path(args.root))
+    if args.baseline not in rows:
+        raise SystemExit(f"no run {args.baseline}_s0 (or other seed) with metrics.json under {args.root}; "
+                         "name the baseline row with --baseline")
+    print(main_table(rows, args.baseline))
+    for text in (position_table(rows), probe_table(rows)):
+        if text:
+            print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
