@@ -165,17 +165,23 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
     return loss.to(q.dtype) if scale == "row_max" else loss
 
 
-def _l2_rows(log_q, log_k, s, causal, window, sinks) -> torch.Tensor:
-    """Σ_j (p_ij − p̂_ij)² per row, mean over rows; p, p̂ normalised over the visible keys."""
+def _attention_rows(log_q, log_k, s, causal, window, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, p̂) (B, H, L, L): teacher and student attention rows, each normalised over the keys the
+    row sees (a hybrid's p̂ includes its exact window/sink part), 0 on hidden keys."""
     if window > 0:
         student, visible = _hybrid_student(log_q, log_k, s, causal, window, sinks)
         p_hat = torch.softmax(student, dim=-1)
     else:
         visible, _ = _masks(s.shape[-1], causal, window, s.device)
         log_kernel, log_norm = _student(log_q, log_k, causal, window)
-        p_hat = torch.exp(log_kernel - log_norm)
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.where(visible, p - p_hat, 0.0).pow(2).sum(-1).mean()
+        p_hat = torch.exp(log_kernel - log_norm).masked_fill(~visible, 0.0)
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1), p_hat
+
+
+def _l2_rows(log_q, log_k, s, causal, window, sinks) -> torch.Tensor:
+    """Σ_j (p_ij − p̂_ij)² per row, mean over rows."""
+    p, p_hat = _attention_rows(log_q, log_k, s, causal, window, sinks)
+    return (p - p_hat).pow(2).sum(-1).mean()
 
 
 @LOSSES.register("output")
@@ -193,15 +199,8 @@ def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: 
     if v is None:
         raise ValueError("loss 'output' compares attention outputs and needs the teacher's values v")
     _check_sinks(window, sinks)
-    s = teacher_logits(q, k, softcap)
-    if window > 0:
-        student, visible = _hybrid_student(log_q, log_k, s, causal, window, sinks)
-        p_hat = torch.softmax(student, dim=-1)
-    else:
-        visible, _ = _masks(s.shape[-1], causal, window, s.device)
-        log_kernel, log_norm = _student(log_q, log_k, causal, window)
-        p_hat = torch.exp(log_kernel - log_norm).masked_fill(~visible, 0.0)
-    y = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    p, p_hat = _attention_rows(log_q, log_k, teacher_logits(q, k, softcap), causal, window, sinks)
+    y = p @ v
     return (p_hat @ v - y).pow(2).sum() / y.pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
 
 
