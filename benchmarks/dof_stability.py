@@ -153,11 +153,16 @@ def _layers(cache, indices: list[int], num_tokens: int | None):
         yield i, q, k
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--cache DIR`` or ``--run RUN_DIR`` (exactly one): where the activation cache is."""
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--cache", help="activation cache directory (holds meta.json and layer_*_q.npy)")
     where.add_argument("--run", help="a finished run directory whose run.json names the cache")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    cache_arguments(parser)
     parser.add_argument("--samples", default="256,512,1024,2048", help="J values, comma-separated")
     parser.add_argument("--resamples", type=int, default=6, help="R, J-samples per setting")
     parser.add_argument("--large", type=int, default=2048, help="J from which --large-resamples applies")

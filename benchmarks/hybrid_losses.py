@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.dof_stability import _cache_dir
+from benchmarks.dof_stability import _cache_dir, cache_arguments
 from dofla.attention.hybrid import hybrid_attention_naive
 from dofla.attention.naive import linear_attention_naive, softmax_attention
 from dofla.feature_maps import build_feature_map
@@ -76,9 +76,7 @@ def table(rows: dict[int, dict], losses: list[str], window: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--cache", help="activation cache directory (holds meta.json and layer_*_q.npy)")
-    where.add_argument("--run", help="a finished run directory whose run.json names the cache")
+    cache_arguments(parser)
     parser.add_argument("--layers", default="0,7,13,25", help="layer indices, comma-separated")
     parser.add_argument("--losses", default="output,softmax,l2rows", help=f"of {', '.join(LOSS_SPECS)}")
     parser.add_argument("--window", type=int, default=64, help="hybrid window (0: pure linear attention)")
