@@ -5,8 +5,9 @@
 Run directories are named ``ROW_sSEED`` (e.g. ``hyb4_out_s1``); each holds a finished run's
 ``metrics.json``. For every row it prints the mean over seeds with the half-width of the 95 %
 Student-t interval (``dofla.report.stats.mean_ci``) of: held-out perplexity, the share of the
-baseline→teacher gap in held-out loss the row closes, (L_base − L) / (L_base − L_teacher) (the
-baseline is training-free and deterministic, so its one run serves every seed), the loss the
+baseline→teacher gap in held-out loss the row closes, (L_base − L) / (L_base − L_teacher) (paired
+by seed; a training-free baseline is deterministic, so its one run serves every seed; ``--teacher
+ROW`` puts a row, e.g. the teacher with the same LoRA fine-tune, in the teacher's place), the loss the
 linear part gains (``eval.ablate_linear``), and the mean attention error; then the loss by
 position bucket (mean over seeds) and the recall probes of the runs that have them.
 """
@@ -40,18 +41,33 @@ def fmt(values: list[float], digits: int = 3) -> str:
     return f"{mean:.{digits}g}" if half is None else f"{mean:.{digits}g} ± {half:.2g}"
 
 
-def gap_closed(metrics: dict, base_loss: float) -> float:
-    return (base_loss - metrics["eval/student_loss"]) / (base_loss - metrics["eval/teacher_loss"])
+def gap_closed(metrics: dict, base_loss: float, teacher_loss: float | None = None) -> float:
+    """(L_base − L) / (L_base − L_teacher); L_teacher: the run's own teacher unless given."""
+    teacher_loss = metrics["eval/teacher_loss"] if teacher_loss is None else teacher_loss
+    return (base_loss - metrics["eval/student_loss"]) / (base_loss - teacher_loss)
 
 
-def main_table(rows: dict[str, dict[int, dict]], baseline: str) -> str:
+def row_loss(runs: dict[int, dict], seed: int) -> float:
+    """A reference row's student loss at ``seed``, or its mean over seeds when it lacks that seed
+    (a training-free row is deterministic: one run serves every seed)."""
+    if seed in runs:
+        return runs[seed]["eval/student_loss"]
+    return sum(m["eval/student_loss"] for m in runs.values()) / len(runs)
+
+
+def main_table(rows: dict[str, dict[int, dict]], baseline: str, teacher: str | None = None) -> str:
+    """``teacher``: a row standing in for the teacher (e.g. the teacher with the same fine-tune),
+    paired by seed like ``baseline``; None: each run's own teacher."""
     base = next(iter(rows[baseline].values()))
-    lines = ["| row | seeds | held-out ppl | gap closed (loss) | linear part removed: ppl | loss the linear part gains (nats) "
-             "| mean attention error |", "|---|---|---|---|---|---|---|",
-             f"| teacher | – | {base['eval/teacher_ppl']:.2f} | 100 % | – | – | – |"]
+    top = "the teacher" if teacher is None else f"`{teacher}`"
+    lines = [f"| row | seeds | held-out ppl | gap `{baseline}` → {top} closed (loss) | linear part removed: ppl "
+             "| loss the linear part gains (nats) | mean attention error |", "|---|---|---|---|---|---|---|",
+             f"| teacher | – | {base['eval/teacher_ppl']:.2f} | – | – | – | – |"]
     for name, runs in rows.items():
-        ms = [runs[s] for s in sorted(runs)]
-        gaps = [100 * gap_closed(m, base["eval/student_loss"]) for m in ms]
+        seeds = sorted(runs)
+        ms = [runs[s] for s in seeds]
+        gaps = [100 * gap_closed(runs[s], row_loss(rows[baseline], s), None if teacher is None else
+                                 row_loss(rows[teacher], s)) for s in seeds]
         gains = [m["ablate/student_loss"] - m["eval/student_loss"] for m in ms if "ablate/student_loss" in m]
         lines.append(f"| {name} | {','.join(map(str, sorted(runs)))} | {fmt([m['eval/student_ppl'] for m in ms], 4)} "
                      f"| {fmt(gaps, 2)} % | {fmt([m['ablate/student_ppl'] for m in ms if 'ablate/student_ppl' in m], 4)} "
@@ -97,13 +113,16 @@ def probe_table(rows: dict[str, dict[int, dict]]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("root", help="directory of ROW_sSEED run directories")
-    parser.add_argument("--baseline", default="sw4", help="the training-free row the gap is measured from")
+    parser.add_argument("--baseline", default="sw4", help="the row the gap is measured from")
+    parser.add_argument("--teacher", default=None,
+                        help="a row that stands in for the teacher (default: each run's own teacher)")
     args = parser.parse_args(argv)
     rows = load_rows(Path(args.root))
-    if args.baseline not in rows:
-        raise SystemExit(f"no run {args.baseline}_s0 (or other seed) with metrics.json under {args.root}; "
-                         "name the baseline row with --baseline")
-    print(main_table(rows, args.baseline))
+    for option, row in (("--baseline", args.baseline), ("--teacher", args.teacher)):
+        if row is not None and row not in rows:
+            raise SystemExit(f"no run {row}_s0 (or other seed) with metrics.json under {args.root}; "
+                             f"name the row with {option}")
+    print(main_table(rows, args.baseline, args.teacher))
     for text in (position_table(rows), probe_table(rows)):
         if text:
             print("\n" + text)

@@ -45,3 +45,19 @@ def test_gap_closed_and_rows_over_seeds(tmp_path, capsys):
     assert "| hyb |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--baseline"):
         main([str(tmp_path), "--baseline", "sw4"])
+    with pytest.raises(SystemExit, match="--teacher"):
+        main([str(tmp_path), "--baseline", "base", "--teacher", "teacher_lora"])
+
+
+def test_a_row_stands_in_for_the_teacher_paired_by_seed(tmp_path):
+    """Baseline and teacher rows with seeds: each seed is compared with the same seed's references."""
+    for seed, (base, top, row) in enumerate([(3.0, 2.0, 2.5), (3.2, 2.2, 2.2)]):
+        _write(tmp_path, f"base_s{seed}", base)
+        _write(tmp_path, f"top_s{seed}", top)
+        _write(tmp_path, f"row_s{seed}", row)
+    _write(tmp_path, "row_s2", 2.5)  # no references at seed 2: their means over seeds (3.1, 2.1)
+    table = main_table(load_rows(tmp_path), "base", "top")
+    row = next(line for line in table.splitlines() if line.startswith("| row | 0"))
+    # seed 0: 50 %, seed 1: 100 %, seed 2: (3.1 − 2.5) / (3.1 − 2.1) = 60 % → mean 70
+    assert "| 0,1,2 |" in row and "| 70 ± " in row
+    assert "gap `base` → `top` closed" in table
