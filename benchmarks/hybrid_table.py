@@ -70,7 +70,7 @@ def main_table(rows: dict[str, dict[int, dict]], baseline: str, teacher: str | N
                                  row_loss(rows[teacher], s)) for s in seeds]
         gains = [m["ablate/student_loss"] - m["eval/student_loss"] for m in ms if "ablate/student_loss" in m]
         lines.append(f"| {name} | {','.join(map(str, sorted(runs)))} | {fmt([m['eval/student_ppl'] for m in ms], 4)} "
-                     f"| {fmt(gaps, 2)} % | {fmt([m['ablate/student_ppl'] for m in ms if 'ablate/student_ppl' in m], 4)} "
+                     f"| {fmt(gaps, 3)} % | {fmt([m['ablate/student_ppl'] for m in ms if 'ablate/student_ppl' in m], 4)} "
                      f"| {fmt(gains, 2)} | {fmt([m['eval/attn_error/mean'] for m in ms])} |")
     return "\n".join(lines)
 
