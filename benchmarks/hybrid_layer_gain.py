@@ -68,8 +68,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
 
+    from transformers import AutoTokenizer
+
     from dofla.models import load_student
-    from dofla.models.loading import load_teacher
     from dofla.pipeline import load_data
 
     run = Path(args.run)
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
     student = load_student(run / "student")
     if not any(a.mode == "hybrid" for a in student.student_attentions()):
         raise SystemExit(f"{run} holds no hybrid student (attention=hybrid); nothing to ablate")
-    _, tokenizer = load_teacher(cfg.model.source)
+    tokenizer = AutoTokenizer.from_pretrained(run / "student")  # saved with the student: no teacher load
     heldout = load_data(cfg, tokenizer, train_tokens=cfg.data.seq_len)[1][: args.seqs]
     start = time.perf_counter()
     text = (f"Held-out loss of {run} ({args.seqs} × {cfg.data.seq_len} held-out tokens) with one layer's linear "

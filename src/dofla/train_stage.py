@@ -165,9 +165,12 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     if source == "stream":
         return _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta)
     from dofla.train import run_layerwise
+    from dofla.train.layerwise import needs_values
+
+    values = needs_values(train_cfg.loss)  # only the output loss reads v
 
     def activations(i: int):
-        return cache.layer(i).torch()
+        return cache.layer(i).torch(values=values)
 
     if distributed.world() == 1:
         return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)

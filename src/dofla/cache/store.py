@@ -56,9 +56,10 @@ class LayerActivations:
     k: np.ndarray
     v: np.ndarray
 
-    def torch(self, indices=slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """float32 tensors for the selected sequences."""
-        return tuple(torch.from_numpy(np.asarray(a[indices], dtype=np.float32)) for a in (self.q, self.k, self.v))
+    def torch(self, indices=slice(None), values: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """float32 (q, k, v) for the selected sequences; v is None (not read) unless ``values``."""
+        read = lambda a: torch.from_numpy(np.asarray(a[indices], dtype=np.float32))  # noqa: E731
+        return read(self.q), read(self.k), read(self.v) if values else None
 
 
 class ActivationCache:

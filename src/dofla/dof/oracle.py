@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from dofla.dof.measured import allocate_measured, fit_monotone, measure_layer_curve, rank_correlation
 from dofla.feature_maps import build_layer_feature_map
 from dofla.record import read_json, write_json
+from dofla.train.layerwise import needs_values
 
 
 def sensitivity(curve_losses: list[float]) -> float:
@@ -40,7 +41,7 @@ def measured_curves(cfg, cache, geometry, train_cfg, layers: list[int], path: Pa
             continue
         acts = cache.layer(i)
         seqs = acts.q.shape[0] if a.num_tokens is None else max(2, -(-a.num_tokens // acts.q.shape[2]))
-        q, k, v = acts.torch(slice(None, seqs))
+        q, k, v = acts.torch(slice(None, seqs), values=needs_values(train_cfg.loss))
 
         def make(m: int, layer: int = i):
             return build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim, m,

@@ -97,7 +97,8 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     loss_fn = LOSSES.get(cfg.loss)
-    if needs_values(cfg.loss):
+    values = needs_values(cfg.loss)
+    if values:
         if v is None:
             raise ValueError(f"loss {cfg.loss!r} compares attention outputs; pass the teacher's values v")
         v = v.repeat_interleave(group, dim=1)
@@ -107,7 +108,7 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
         extra = {"sinks": cfg.sinks} if cfg.sinks else {}
         if cfg.softcap is not None:
             extra["softcap"] = cfg.softcap
-        if needs_values(cfg.loss):
+        if values:
             extra["v"] = v if heads is None else v[:, heads]
         loss = loss_fn(block.log_features(qb), block.log_features(kb), qb, kb, window=cfg.window,
                        **extra, **cfg.loss_options)

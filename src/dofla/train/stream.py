@@ -28,7 +28,8 @@ from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
 from dofla.models.capture import capturing
-from dofla.train.layerwise import LayerTrainConfig, apply_step, heldout_loss, layer_loss, lr_factor, param_groups
+from dofla.train.layerwise import (LayerTrainConfig, apply_step, heldout_loss, layer_loss, lr_factor, needs_values,
+                                   param_groups)
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
 HeldOut = Union[dict, Callable[[int], tuple]]
@@ -60,14 +61,14 @@ def total_steps(num_tokens: int, steps: int | None, batch_tokens: int) -> int:
 
 
 @torch.no_grad()
-def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int]) -> dict[int, tuple]:
-    """{layer: (q (B, H, L, d), k (B, H_kv, L, d), v (B, H_kv, L, d))} in fp32 for ``layers``;
-    the forward stops right after the deepest of them."""
+def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int], values: bool = False) -> dict[int, tuple]:
+    """{layer: (q (B, H, L, d), k (B, H_kv, L, d), v (B, H_kv, L, d) or None unless ``values``)} in
+    fp32 for ``layers``; the forward stops right after the deepest of them."""
     wanted, deepest, captured = set(layers), max(layers), {}
 
     def grab(i, q, k, v):
         if i in wanted:
-            captured[i] = (q.float(), k.float(), v.float())
+            captured[i] = (q.float(), k.float(), v.float() if values else None)
         if i == deepest:
             raise _Captured
 
@@ -164,7 +165,7 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
     """One teacher forward, then one loss and one Adam step per active layer; the finite losses."""
     step, active = state["step"], _active(state)
     started = time.perf_counter()
-    acts = teacher_qk(teacher, modules, ids, active)
+    acts = teacher_qk(teacher, modules, ids, active, values=needs_values(cfg.loss))
     state["teacher_seconds"] += time.perf_counter() - started
     losses = []
     for i in active:
@@ -281,7 +282,7 @@ def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size
     """
     device = next(teacher.parameters()).device
     modules = get_adapter(teacher).attention_modules(teacher)
-    parts = [teacher_qk(teacher, modules, rows.to(device), layers) for rows in tokens.split(batch_size)]
+    parts = [teacher_qk(teacher, modules, rows.to(device), layers, values=True) for rows in tokens.split(batch_size)]
     return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in range(3)) for i in layers}
 
 
