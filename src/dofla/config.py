@@ -89,9 +89,10 @@ class TrainConfig:
     layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
     layer_dir: Optional[str] = None  # layer artifacts (None: <run>/layers); share it across parallel jobs
     direct_batch_size: int = 1
-    # where layerwise training reads teacher activations: cache (all of data.num_tokens on disk),
-    # stream (a fresh teacher forward per step, one pass over data.num_tokens), auto (stream when
-    # the cache would exceed cache_limit_gb)
+    # where training reads its data: cache (all of data.num_tokens on disk; direct: train.steps
+    # random rows of them), stream (one pass over data.num_tokens of fresh text: layerwise runs a
+    # teacher forward per step, direct a student forward), auto (stream when caching every token's
+    # activations would exceed cache_limit_gb)
     source: str = "auto"
     cache_limit_gb: float = 4.0
     max_steps: Optional[int] = None  # stream: stop after this many steps even if tokens remain

@@ -210,7 +210,10 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
 def data_budget(data: dict, summaries: dict) -> dict:
     """``train/tokens``: distinct distillation tokens the features saw (the cached tokens, or the
     tokens streamed); ``cache/bytes``: the activation cache's size on disk (0 without a cache)."""
-    streamed = [s["tokens"] for s in summaries.values() if isinstance(s, dict) and "tokens" in s]
+    if "settings" in summaries:  # direct training's marker: one count for the whole student
+        streamed = [summaries["tokens"]] if "tokens" in summaries else []
+    else:  # layerwise: per layer (a streamed layer stopped early by patience saw fewer)
+        streamed = [s["tokens"] for s in summaries.values() if isinstance(s, dict) and "tokens" in s]
     tokens = max(streamed) if streamed else (data["train_tokens"].numel() if data["source"] == "cache" else 0)
     cache = data["cache"]
     return {"train/tokens": int(tokens), "cache/bytes": int(cache.nbytes()) if cache is not None else 0}

@@ -31,11 +31,9 @@ def linear_layers(cfg: RunConfig, geometry) -> list[int]:
 
 def train_source(cfg: RunConfig, predicted_cache_bytes: int) -> str:
     """``cache`` or ``stream``: ``train.source``, or for ``auto`` stream when caching every
-    distillation token would exceed ``train.cache_limit_gb`` (direct training always reads tokens)."""
+    distillation token would exceed ``train.cache_limit_gb``."""
     if cfg.train.source != "auto":
         return cfg.train.source
-    if cfg.loss.name == "direct":
-        return "cache"
     return "stream" if predicted_cache_bytes > cfg.train.cache_limit_gb * 2**30 else "cache"
 
 
@@ -73,11 +71,14 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
     rate = teacher_tokens_per_second(teacher, L)
     why = {"auto": f"train.source=auto, limit {cfg.train.cache_limit_gb:g} GB"}.get(cfg.train.source,
                                                                                    f"train.source={source}")
-    print(f"dofla: training reads {'a stream of fresh' if source == 'stream' else 'cached'} teacher activations "
+    what = ("a stream of fresh token batches (end to end)" if cfg.loss.name == "direct" and source == "stream" else
+            f"{'a stream of fresh' if source == 'stream' else 'cached'} teacher activations")
+    print(f"dofla: training reads {what} "
           f"({why}); caching all {cfg.data.num_tokens:,} tokens would take {full / 2**30:.2f} GB, this run caches "
           f"{cached_tokens(cfg, source):,} tokens ({kept / 2**30:.2f} GB); the teacher runs at ≈ {rate:,.0f} tokens/s "
           f"here, so its passes over {cfg.data.num_tokens:,} tokens take ≈ {cfg.data.num_tokens / rate / 60:.1f} min"
-          + (" (plus every layer's loss and update per step)" if source == "stream" else ""), flush=True)
+          + (" (plus every layer's loss and update per step)" if source == "stream" and cfg.loss.name != "direct"
+             else ""), flush=True)
     return source
 
 
@@ -157,7 +158,9 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     if distributed.is_main():  # tells a human what the hash directory's name stands for
         write_json(directory / "settings.json", settings)
     if cfg.loss.name == "direct":
-        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings)
+        data = training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel()) \
+            if source == "stream" else train_tokens
+        return _train_direct(cfg, dims, teacher, data, directory, meta, settings)
     if not layers:
         return {}
     feature_maps = build_feature_maps(cfg, geometry, dims)
@@ -180,22 +183,33 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
 
 
-def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta) -> dict:
-    """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
+def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int):
+    """The data source's train text as (batch_size, data.seq_len) batches, after skipping the first
+    ``skip_tokens`` (the activation cache's sample, which so stays held out)."""
     from dofla.data.stream import source_stream
-    from dofla.train.stream import cache_heldout, run_streaming
 
-    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, cfg.train.batch_size,
-                            cfg.data.seq_len)
-    cached_seqs = cache.layer(0).q.shape[0]
-    batches.discard(cached_seqs * cfg.data.seq_len)  # the cached sample stays held out
-    held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
-    heldout = cache_heldout(cache, num_seqs=held)
-    batch_tokens = cfg.train.batch_size * cfg.data.seq_len
+    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, batch_size, cfg.data.seq_len)
+    batches.discard(skip_tokens)
+    return batches
+
+
+def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:
+    """One pass over ``data.num_tokens`` (at least one step), or ``train.max_steps`` if smaller."""
     steps = cfg.data.num_tokens // batch_tokens
     if cfg.train.max_steps is not None:
         steps = min(steps, cfg.train.max_steps)
-    kwargs = dict(num_tokens=cfg.data.num_tokens, steps=max(1, steps))
+    return max(1, steps)
+
+
+def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta) -> dict:
+    """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
+    from dofla.train.stream import cache_heldout, run_streaming
+
+    cached_seqs = cache.layer(0).q.shape[0]
+    batches = training_stream(cfg, tokenizer, cfg.train.batch_size, cached_seqs * cfg.data.seq_len)
+    held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
+    heldout = cache_heldout(cache, num_seqs=held)
+    kwargs = dict(num_tokens=cfg.data.num_tokens, steps=stream_steps(cfg, batches.batch_tokens))
     if distributed.world() > 1:
         run_streaming(teacher, batches, feature_maps, distributed.mine(layers), train_cfg, heldout, directory,
                       meta, **kwargs)
@@ -211,8 +225,11 @@ def _trainable(attn) -> bool:
     return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
 
 
-def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict) -> dict:
-    """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies."""
+def _train_direct(cfg, dims, teacher, data, directory: Path, meta: dict, settings: dict) -> dict:
+    """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies.
+
+    ``data``: the train tokens (S, L) (``train.steps`` steps of random rows), or a ``BatchStream``
+    (one pass over ``data.num_tokens``). ``direct_done.json`` records the tokens trained on."""
     from dofla.artifacts import artifact_problem, save_artifact
     from dofla.train import train_direct
 
@@ -226,14 +243,18 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict,
             for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
         return marker
     dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
-    curve = train_direct(student, train_tokens, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
+    streamed = not isinstance(data, torch.Tensor)
+    if streamed:
+        dcfg = replace(dcfg, steps=stream_steps(cfg, data.batch_tokens))
+    curve = train_direct(student, data, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
+    tokens = len(curve) * data.batch_tokens if streamed else data.numel()
     if distributed.is_main():  # under torchrun every rank holds the same features
         for i, attn in enumerate(student.student_attentions()):
             if attn.feature_map is None:  # a teacher sliding-window layer: kept exact, nothing trained
                 continue
             save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
                                                              "curve": curve}, _layer_meta(meta, i, attn))
-        write_json(done, {"settings": settings, "steps": len(curve), "curve": curve})
+        write_json(done, {"settings": settings, "steps": len(curve), "tokens": tokens, "curve": curve})
     distributed.barrier()
     return read_json(done)
 

@@ -113,9 +113,6 @@ def _validate_scale(cfg: RunConfig) -> None:
     """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
     t, a = cfg.train, cfg.allocation
     _one_of("train.source", t.source, TRAIN_SOURCES)
-    _require(not (t.source == "stream" and cfg.loss.name == "direct"),
-             "train.source=stream streams layerwise training; loss=direct trains end to end from tokens, "
-             "use train.source=cache (or auto) with it")
     _positive("train.cache_limit_gb", t.cache_limit_gb)
     if t.max_steps is not None:
         _positive("train.max_steps", t.max_steps)

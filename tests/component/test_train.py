@@ -7,7 +7,8 @@ import torch
 from dofla.eval import layer_attention_error
 from dofla.feature_maps import build_feature_map
 from dofla.models import convert
-from dofla.models.tiny import build_tiny_model
+from dofla.data.stream import BatchStream
+from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train import (
     LayerTrainConfig,
     NonFiniteLossError,
@@ -136,6 +137,32 @@ def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch):
     monkeypatch.undo()
     student = _tiny_student()
     assert train_direct(student, _tokens(), cfg, checkpoint_path=ckpt) == full
+    expected = full_student.state_dict()
+    assert all(torch.equal(t, expected[n]) for n, t in student.state_dict().items())
+
+
+def _stream(batch_size=2, seq_len=24):
+    texts = [f"chapter {i}: the quick brown fox jumps over the lazy dog, and the dog sleeps on" for i in range(30)]
+    return BatchStream(lambda: iter(texts), build_byte_tokenizer(), batch_size, seq_len)
+
+
+def test_direct_training_on_a_stream_takes_each_fresh_batch_once_and_resumes(tmp_path, monkeypatch):
+    cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2, checkpoint_every=3)
+    stream, full_student = _stream(), _tiny_student()
+    full = train_direct(full_student, stream, cfg)
+    assert len(full) == 6 and stream.position == 6  # six batches served, in order, none twice
+    first = _stream().next_batch()  # step 0's loss is the untrained student's loss on the first batch
+    with torch.no_grad():
+        assert full[0]["loss"] == pytest.approx(_tiny_student()(input_ids=first, labels=first).loss.item(), rel=1e-6)
+    ckpt = tmp_path / "direct.ckpt"
+    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    with pytest.raises(Killed):
+        train_direct(_tiny_student(), _stream(), cfg, checkpoint_path=ckpt)
+    monkeypatch.undo()
+    assert torch.load(ckpt, weights_only=False)["data"]["position"] == 3  # the stream's place is saved
+    student, resumed_stream = _tiny_student(), _stream()
+    assert train_direct(student, resumed_stream, cfg, checkpoint_path=ckpt) == full
+    assert resumed_stream.position == 6
     expected = full_student.state_dict()
     assert all(torch.equal(t, expected[n]) for n, t in student.state_dict().items())
 

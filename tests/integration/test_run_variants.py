@@ -73,6 +73,26 @@ def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     assert _metrics(run_dir) == _metrics(baseline)
 
 
+DIRECT_STREAM = ["loss=direct", "train.source=stream", "data.num_tokens=1024", "data.cache_tokens=256",
+                 "train.direct_batch_size=2", "train.checkpoint_every=2"]
+
+
+def test_direct_training_streams_one_pass_and_resumes_after_a_kill(tmp_path):
+    baseline, result = _run(tmp_path, *DIRECT_STREAM, name="baseline")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "a stream of fresh token batches (end to end)" in result.stdout
+    metrics = _metrics(baseline)
+    batch_tokens = 2 * 64  # train.direct_batch_size 2 × smoke_tiny's seq_len 64
+    assert metrics["train/tokens"] == (1024 // batch_tokens) * batch_tokens
+    done = json.loads(next((baseline / "layers").glob("direct_done.json")).read_text())
+    assert done["steps"] == 1024 // batch_tokens and done["tokens"] == metrics["train/tokens"]
+    run_dir, killed = _run(tmp_path, *DIRECT_STREAM, env={"DOFLA_KILL_AT": "train:direct:step5"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir, resumed = _run(tmp_path, *DIRECT_STREAM)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _metrics(run_dir) == metrics
+
+
 def test_measured_allocation_shares_the_budget_by_measured_curves(tmp_path):
     run_dir, result = _run(tmp_path, "allocation=measured", "allocation.measured_dims=[4,16,48]",
                            "allocation.measured_steps=3", "budget=absolute", "budget.value=24",

@@ -3,6 +3,10 @@
 Only feature-map parameters train; the teacher's weights stay frozen. Uses the layerwise
 trainer's config (steps, batch size, learning rates, warm-up, seed) and is checkpointed like it,
 so a killed run resumes exactly.
+
+Batches come either from a token tensor (rows drawn at random, with replacement, for ``cfg.steps``
+steps: ``RandomRows``) or from a ``BatchStream`` of fresh text (one pass, ``train.source=stream``);
+both are resumable, their position is part of the checkpoint.
 """
 from __future__ import annotations
 
@@ -31,46 +35,72 @@ def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
     return groups
 
 
-def train_direct(student, tokens: torch.Tensor, cfg: LayerTrainConfig,
-                 checkpoint_path: Path | None = None, meta: dict | None = None) -> list[dict]:
-    """Next-token training of the student's feature maps on ``tokens`` (S, L); returns the curve.
+class RandomRows:
+    """(B, L) batches of ``tokens`` (S, L) rows drawn at random with replacement (seeded), with the
+    ``BatchStream`` interface: ``next_batch()``, ``state()``, ``restore(state)``."""
 
-    The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
+    def __init__(self, tokens: torch.Tensor, batch_size: int, seed: int):
+        self.tokens, self.batch_size = tokens, batch_size
+        self.batch_tokens = batch_size * tokens.shape[1]
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> torch.Tensor:
+        return self.tokens[torch.randint(self.tokens.shape[0], (self.batch_size,), generator=self.generator)]
+
+    def state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path | None = None,
+                 meta: dict | None = None) -> list[dict]:
+    """Next-token training of the student's feature maps; returns the curve.
+
+    ``tokens``: a (S, L) tensor (``cfg.steps`` steps of ``cfg.batch_size`` random rows), or a batch
+    source like ``RandomRows`` (``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``) such
+    as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint records ``meta`` (the settings)
+    and the source's position; one written with other settings is ignored.
     """
     groups = feature_param_groups(student, cfg)
     if not groups or cfg.steps == 0:
         return []
+    batches = RandomRows(tokens, cfg.batch_size, cfg.seed + 1) if isinstance(tokens, torch.Tensor) else tokens
     optimizer = torch.optim.Adam(groups, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    device = next(student.parameters()).device
     step, curve = 0, []
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
         student.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
-        generator.set_state(ckpt["generator"])
+        batches.restore(ckpt["data"] if "data" in ckpt else ckpt["generator"])  # "generator": before streaming
         step, curve = ckpt["step"], ckpt["curve"]
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     # eval mode: the frozen network's dropout would only add noise to the target the features chase
     student.eval()
-    bar = tqdm(range(step, cfg.steps), desc="train (direct)", unit="step", disable=not distributed.is_main())
-    for step in bar:
+    # counted in tokens, so the bar shows tokens done, tokens/s and the ETA
+    bar = tqdm(total=cfg.steps * batches.batch_tokens, initial=step * batches.batch_tokens, desc="train (direct)",
+               unit="tok", unit_scale=True, disable=not distributed.is_main())
+    for step in range(step, cfg.steps):
         kill_point(f"train:direct:step{step}")
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * lr_factor(step, cfg)
-        batch = tokens[torch.randint(tokens.shape[0], (cfg.batch_size,), generator=generator)]
+        batch = batches.next_batch().to(device)
         batch = batch[distributed.rank()::distributed.world()]  # torchrun: this rank's part of the batch
         loss = student(input_ids=batch, labels=batch, use_cache=False).loss
         if apply_step(optimizer, loss, f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
                       data_parallel=True):
             value = distributed.sum_across([loss.item()])[0] / distributed.world()  # the whole batch's loss
             curve.append({"step": step, "loss": value})
-            bar.set_postfix(loss=f"{value:.4f}")
+            bar.set_postfix(step=step + 1, loss=f"{value:.4f}")
         else:
             curve.append({"step": step, "loss": None, "skipped": True})
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
             torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
-                               "generator": generator.get_state(), "step": step + 1, "curve": curve,
+                               "data": batches.state(), "step": step + 1, "curve": curve,
                                "meta": meta}, checkpoint_path)
+        bar.update(batches.batch_tokens)
     bar.close()
     return curve
