@@ -98,7 +98,7 @@ def load_artifact(path: Path, meta: dict, quiet: bool = False) -> dict[str, Any]
         if not quiet:
             print(f"dofla: artifact {path} is not usable ({problem}); rebuilding it", flush=True)
         return None
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=False, map_location="cpu")  # GPU-written files load anywhere
 
 
 def load_checkpoint(path: Path | None, meta: dict | None) -> dict[str, Any] | None:
@@ -106,7 +106,7 @@ def load_checkpoint(path: Path | None, meta: dict | None) -> dict[str, Any] | No
     if path is None or not Path(path).exists():
         return None
     try:
-        ckpt = torch.load(path, weights_only=False)
+        ckpt = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as err:  # a damaged checkpoint only costs the steps since the last one
         print(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over", flush=True)
         return None

@@ -163,6 +163,9 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     cache_dir: Optional[str] = None  # activation caches (None: DOFLA_CACHE_DIR or the user cache)
+    # where the teacher, student and feature maps run: auto (the GPU when one is visible, under
+    # torchrun this rank's), cpu, cuda or cuda:N; data and caches stay in host memory
+    device: str = "auto"
     stages: list[str] = field(
         # dof is computed when the allocation policy needs it (dofla.validate.stage_plan); list it to
         # run Algorithm 1 under fix too

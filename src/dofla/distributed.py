@@ -40,6 +40,14 @@ def init() -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
+def device(spec: str = "auto") -> torch.device:
+    """The device the models run on: ``spec`` (``cpu``, ``cuda``, ``cuda:N``), or for ``auto`` the
+    GPU when one is visible (under torchrun this rank's, set by :func:`init`), else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(spec)
+
+
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

@@ -145,6 +145,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     timer = StageTimer()
     with timer("load"):
         teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
+        teacher = teacher.to(distributed.device(cfg.device))  # the student is a copy: it follows
         geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
     train_from = choose_train_source(cfg, plan, geometry, teacher) if distributed.is_main() else None

@@ -170,8 +170,8 @@ def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cach
     from dofla.models import load_student
 
     target, settings = out_dir / "student", student_settings(cfg, cache_key, dims)
-    if model_dir_matches(target, settings):
-        return _with_settings(load_student(target), settings)
+    if model_dir_matches(target, settings):  # loads on the CPU: join the teacher's device
+        return _with_settings(load_student(target).to(next(teacher.parameters()).device), settings)
     if (target / "config.json").exists():
         print(f"dofla: {target} was assembled for other settings; assembling it again", flush=True)
     student = make_student(cfg, teacher, dims)
@@ -219,7 +219,7 @@ def finetune_stage(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Pa
     settings = canonical({"student": getattr(student, "dofla_settings", None),
                           "finetune": asdict(cfg.finetune), "seed": cfg.seed})
     if model_dir_matches(target, settings):
-        return _with_settings(load_student(target), settings)
+        return _with_settings(load_student(target).to(next(student.parameters()).device), settings)
     curve = finetune_lora(student, train_tokens, cfg.finetune, seed=cfg.seed)
     write_json(out_dir / "finetune_curve.json", curve)
     save_model_dir(student, tokenizer, target, settings)

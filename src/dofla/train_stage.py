@@ -163,7 +163,8 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
         return _train_direct(cfg, dims, teacher, data, directory, meta, settings)
     if not layers:
         return {}
-    feature_maps = build_feature_maps(cfg, geometry, dims)
+    device = next(teacher.parameters()).device  # layers train where the teacher runs
+    feature_maps = [None if fm is None else fm.to(device) for fm in build_feature_maps(cfg, geometry, dims)]
     train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
     if source == "stream":
         return _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta)

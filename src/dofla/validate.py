@@ -6,6 +6,7 @@ fails in a second instead of after an hour of caching.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
+    _validate_device(cfg.device)
     _require(cfg.allocation.head_blocks >= 0,
              f"allocation.head_blocks={cfg.allocation.head_blocks} must be ≥ 0 (0: no limit on blocks per layer)")
     for key, value in [
@@ -92,6 +94,19 @@ def validate_config(cfg: RunConfig) -> None:
     stage_plan(cfg)
     _validate_options(cfg)
     _validate_eval(cfg)
+
+
+def _validate_device(device: str) -> None:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, and a GPU only where one is visible."""
+    import torch
+
+    _require(device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(device)) is not None,
+             f"device={device!r} must be auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        index = int(device.partition(":")[2] or 0)
+        _require(index < count, f"device={device} but this machine sees {count} CUDA GPU(s); "
+                 "use device=auto or device=cpu")
 
 
 def _validate_attention(cfg: RunConfig) -> None:

@@ -48,6 +48,8 @@ BAD_BEFORE_MODEL = [
     ({"data__num_tokens": 100, "data__seq_len": 512}, "data.num_tokens"),
     ({"stages": ["cache", "trian"]}, "stages"),
     ({"logger__name": "tensorboard"}, "logger.name"),
+    ({"device": "gpu"}, "device"),
+    ({"device": "cuda:x"}, "device"),
 ]
 
 
@@ -200,3 +202,13 @@ def test_stage_plan_names_the_missing_or_unknown_stage(stages, needle):
     with pytest.raises(ConfigError) as err:
         _stages(stages)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_gpu_the_machine_lacks_is_refused_before_loading():
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last visible GPU
+    with pytest.raises(ConfigError, match="CUDA GPU"):
+        validate_config(_cfg(device=missing))
+    validate_config(_cfg(device="cpu"))
+    validate_config(_cfg(device="auto"))

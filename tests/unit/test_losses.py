@@ -182,3 +182,14 @@ def test_hybrid_softmax_loss_with_sinks_matches_reference(sinks):
     assert not torch.allclose(got, LOSSES.get("softmax")(lq, lk, q, k, window=6), atol=1e-4)
     with pytest.raises(ValueError, match="sinks"):
         LOSSES.get("softmax")(lq, lk, q, k, sinks=2)  # no window: nothing is exact
+
+
+
+def test_module_device_is_where_parameters_or_buffers_live():
+    """layer_loss moves host-memory activations to this device (a GPU is not available to test the move)."""
+    from dofla.train.layerwise import module_device
+
+    assert module_device(build_feature_map("learned_prf", 2, 16, 8).to("meta")).type == "meta"
+    performer = build_feature_map("performer", 2, 16, 8)  # random directions: buffers, no parameters
+    assert not list(performer.parameters()) and module_device(performer.to("meta")).type == "meta"
+    assert module_device(torch.nn.Identity()) == torch.device("cpu")

@@ -37,15 +37,16 @@ def mass_outside_window(teacher, tokens: torch.Tensor, window: int, sinks: int =
     """
     sums: list[float] = []
     rows = 0
+    device = next(teacher.parameters()).device
     for batch in tokens.split(batch_size):
-        layers = capture_qkv(teacher, batch)
+        layers = capture_qkv(teacher, batch.to(device))
         for index, (q, k, _) in enumerate(layers):
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, L, L)
             length = scores.shape[-1]
-            causal = torch.ones(length, length, dtype=torch.bool).tril_()
+            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
             p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-            outside = (p * outside_window_mask(length, window, sinks)).sum(-1)  # (B, H, L)
+            outside = (p * outside_window_mask(length, window, sinks, device)).sum(-1)  # (B, H, L)
             value = outside.mean(1).sum().item()  # heads averaged, rows summed
             if index == len(sums):
                 sums.append(0.0)

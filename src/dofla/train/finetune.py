@@ -32,10 +32,11 @@ def finetune_lora(student, tokens: torch.Tensor, cfg: FinetuneConfig, seed: int 
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     generator = torch.Generator().manual_seed(seed)
+    device = next(student.parameters()).device
     curve = []
     peft_model.train()
     for step in tqdm(range(cfg.steps), desc="finetune (LoRA)", unit="step"):
-        batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch_size,), generator=generator)]
+        batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch_size,), generator=generator)].to(device)
         loss = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -90,10 +90,21 @@ def needs_values(loss: str) -> bool:
     return getattr(LOSSES.get(loss), "needs_values", False)
 
 
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a module's parameters (or, without any, its buffers) live; the CPU for neither."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                v: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, L, d), k and v (B, H_kv, L, d) -> the configured loss (GQA keys and values
-    expanded per group; v is read only by a loss that needs values)."""
+    expanded per group; v is read only by a loss that needs values). The activations move to the
+    feature map's device (they come from a host-memory cache)."""
+    device = module_device(feature_map)
+    q, k = q.to(device), k.to(device)
+    v = None if v is None else v.to(device)
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     loss_fn = LOSSES.get(cfg.loss)
@@ -166,7 +177,7 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
     groups = param_groups(feature_map, cfg)
     initial = heldout_loss(feature_map, q, k, held_idx, cfg, v)
     state = {"step": 0, "curve": [], "best": initial, "best_step": 0, "bad_evals": 0,
-             "best_state": {n: t.clone() for n, t in feature_map.state_dict().items()}}
+             "best_state": cpu_state(feature_map)}
     if not groups or cfg.steps == 0:
         return _result(feature_map, state, initial, start_time)
     optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
@@ -201,13 +212,18 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
     return _result(feature_map, state, initial, start_time)
 
 
+def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the module's state dict in host memory."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()}
+
+
 def _evaluate(feature_map, q, k, v, held_idx, cfg, state) -> bool:
     """Record the held-out loss, keep the best state; True when early stopping triggers."""
     value = heldout_loss(feature_map, q, k, held_idx, cfg, v)
     state["curve"][-1]["heldout_loss"] = value
     if value < state["best"]:
         state.update(best=value, best_step=state["step"], bad_evals=0,
-                     best_state={n: t.clone() for n, t in feature_map.state_dict().items()})
+                     best_state=cpu_state(feature_map))
     else:
         state["bad_evals"] += 1
     return cfg.patience > 0 and state["bad_evals"] >= cfg.patience

@@ -28,8 +28,8 @@ from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
 from dofla.models.capture import capturing
-from dofla.train.layerwise import (LayerTrainConfig, apply_step, heldout_loss, layer_loss, lr_factor, needs_values,
-                                   param_groups)
+from dofla.train.layerwise import (LayerTrainConfig, apply_step, cpu_state, heldout_loss, layer_loss, lr_factor,
+                                   needs_values, param_groups)
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
 HeldOut = Union[dict, Callable[[int], tuple]]
@@ -142,7 +142,7 @@ def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batch
     for i in layers:
         initial = _heldout_value(feature_maps[i], i, heldout, cfg, device)
         per_layer[i] = {"curve": [], "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
-                        "stopped": i not in optimizers, "seconds": 0.0, "best_state": _cpu_state(feature_maps[i])}
+                        "stopped": i not in optimizers, "seconds": 0.0, "best_state": cpu_state(feature_maps[i])}
     return {"step": 0, "tokens": 0, "seconds": 0.0, "teacher_seconds": 0.0, "data": batches.state(),
             "shape": (batches.batch_size, batches.seq_len), "layers": per_layer}
 
@@ -196,14 +196,10 @@ def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state) -> None
     value = _heldout_value(feature_map, i, heldout, cfg, device)
     layer["curve"][-1]["heldout_loss"] = value
     if value < layer["best"]:
-        layer.update(best=value, best_step=state["step"], bad_evals=0, best_state=_cpu_state(feature_map))
+        layer.update(best=value, best_step=state["step"], bad_evals=0, best_state=cpu_state(feature_map))
     else:
         layer["bad_evals"] += 1
         layer["stopped"] = cfg.patience > 0 and layer["bad_evals"] >= cfg.patience
-
-
-def _cpu_state(feature_map) -> dict:
-    return {n: t.detach().to("cpu", copy=True) for n, t in feature_map.state_dict().items()}
 
 
 def _save(path: Path, feature_maps, optimizers, state) -> None:
@@ -213,7 +209,7 @@ def _save(path: Path, feature_maps, optimizers, state) -> None:
 
 
 def _resume(path: Path, feature_maps, optimizers, batches: BatchStream, layers: list[int]) -> dict:
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(path, weights_only=False, map_location="cpu")
     state = ckpt["state"]
     shape = (batches.batch_size, batches.seq_len)
     if tuple(state["shape"]) != shape:
