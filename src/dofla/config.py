@@ -96,6 +96,9 @@ class TrainConfig:
     source: str = "auto"
     cache_limit_gb: float = 4.0
     max_steps: Optional[int] = None  # stream: stop after this many steps even if tokens remain
+    # dtype of the teacher forwards that produce distillation activations (the cache and the stream):
+    # bfloat16 / float16 halve a GPU's teacher time; evaluation always runs the fp32 teacher
+    teacher_dtype: str = "float32"
 
 
 @dataclass

@@ -6,6 +6,7 @@ cache and Algorithm 1's result are shared across runs, keyed by what determines 
 """
 from __future__ import annotations
 
+import copy
 import io
 import time
 from contextlib import contextmanager
@@ -103,7 +104,8 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
 
 
 def _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir):
-    """cache -> dof -> allocate, each only when in ``plan``: (cache or None, DoF or None, dims or None)."""
+    """cache -> dof -> allocate, each only when in ``plan``: (cache or None, DoF or None, dims or None).
+    ``teacher``: the one whose forwards fill the cache (``capture_teacher``)."""
     from dofla import stages
     from dofla.cache import build_or_load_cache
 
@@ -128,7 +130,17 @@ def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None
               "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
     if cfg.model.source.startswith("tiny:"):
         fields["model_seed"], fields["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
+    if cfg.train.teacher_dtype != "float32":
+        fields["teacher_dtype"] = cfg.train.teacher_dtype
     return fields
+
+
+def capture_teacher(teacher, dtype: str):
+    """The teacher whose forwards produce distillation activations: itself in fp32, else a copy in
+    ``dtype`` (the fp32 teacher stays for evaluation and the student)."""
+    if dtype == "float32":
+        return teacher
+    return copy.deepcopy(teacher).to(getattr(torch, dtype))
 
 
 def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
@@ -148,7 +160,9 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         teacher = teacher.to(distributed.device(cfg.device))  # the student is a copy: it follows
         geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
-    train_from = choose_train_source(cfg, plan, geometry, teacher) if distributed.is_main() else None
+    needs_capture = "cache" in plan or "train" in plan
+    capture = capture_teacher(teacher, cfg.train.teacher_dtype) if needs_capture else teacher
+    train_from = choose_train_source(cfg, plan, geometry, capture) if distributed.is_main() else None
     train_from = distributed.broadcast(train_from)
     num_cached = cached_tokens(cfg, train_from)
     with timer("data"):
@@ -157,12 +171,13 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     record.update(cache_key=cache_key(fields), world_size=distributed.world(), stages=plan, train_source=train_from)
     if distributed.is_main():
         write_json(out_dir / "run.json", record)
-    cache, dof, dims = _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir)
+    cache, dof, dims = _prepare(cfg, plan, timer, capture, train_tokens, fields, geometry, out_dir)
     if dims is not None:
         log_allocation(tracker, dof, dims)
     if "train" not in plan and "assemble" not in plan:
         return {}
-    data = {"cache": cache, "geometry": geometry, "dims": dims, "teacher": teacher, "tokenizer": tokenizer,
+    data = {"cache": cache, "geometry": geometry, "dims": dims, "teacher": teacher, "capture": capture,
+            "tokenizer": tokenizer,
             "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"],
             "source": train_from}
     return _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir)
@@ -178,7 +193,8 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
     if "train" in plan:
         with timer("train"):
             summaries = stages.train_stage(cfg, data["cache"], data["geometry"], data["dims"], data["teacher"],
-                                           data["train_tokens"], out_dir, data["tokenizer"], data["source"])
+                                           data["train_tokens"], out_dir, data["tokenizer"], data["source"],
+                                           capture=data["capture"])
         if cfg.loss.name != "direct" and main:
             write_json(out_dir / "train_summary.json", {f"layer_{i:02d}": v for i, v in sorted(summaries.items())})
             log_training(tracker, summaries)

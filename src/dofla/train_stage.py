@@ -116,6 +116,8 @@ def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
     """Everything that determines a layer's trained features (not which job trained it)."""
     skip = ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb")
     train = {k: v for k, v in asdict(cfg.train).items() if k not in skip}
+    if train["teacher_dtype"] == "float32":  # the default: meta as before the key existed
+        del train["teacher_dtype"]
     meta = {"feature_map": asdict(cfg.feature_map), "loss": asdict(cfg.loss), "window": cfg.attention.window,
             "train": train, "seed": cfg.seed, "cache_key": cache_key, "format": ARTIFACT_FORMAT}
     if cfg.attention.sinks:
@@ -148,9 +150,10 @@ def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
 
 
 def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
-                tokenizer=None, source: str = "cache") -> dict:
+                tokenizer=None, source: str = "cache", capture=None) -> dict:
     """Layerwise (l2 / softmax; from the cache or streamed) or end-to-end (direct) feature training
-    of the layers that have feature maps (:func:`linear_layers`)."""
+    of the layers that have feature maps (:func:`linear_layers`). ``capture``: the teacher whose
+    forwards a stream reads (``train.teacher_dtype``; default ``teacher``)."""
     requested = range(len(dims)) if cfg.train.layers is None else cfg.train.layers
     layers = [i for i in requested if i in set(linear_layers(cfg, geometry))]
     meta, settings = artifact_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
@@ -167,7 +170,8 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     feature_maps = [None if fm is None else fm.to(device) for fm in build_feature_maps(cfg, geometry, dims)]
     train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
     if source == "stream":
-        return _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta)
+        return _train_streaming(cfg, cache, capture or teacher, tokenizer, feature_maps, layers, train_cfg,
+                                directory, meta)
     from dofla.train import run_layerwise
     from dofla.train.layerwise import needs_values
 

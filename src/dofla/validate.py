@@ -17,6 +17,7 @@ PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs
 POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 ATTENTIONS = ("linear", "hybrid", "sliding_window")
 TRAIN_SOURCES = ("auto", "cache", "stream")
+TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
 LOSS_NAMES = ("l2", "softmax", "output", "direct")
 GRAM_NORMS = ("none", "J", "trace")
@@ -128,6 +129,7 @@ def _validate_scale(cfg: RunConfig) -> None:
     """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
     t, a = cfg.train, cfg.allocation
     _one_of("train.source", t.source, TRAIN_SOURCES)
+    _one_of("train.teacher_dtype", t.teacher_dtype, TEACHER_DTYPES)
     _positive("train.cache_limit_gb", t.cache_limit_gb)
     if t.max_steps is not None:
         _positive("train.max_steps", t.max_steps)

@@ -208,3 +208,20 @@ def test_fineweb_edu_fails_fast_offline(monkeypatch):
     message = str(err.value)
     assert "HuggingFaceFW/fineweb-edu (sample-10BT)" in message and "offline mode is set" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_capture_teacher_matches_the_fp32_activations(dtype, teacher):
+    """train.teacher_dtype: the copy's q, k, v against the fp32 teacher's (the plain reference)."""
+    from dofla.pipeline import capture_teacher
+
+    fp32 = teacher
+    assert capture_teacher(fp32, "float32") is fp32
+    half = capture_teacher(fp32, dtype)
+    assert next(half.parameters()).dtype == getattr(torch, dtype)
+    assert next(fp32.parameters()).dtype == torch.float32  # a copy: the evaluated teacher stays fp32
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    for want, got in zip(capture_qkv(fp32, ids), capture_qkv(half, ids)):
+        for a, b in zip(want, got):
+            error = (b.float() - a).norm() / a.norm()
+            assert 0 < error < 3e-2, error  # rounded (not the same tensors), yet close

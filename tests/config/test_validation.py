@@ -49,6 +49,7 @@ BAD_BEFORE_MODEL = [
     ({"stages": ["cache", "trian"]}, "stages"),
     ({"logger__name": "tensorboard"}, "logger.name"),
     ({"device": "gpu"}, "device"),
+    ({"train__teacher_dtype": "fp16"}, "train.teacher_dtype"),
     ({"device": "cuda:x"}, "device"),
 ]
 

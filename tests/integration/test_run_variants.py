@@ -8,6 +8,7 @@ import math
 import signal
 
 import pytest
+import torch
 
 from dofla.cache import predict_cache_bytes
 from dofla.models import get_adapter, load_student
@@ -71,6 +72,22 @@ def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     run_dir, resumed = _run(tmp_path, *STREAM)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _metrics(run_dir) == _metrics(baseline)
+
+
+def test_a_bf16_teacher_streams_close_to_the_fp32_one_under_its_own_cache_key(streamed, tmp_path):
+    baseline, _ = streamed
+    run_dir, result = _run(tmp_path, *STREAM, "train.teacher_dtype=bfloat16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys = [json.loads((d / "run.json").read_text())["cache_key"] for d in (baseline, run_dir)]
+    assert keys[0] != keys[1]  # bf16 activations never mix with fp32 ones in a cache
+    meta = torch.load(next((run_dir / "layers").glob("layer_*.pt")), weights_only=False)["meta"]
+    assert meta["train"]["teacher_dtype"] == "bfloat16"
+    fp32_meta = torch.load(next((baseline / "layers").glob("layer_*.pt")), weights_only=False)["meta"]
+    assert "teacher_dtype" not in fp32_meta["train"]  # the default leaves older artifacts valid
+    ours, theirs = _metrics(run_dir), _metrics(baseline)
+    assert ours["eval/teacher_ppl"] == theirs["eval/teacher_ppl"]  # evaluation keeps the fp32 teacher
+    ours, theirs = ours["eval/attn_error/mean"], theirs["eval/attn_error/mean"]
+    assert ours != theirs and ours == pytest.approx(theirs, rel=0.05)  # trained on rounded activations
 
 
 DIRECT_STREAM = ["loss=direct", "train.source=stream", "data.num_tokens=1024", "data.cache_tokens=256",
