@@ -145,7 +145,7 @@ def _log_axes(ax, budgets: list[int]) -> None:
     ax.set_yscale("log")
     ax.set_xticks(budgets, [short_tokens(t) for t in budgets])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
 
