@@ -177,8 +177,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "train" not in plan and "assemble" not in plan:
         return {}
     data = {"cache": cache, "geometry": geometry, "dims": dims, "teacher": teacher, "capture": capture,
-            "tokenizer": tokenizer,
-            "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"],
+            "tokenizer": tokenizer, "train_tokens": train_tokens, "heldout_tokens": heldout_tokens, "cache_key": record["cache_key"],
             "source": train_from}
     return _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir)
 

@@ -161,9 +161,9 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     if distributed.is_main():  # tells a human what the hash directory's name stands for
         write_json(directory / "settings.json", settings)
     if cfg.loss.name == "direct":
-        data = training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel()) \
-            if source == "stream" else train_tokens
-        return _train_direct(cfg, dims, teacher, data, directory, meta, settings)
+        stream = (lambda: training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel())) \
+            if source == "stream" else None
+        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings, stream)
     if not layers:
         return {}
     device = next(teacher.parameters()).device  # layers train where the teacher runs
@@ -230,11 +230,13 @@ def _trainable(attn) -> bool:
     return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
 
 
-def _train_direct(cfg, dims, teacher, data, directory: Path, meta: dict, settings: dict) -> dict:
+def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict,
+                  stream=None) -> dict:
     """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies.
 
-    ``data``: the train tokens (S, L) (``train.steps`` steps of random rows), or a ``BatchStream``
-    (one pass over ``data.num_tokens``). ``direct_done.json`` records the tokens trained on."""
+    Trains on ``train_tokens`` (S, L) (``train.steps`` steps of random rows), or, when ``stream``
+    (a callable making a ``BatchStream``) is given, one pass over ``data.num_tokens`` of it.
+    ``direct_done.json`` records the tokens trained on."""
     from dofla.artifacts import artifact_problem, save_artifact
     from dofla.train import train_direct
 
@@ -248,11 +250,11 @@ def _train_direct(cfg, dims, teacher, data, directory: Path, meta: dict, setting
             for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
         return marker
     dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
-    streamed = not isinstance(data, torch.Tensor)
-    if streamed:
+    data = train_tokens if stream is None else stream()
+    if stream is not None:
         dcfg = replace(dcfg, steps=stream_steps(cfg, data.batch_tokens))
     curve = train_direct(student, data, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
-    tokens = len(curve) * data.batch_tokens if streamed else data.numel()
+    tokens = train_tokens.numel() if stream is None else len(curve) * data.batch_tokens
     if distributed.is_main():  # under torchrun every rank holds the same features
         for i, attn in enumerate(student.student_attentions()):
             if attn.feature_map is None:  # a teacher sliding-window layer: kept exact, nothing trained

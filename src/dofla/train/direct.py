@@ -60,8 +60,9 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
 
     ``tokens``: a (S, L) tensor (``cfg.steps`` steps of ``cfg.batch_size`` random rows), or a batch
     source like ``RandomRows`` (``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``) such
-    as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint records ``meta`` (the settings)
-    and the source's position; one written with other settings is ignored.
+    as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint
+    records ``meta`` (the settings) and the source's position; one written with other settings is
+    ignored.
     """
     groups = feature_param_groups(student, cfg)
     if not groups or cfg.steps == 0:

@@ -6,6 +6,7 @@ held-out sequences of the cache, checkpoints every few steps so a killed run res
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -92,9 +93,8 @@ def needs_values(loss: str) -> bool:
 
 def module_device(module: torch.nn.Module) -> torch.device:
     """Where a module's parameters (or, without any, its buffers) live; the CPU for neither."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
