@@ -89,16 +89,37 @@ def test_decoding_state_does_not_grow(tiny_model):
     assert sizes[0] == sizes[1] > 0
 
 
-def test_prefill_then_decode_equals_full_forward(tiny_model):
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])  # transformers ≥ 5.24 / before
+def test_prefill_then_decode_equals_full_forward(tiny_model, keyword):
     student = convert(tiny_model, feature_map="learned_prf", dims=[7, 3], chunk_size=4)
     ids = _ids(batch=2, length=21)
     with torch.no_grad():
         full = student(ids, use_cache=False).logits
         cache = RecurrentStateCache(2)
-        first = student(ids[:, :13], past_key_values=cache).logits
-        rest = [student(ids[:, t : t + 1], past_key_values=cache).logits for t in range(13, 21)]
+        first = student(ids[:, :13], **{keyword: cache}).logits
+        rest = [student(ids[:, t : t + 1], **{keyword: cache}).logits for t in range(13, 21)]
     stepped = torch.cat([first, *rest], dim=1)
     assert torch.allclose(stepped, full, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 21
+
+
+def test_two_different_caches_are_refused(tiny_model):
+    student = convert(tiny_model, feature_map="performer", dims=[4, 4])
+    with pytest.raises(ValueError, match="pass one"):
+        student(_ids(batch=1, length=3), cache=RecurrentStateCache(2), past_key_values=RecurrentStateCache(2))
+
+
+@pytest.mark.parametrize("attention", ["linear", "hybrid"])
+def test_sampling_with_cache_equals_sampling_without(tiny_model, attention):
+    window = 3 if attention == "hybrid" else 0
+    student = convert(tiny_model, feature_map="learned_prf", dims=[6, 4], attention=attention, window=window)
+    prompt = _ids(batch=2, length=7)
+    options = dict(max_new_tokens=10, min_new_tokens=10, do_sample=True, top_k=0, temperature=1.0)
+    torch.manual_seed(3)
+    cached = student.generate(prompt, **options)
+    torch.manual_seed(3)
+    recomputed = student.generate(prompt, use_cache=False, **options)
+    assert torch.equal(cached, recomputed)
 
 
 def test_unknown_hub_model_fails_with_one_sentence():
