@@ -112,3 +112,33 @@ class SweepReport(Callback):
             write_report(sweep_dir)
         except FileNotFoundError as err:
             print(f"dofla: no report: {err}", file=sys.stderr)
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    """``dofla-eval DIR [--out OUT] [overrides]``: evaluate a saved model (see dofla.evaluate_saved)."""
+    import argparse
+    from datetime import datetime
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from dofla.evaluate_saved import SavedModelError, evaluate_saved
+
+    parser = argparse.ArgumentParser(prog="dofla-eval", description="Evaluate a saved student or any Hugging "
+                                     "Face model directory; overrides are the pipeline's (eval=..., data=...).")
+    parser.add_argument("model_dir", help="a directory written by save_pretrained (with its tokenizer)")
+    parser.add_argument("--out", help="where metrics.json goes (default: outputs/eval/<date>/<time>)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. eval=recall eval.tasks=[piqa]")
+    args = parser.parse_intermixed_args(argv)
+    out = Path(args.out or datetime.now().strftime("outputs/eval/%Y-%m-%d/%H-%M-%S"))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = to_run_config(compose(config_name="config", overrides=args.overrides))
+        metrics = evaluate_saved(args.model_dir, cfg, out)
+    except HydraException as err:
+        sys.exit(f"dofla-eval: error: {str(err).splitlines()[0]}")
+    except (*user_errors(), SavedModelError) as err:
+        sys.exit(f"dofla-eval: error: {err}")
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"dofla-eval: wrote {out / 'metrics.json'}")

@@ -186,6 +186,7 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
     """train -> assemble -> finetune -> eval -> report, each only when in ``plan``."""
     from dofla import stages
     from dofla.eval.stage import eval_stage
+    from dofla.models.card import write_model_card
 
     main = distributed.is_main()  # under torchrun: rank 0 writes every file, see dofla.distributed
     summaries = {}
@@ -219,6 +220,8 @@ def _train_and_evaluate(cfg, plan, timer, data, tasks, tracker, out_dir: Path) -
     metrics.update(data_budget(data, summaries))
     if main:
         write_json(out_dir / "metrics.json", metrics)
+        evaluated = out_dir / ("student_finetuned" if cfg.finetune.name == "lora" and "finetune" in plan else "student")
+        write_model_card(evaluated, metrics, name=str(evaluated))
         _finish(cfg, plan, timer, metrics, tracker, out_dir)
     return metrics
 

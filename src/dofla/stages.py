@@ -175,12 +175,19 @@ def assemble_stage(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cach
     if (target / "config.json").exists():
         print(f"dofla: {target} was assembled for other settings; assembling it again", flush=True)
     student = make_student(cfg, teacher, dims)
+    student.config.dofla_run = run_provenance(cfg)  # for the model card
     kill_point("assemble")
     directories = layer_dirs(cfg, out_dir, settings["layers"])
     for i, attn in enumerate(student.student_attentions()):
         _load_trained_layer(i, attn, directories, artifact_meta(cfg, cache_key), layer_dir(cfg, out_dir))
     save_model_dir(student, tokenizer, target, settings)
     return _with_settings(student.eval(), settings)
+
+
+def run_provenance(cfg: RunConfig) -> dict:
+    """How the student was made, in its config.json and model card."""
+    return {"teacher": cfg.model.source, "revision": cfg.model.revision, "loss": cfg.loss.name,
+            "allocation": cfg.allocation.policy, "seed": cfg.seed}
 
 
 def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base: Path) -> None:

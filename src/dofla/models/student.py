@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
@@ -136,6 +136,35 @@ class StudentMixin:
                              f"new; pass a (batch, {seen + length}) mask")
         new = new.bool()
         return None if bool(new.all()) else new
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, *args, push_to_hub: bool = False,
+                        **kwargs):
+        """Hugging Face's save, then the export (own model type, remote code, model card): loaded
+        elsewhere the directory is this student, never its teacher (see dofla.models.hub_export)."""
+        from dofla.models.hub_export import export_student
+
+        repo_id = kwargs.pop("repo_id", None)
+        hub = {k: kwargs.pop(k) for k in ("commit_message", "private", "token", "create_pr") if k in kwargs}
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        if is_main_process:
+            export_student(save_directory)
+        if push_to_hub:
+            self.push_to_hub(repo_id or Path(save_directory).name, **hub)
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                    token=None, revision: str | None = None, create_pr: bool = False, **save_kwargs):
+        """Save the exported student (with its model card) to a temporary directory and upload it.
+        Hugging Face's own push would replace the model card with an empty one."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, **save_kwargs)
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, create_pr=create_pr,
+                                     commit_message=commit_message or "Upload dofla linear-attention student")
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         name = cache_keyword(type(self))
@@ -269,10 +298,12 @@ def _layer_dims(m):
 
 
 def load_student(path: str | Path, **kwargs) -> PreTrainedModel:
-    """Load a student saved with ``save_pretrained`` (weights, feature parameters, dims)."""
-    config = AutoConfig.from_pretrained(path)
-    if getattr(config, "dofla", None) is None:
-        raise ValueError(f"{path} holds no dofla student (config.json has no 'dofla' entry)")
+    """Load a student saved with ``save_pretrained`` (weights, feature parameters, dims) from a
+    directory or a hub repository; directories saved before the export format load too."""
+    from dofla.models.hub_export import student_config
+
+    hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    config = student_config(path, **hub)
     base = AutoModelForCausalLM._model_mapping[type(config)]
     model = student_class(base).from_pretrained(path, config=config, **kwargs)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
