@@ -74,6 +74,21 @@ def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     assert _metrics(run_dir) == _metrics(baseline)
 
 
+def test_a_killed_streaming_run_never_resumes_under_other_settings(tmp_path):
+    """Killed at step 5, then re-run in the same directory with another loss and learning rate: the
+    checkpoint is ignored and the result is that of a fresh run with the new settings."""
+    changed = [*STREAM, "loss=output", "train.lr_z=0.01"]
+    fresh, result = _run(tmp_path, *changed, name="fresh")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, killed = _run(tmp_path, *STREAM, env={"DOFLA_KILL_AT": "stream:step5"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert list((run_dir / "layers").glob("stream_*.ckpt"))
+    run_dir, rerun = _run(tmp_path, *changed)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "was written for other settings" in rerun.stdout
+    assert _metrics(run_dir) == _metrics(fresh)
+
+
 def test_a_bf16_teacher_streams_close_to_the_fp32_one_under_its_own_cache_key(streamed, tmp_path):
     baseline, _ = streamed
     run_dir, result = _run(tmp_path, *STREAM, "train.teacher_dtype=bfloat16")

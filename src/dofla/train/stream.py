@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from dofla.artifacts import load_artifact, save_artifact, torch_save_atomic
+from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla.data.sources import DataError
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.faults import kill_point
@@ -82,13 +82,15 @@ def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int], val
 
 def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int],
                            cfg: LayerTrainConfig, heldout: HeldOut, checkpoint_path: Path | None = None,
-                           num_tokens: int = 0, steps: int | None = None, progress: bool = True) -> StreamResult:
+                           num_tokens: int = 0, steps: int | None = None, progress: bool = True,
+                           meta: dict | None = None) -> StreamResult:
     """Train ``feature_maps[i]`` for every i in ``layers`` on fresh teacher activations.
 
     Runs ``total_steps(num_tokens, steps, B·L)`` steps (cfg.steps is ignored; the warm-up and
     cosine schedule span this count). Feature maps move to the teacher's device. Returns per-layer
     summaries; each feature map ends holding its best held-out state. A checkpoint of a finished
-    run makes a second call return at once with the same result.
+    run makes a second call return at once with the same result. The checkpoint records ``meta``
+    (the settings); one written with other settings is never resumed: training starts over.
     """
     modules = get_adapter(teacher).attention_modules(teacher)
     layers = _checked_layers(layers, len(modules))
@@ -101,8 +103,10 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
         if groups:
             optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
             base_lrs[i] = [g["lr"] for g in groups]
-    if checkpoint_path is not None and Path(checkpoint_path).exists():
-        state = _resume(Path(checkpoint_path), feature_maps, optimizers, batches, layers)
+    meta = {"settings": meta, "train": asdict(cfg), "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
+    ckpt = load_checkpoint(checkpoint_path, meta)
+    if ckpt is not None:
+        state = _resume(ckpt, feature_maps, optimizers, batches)
     else:
         state = _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches)
     bar = tqdm(total=total * batches.batch_tokens, initial=state["tokens"], desc="stream", unit="tok",
@@ -120,12 +124,12 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
                 _evaluate(feature_maps[i], i, heldout, cfg, device, state)
         state["seconds"] = time.perf_counter() - start
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
-            _save(Path(checkpoint_path), feature_maps, optimizers, state)
+            _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
         bar.update(ids.numel())
         bar.set_postfix(step=state["step"], loss=f"{sum(losses) / max(1, len(losses)):.4f}")
     bar.close()
     if checkpoint_path is not None:
-        _save(Path(checkpoint_path), feature_maps, optimizers, state)
+        _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
     return _result(feature_maps, state)
 
 
@@ -202,29 +206,20 @@ def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state) -> None
         layer["stopped"] = cfg.patience > 0 and layer["bad_evals"] >= cfg.patience
 
 
-def _save(path: Path, feature_maps, optimizers, state) -> None:
+def _save(path: Path, feature_maps, optimizers, state, meta: dict) -> None:
     torch_save_atomic({"feature_maps": {i: feature_maps[i].state_dict() for i in state["layers"]},
                        "optimizers": {i: opt.state_dict() for i, opt in optimizers.items()},
-                       "rng": torch.get_rng_state(), "state": state}, path)
+                       "rng": torch.get_rng_state(), "state": state, "meta": meta}, path)
 
 
-def _resume(path: Path, feature_maps, optimizers, batches: BatchStream, layers: list[int]) -> dict:
-    ckpt = torch.load(path, weights_only=False, map_location="cpu")
-    state = ckpt["state"]
-    shape = (batches.batch_size, batches.seq_len)
-    if tuple(state["shape"]) != shape:
-        raise ValueError(f"streaming checkpoint {path} was written with batches {tuple(state['shape'])}, "
-                         f"not {shape}; delete it to start over or restore the batch size and length")
-    if sorted(state["layers"]) != layers:
-        raise ValueError(f"streaming checkpoint {path} trains layers {sorted(state['layers'])}, not {layers}; "
-                         "delete it to start over or request the same layers")
+def _resume(ckpt: dict, feature_maps, optimizers, batches: BatchStream) -> dict:
     for i, sd in ckpt["feature_maps"].items():
         feature_maps[i].load_state_dict(sd)
     for i, sd in ckpt["optimizers"].items():
         optimizers[i].load_state_dict(sd)
     torch.set_rng_state(ckpt["rng"])
-    batches.restore(state["data"])
-    return state
+    batches.restore(ckpt["state"]["data"])
+    return ckpt["state"]
 
 
 def _result(feature_maps, state) -> StreamResult:
@@ -261,7 +256,8 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
         return summaries
     checkpoint = out_dir / f"stream_{zlib.crc32(repr(sorted(missing)).encode()):08x}.ckpt"
     result = train_layers_streaming(teacher, batches, feature_maps, missing, cfg, heldout, checkpoint,
-                                    num_tokens=num_tokens, steps=steps)
+                                    num_tokens=num_tokens, steps=steps,
+                                    meta={i: metas[i] for i in missing} if meta is not None else None)
     for i, summary in result.summaries.items():
         summary["tokens"] = result.tokens
         save_artifact(out_dir / f"layer_{i:02d}.pt", {"state_dict": feature_maps[i].state_dict(),
