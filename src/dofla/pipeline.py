@@ -67,10 +67,10 @@ def log_allocation(tracker, dof: dict | None, dims: list) -> None:
                  **{f"allocation/dim/layer_{i:02d}": layer_mean_dim(d) for i, d in enumerate(dims)}})
     if dof is None:
         return
-    tracker.log({f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"])})
+    tracker.log({f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"]) if n is not None})
     tracker.log_table("dof_table", ["layer", "head", "dof", "dim"], [
         [i, h, n, d if isinstance(d, int) else d[h]]
-        for i, (heads, d) in enumerate(zip(dof["per_head"], dims)) for h, n in enumerate(heads)])
+        for i, (heads, d) in enumerate(zip(dof["per_head"], dims)) for h, n in enumerate(heads or [])])
 
 
 def log_training(tracker, summaries: dict) -> None:
@@ -115,7 +115,7 @@ def _prepare(cfg, plan, timer, teacher, train_tokens, fields, geometry, out_dir)
             cache = build_or_load_cache(teacher, train_tokens, fields, cache_root(cfg))
     if "dof" in plan:
         with timer("dof"):
-            dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir)
+            dof = distributed.main_first(stages.dof_stage, cfg, cache, out_dir, stages.linear_layers(cfg, geometry))
     if "allocate" in plan:
         with timer("allocate"):
             dims = distributed.main_first(stages.allocate_stage, cfg, dof, geometry, out_dir, cache)

@@ -30,15 +30,19 @@ from dofla.train_stage import (  # noqa: F401  (the training stage lives in its 
 from dofla.validate import feature_budget
 
 
-def dof_stage(cfg: RunConfig, cache, out_dir: Path) -> dict:
+def dof_stage(cfg: RunConfig, cache, out_dir: Path, layers: list[int] | None = None) -> dict:
     """Algorithm 1 on the activation cache -> dof.json (shared across runs via the cache dir);
-    every copy records its settings, the activation cache's key included, and is reused only for them."""
+    every copy records its settings, the activation cache's key included, and is reused only for them.
+    ``layers``: the layers that get features (default all); the others (a teacher's sliding-window
+    layers, kept exact) are not estimated and read ``null``."""
     a = cfg.allocation
     settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
                 "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache.key,
                 "head_aggregate": a.head_aggregate, "spread_samples": a.spread_samples}
     if a.resamples > 1:  # absent at 1, so a single-sample dof.json written before the key existed stays valid
         settings["resamples"] = a.resamples
+    if layers is not None and list(layers) != list(range(cache.meta["num_layers"])):
+        settings["layers"] = list(layers)  # absent when every layer is estimated, as before the key existed
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     shared = Path(cache.path) / f"dof-{digest}.json"
     result = read_json(out_dir / "dof.json")
@@ -64,7 +68,8 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
     a = cfg.allocation
     partial = read_json(partial_path)
     done = partial["layers"] if partial and partial.get("settings") == settings else {}
-    for i in tqdm(range(cache.meta["num_layers"]), desc="dof (Algorithm 1)", unit="layer"):
+    estimated = settings.get("layers", range(cache.meta["num_layers"]))
+    for i in tqdm(estimated, desc="dof (Algorithm 1)", unit="layer"):
         if str(i) in done:
             continue
         kill_point(f"dof:layer{i}")
@@ -81,10 +86,12 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
             done[str(i)]["spread"] = layer_dof_spread(q, k, a.lam, a.num_samples, a.gram_norm, seeds,
                                                       a.head_aggregate)
         write_json(partial_path, {"settings": settings, "layers": done})
-    layers = [done[str(i)] for i in range(cache.meta["num_layers"])]
+    skipped = {"per_head": None, "layer": None, "samples": None, "spread": None}
+    layers = [done.get(str(i), skipped) for i in range(cache.meta["num_layers"])]
     per_layer = [layer["layer"] for layer in layers]
     result = {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
-              "layer_dof": per_layer, "warning": check_degenerate(per_layer, a.num_samples)}
+              "layer_dof": per_layer,
+              "warning": check_degenerate([n for n in per_layer if n is not None], a.num_samples)}
     if a.resamples > 1:
         result["samples"] = [layer["samples"] for layer in layers]  # each J-sample's layer value
     if a.spread_samples:

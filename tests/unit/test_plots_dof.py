@@ -91,3 +91,19 @@ def test_runs_sharing_a_dof_result_count_once(tmp_path):
     assert sorted(len(d) for _, d in _dof_sets(runs)) == [1, 1]
     runs[2]["dof"] = {"layer_dof": [1.0, 2.0], "per_head": [[1.0], [2.0]]}  # an old dof.json, no settings
     assert [label for label, _ in _dof_sets(runs)][-1] == "layer DoF (1 seed)"
+
+
+def test_a_layer_algorithm_1_skipped_is_a_gap_in_the_band_and_heatmap(tmp_path):
+    from dofla.report.dof_plots import plot_dof_heatmap
+
+    one, two = _dof_json(0, spread=2), _dof_json(1, spread=2)
+    full = dof_band([one, two])
+    for dof in (one, two):  # layer 0 kept exact (a teacher sliding-window layer): dof.json has null
+        dof["layer_dof"][0] = dof["per_head"][0] = dof["spread"][0] = None
+    means, lo, hi = dof_band([one, two])
+    assert all(x != x for x in (means[0], lo[0], hi[0]))  # NaN
+    assert (means[1], lo[1], hi[1]) == (full[0][1], full[1][1], full[2][1])
+    run = _run_dir(tmp_path / "r", "dof", 0)
+    run["dof"] = one
+    assert plot_dof_heatmap([run], tmp_path / "heat.png").stat().st_size > 1000
+    assert plot_dof_profile([run], tmp_path / "profile.png").stat().st_size > 1000

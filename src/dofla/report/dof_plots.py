@@ -15,6 +15,8 @@ def plot_dof_heatmap(runs: list[dict], path: Path) -> Path | None:
     table = next((r["dof"]["per_head"] for r in runs if r["dof"].get("per_head")), None)
     if table is None:
         return None
+    width = max(len(heads) for heads in table if heads)  # a layer Algorithm 1 skipped: a blank row
+    table = [heads if heads else [float("nan")] * width for heads in table]
     fig, ax = plt.subplots(figsize=(6, 0.25 * len(table) + 1.5))
     image = ax.imshow(table, aspect="auto", cmap="viridis")
     ax.set(xlabel="head", ylabel="layer", title="degrees of freedom per (layer, head)")
@@ -43,7 +45,16 @@ def _dof_sets(runs: list[dict]) -> list[tuple[str, list[dict]]]:
 def dof_band(dofs: list[dict]) -> tuple[list[float], list[float], list[float]]:
     """Per layer: the mean of the seeds' layer DoF, and the lowest and highest estimate over
     seeds and J-samples (each seed's own value and its dof.json ``spread`` values)."""
+    nan = float("nan")  # a layer Algorithm 1 skipped (no features): a gap in the plot
     layers = range(len(dofs[0]["layer_dof"]))
+    if any(dofs[0]["layer_dof"][i] is None for i in layers):
+        skipped = {i for i in layers if dofs[0]["layer_dof"][i] is None}
+        kept = [i for i in layers if i not in skipped]
+        dofs = [{**d, "layer_dof": [d["layer_dof"][i] for i in kept],
+                 "spread": [d["spread"][i] for i in kept] if d.get("spread") else None} for d in dofs]
+        means, low, high = dof_band(dofs)
+        full = [iter(means), iter(low), iter(high)]
+        return tuple([nan if i in skipped else next(part) for i in layers] for part in full)
     means = [sum(d["layer_dof"][i] for d in dofs) / len(dofs) for i in layers]
     estimates = [[d["layer_dof"][i] for d in dofs] + [v for d in dofs if d.get("spread")
                                                        for v in d["spread"][i]["values"]] for i in layers]

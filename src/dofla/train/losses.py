@@ -9,6 +9,8 @@ teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dofla.attention.hybrid import exact_logits
@@ -37,16 +39,24 @@ def shifted_features(log_q: torch.Tensor, log_k: torch.Tensor, with_shift: bool 
     return (fq, fk, r) if with_shift else (fq, fk)
 
 
+# log K̂ is floored at e^{-F} of the row's largest term: log(s + e^{-F}). The backward of a stabilised
+# kernel multiplies 1/(s + e^{-F}) by query factors up to e^G (attention.stable.guard) and sums over
+# keys, so F + G + log(keys) must stay inside the dtype's range: at real norms (|k| ~ 160, head dim
+# 256) a floor at the smallest normal number overflowed there and the features' gradient was NaN.
+LOG_FLOOR = {torch.float64: math.exp(-300.0), torch.float32: math.exp(-20.0)}
+
+
 def _log_floor(s: torch.Tensor) -> torch.Tensor:
-    """log with a floor at the dtype's smallest normal: an underflowed entry costs a large finite loss."""
-    return torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))
+    """log(s + e^{-F}) for scores relative to the row's largest term: an entry the student all but
+    misses costs at most F nats and keeps a (small) gradient; the rest is log s to within e^{-F}/s."""
+    return torch.log(s + LOG_FLOOR.get(s.dtype, LOG_FLOOR[torch.float32]))
 
 
 def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor:
     """(B, H, L, L) log K̂_ij = log Φ(q_i)·Φ(k_j) for every pair (no mask; shifts over all keys).
     The losses use the causal form, :func:`dofla.attention.causal_log_kernel`."""
     s, r = shifted_student_kernel(log_q, log_k)
-    return r + _log_floor(s)
+    return r + torch.log(s.clamp_min(torch.finfo(s.dtype).tiny))  # exact down to the smallest normal
 
 
 def teacher_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
@@ -159,10 +169,22 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
     if scale == "row_max":
         top = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
         s, log_hat = s - top, log_hat - top
-    # a wildly overestimating student must give a huge but finite loss, not inf
-    diff = torch.exp(s.clamp_max(300)) - torch.exp(log_hat.clamp_max(300))
+    # a wildly overestimating student must give a huge but finite loss, not inf, and keep a gradient
+    limit = ROW_MAX_LIMIT if scale == "row_max" else 300.0
+    diff = torch.exp(s.clamp_max(limit)) - _saturating_exp(log_hat, limit)
     loss = torch.where(approx, diff.pow(2), 0.0).sum(-1).mean()
     return loss.to(q.dtype) if scale == "row_max" else loss
+
+
+# Under row_max scaling the teacher's entries are ≤ 1; a student entry above e^30 of the row's top is
+# continued linearly so the squared error (summed over keys) still fits the fp32 loss it returns.
+ROW_MAX_LIMIT = 30.0
+
+
+def _saturating_exp(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """exp(x) up to e^limit, its tangent line above: large and finite, with a non-zero gradient."""
+    top = math.exp(limit)
+    return torch.where(x > limit, top * (1.0 + (x - limit)), torch.exp(x.clamp_max(limit)))
 
 
 def _attention_rows(log_q, log_k, s, causal, window, sinks) -> tuple[torch.Tensor, torch.Tensor]:
