@@ -245,4 +245,4 @@ def test_pipeline_runs_on_tiny_qwen3(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert math.isfinite(metrics["eval/teacher_ppl"]) and math.isfinite(metrics["eval/student_ppl"])
-    assert json.loads((run_dir / "student" / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((run_dir / "student" / "config.json").read_text())["teacher_model_type"] == "qwen3"
