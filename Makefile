@@ -41,7 +41,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" tests/unit tests/component $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py

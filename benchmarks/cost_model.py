@@ -38,7 +38,7 @@ PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's GPT-2 
 GPUS = {"A100": 312e12, "H100 SXM": 989e12}  # bf16 dense peak FLOP/s
 FP32_PEAK = {"A100": 19.5e12, "H100 SXM": 67e12}  # plain fp32 (no TF32): how dofla loads teachers today
 BANDWIDTH = {"A100": 2.0e12, "H100 SXM": 3.35e12}  # HBM bytes/s (A100 40 GB SXM, H100 SXM)
-CACHE_TOKENS = 8192  # data.cache_tokens default when training streams (dofla.train_stage)
+CACHE_TOKENS = 8192  # data.cache_tokens default when training streams (dofla.stages.data)
 DAY = 86400.0
 
 

@@ -146,10 +146,10 @@ def _cache_dir(args) -> Path:
 
 
 def _layers(cache, indices: list[int], num_tokens: int | None):
-    from dofla.stages import _pooled_activations  # exactly the pool the dof stage samples from
+    from dofla.stages.dof import pooled_activations  # exactly the pool the dof stage samples from
 
     for i in indices:
-        q, k = _pooled_activations(cache, i, num_tokens)
+        q, k = pooled_activations(cache, i, num_tokens)
         yield i, q, k
 
 

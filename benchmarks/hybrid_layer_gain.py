@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from dofla.models import load_student
-    from dofla.pipeline import load_data
+    from dofla.stages.data import load_data
 
     run = Path(args.run)
     record = json.loads((run / "run.json").read_text())["config"]

@@ -9,12 +9,37 @@ import pytest
 import torch
 import yaml
 
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model  # noqa: E402
+from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Every test runs offline as far as trackers and tokenizer threads go; the subprocesses the tests
+# start inherit this environment. Tests that need the hub offline set their own caches as well.
+OFFLINE_ENVIRONMENT = {"WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_environment():
+    before = {key: os.environ.get(key) for key in OFFLINE_ENVIRONMENT}
+    for key, value in OFFLINE_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: everything in tests/integration (the CLI, launchers, torchrun, the embedded model) is
+    ``slow``; ``gpu`` tests are skipped where CUDA is not available."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture(params=TINY_ARCHITECTURES)

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from dofla.errors import DoflaError
 from dofla.record import read_json, write_json
 
 SETTINGS_FILE = "dofla_settings.json"  # beside a model directory's config.json
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(DoflaError, RuntimeError):
     """An artifact a stage needs is missing or unusable; the message says how to produce it."""
 
 

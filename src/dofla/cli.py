@@ -15,6 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from dofla.config import RunConfig
+from dofla.errors import DoflaError
 
 
 
@@ -32,21 +33,6 @@ def find_conf_dir() -> Path:
 CONF_DIR = find_conf_dir()
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors a user causes (bad config, missing data or model): one sentence, no traceback."""
-    from dofla.artifacts import ArtifactError
-    from dofla.data import DataError
-    from dofla.models import ModelLoadError
-    from dofla.cache import CacheError
-    from dofla.eval.suite import TaskPlanError
-    from dofla.registry import UnknownNameError
-    from dofla.train import NonFiniteLossError
-    from dofla.validate import ConfigError
-
-    return (ConfigError, DataError, ModelLoadError, UnknownNameError, CacheError, NonFiniteLossError,
-            TaskPlanError, ArtifactError)
 
 
 def to_run_config(dcfg: DictConfig) -> RunConfig:
@@ -75,7 +61,7 @@ def main_hydra(dcfg: DictConfig) -> None:
             run(cfg, out_dir, overrides, tracker)
         finally:
             tracker.finish()
-    except user_errors() as err:
+    except DoflaError as err:
         print(f"dofla: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -122,7 +108,7 @@ def eval_main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
-    from dofla.evaluate_saved import SavedModelError, evaluate_saved
+    from dofla.evaluate_saved import evaluate_saved
 
     parser = argparse.ArgumentParser(prog="dofla-eval", description="Evaluate a saved student or any Hugging "
                                      "Face model directory; overrides are the pipeline's (eval=..., data=...).")
@@ -137,7 +123,7 @@ def eval_main(argv: list[str] | None = None) -> None:
         metrics = evaluate_saved(args.model_dir, cfg, out)
     except HydraException as err:
         sys.exit(f"dofla-eval: error: {str(err).splitlines()[0]}")
-    except (*user_errors(), SavedModelError) as err:
+    except DoflaError as err:
         sys.exit(f"dofla-eval: error: {err}")
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")

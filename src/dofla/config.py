@@ -175,3 +175,13 @@ class RunConfig:
         default_factory=lambda: ["cache", "allocate", "train", "assemble", "finetune", "eval", "report"]
     )
     experiment: Optional[str] = None
+
+
+# Settings added after artifacts and runs were recorded without them, with the value that reproduces
+# what those did. A setting at this value is left out of the artifact key it belongs to (so older
+# artifacts stay valid, dofla.stages.keys) and filled in when older runs are compared (dofla.report).
+LEGACY_VALUES: dict[tuple[str, str], Any] = {
+    ("train", "teacher_dtype"): "float32",
+    ("allocation", "resamples"): 1,
+    ("attention", "sinks"): 0,
+}

@@ -19,12 +19,13 @@ import math
 from pathlib import Path
 
 from dofla.config import RunConfig
+from dofla.errors import DoflaError
 from dofla.record import write_json
 
 WHO = "model"
 
 
-class SavedModelError(ValueError):
+class SavedModelError(DoflaError, ValueError):
     """DIR cannot be evaluated (no model, no tokenizer)."""
 
 
@@ -55,7 +56,7 @@ def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -
     """Every measurement ``cfg.eval`` asks for on the model in ``directory`` -> ``out_dir/metrics.json``."""
     from dofla.data import build_source, pack_tokens
     from dofla.eval import heldout_loss, probes, suite
-    from dofla.eval.stage import MEASUREMENTS, Measurements, model_settings, tokens_digest
+    from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Generic, TypeVar
 
+from dofla.errors import DoflaError
+
 T = TypeVar("T")
 
 
@@ -17,7 +19,7 @@ def did_you_mean(name: object, valid) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-class UnknownNameError(KeyError, ValueError):
+class UnknownNameError(DoflaError, KeyError, ValueError):
     """Raised for a name that is not registered; the message lists the valid names."""
 
     def __str__(self) -> str:  # KeyError would otherwise print the message in quotes

@@ -7,30 +7,21 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 from dofla.config import RunConfig
+from dofla.errors import ConfigError, require
+from dofla.stages.plan import stage_plan
 
-STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
-PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
-POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 ATTENTIONS = ("linear", "hybrid", "sliding_window")
 TRAIN_SOURCES = ("auto", "cache", "stream")
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
-TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
 LOSS_NAMES = ("l2", "softmax", "output", "direct")
 GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the valid values."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+_require = require
 
 
 def _positive(key: str, value) -> None:
@@ -170,48 +161,6 @@ def _validate_options(cfg: RunConfig) -> None:
     ]:
         problem = option_problem(key, owner, declared, given)
         _require(problem is None, problem or "")
-
-
-def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
-    """The stages each stage reads the artifact of, for this config (see stage_plan)."""
-    if cfg.attention.name in TRAINING_FREE:  # nothing to allocate or train: assemble from the teacher
-        return {"assemble": (), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
-    return {
-        "dof": ("cache",),
-        "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
-        "train": ("cache", "allocate"),  # direct needs only the cache's key, stages.train_stage reads it
-        "assemble": ("allocate", "train"),
-        "finetune": ("assemble",),
-        "eval": ("assemble",),
-        "report": ("eval",),
-    }
-
-
-def stage_plan(cfg: RunConfig) -> list[str]:
-    """The stages this run executes, in pipeline order.
-
-    The listed stages run; the preparation stages (cache, dof, allocate) a listed stage needs are
-    computed too (they are shared and deterministic); a later stage a listed one needs (train,
-    assemble, eval) must be listed, else the run fails naming it. So ``dof`` (Algorithm 1) runs
-    when the allocation policy needs it, and under ``fix`` only when listed.
-    """
-    unknown = [s for s in cfg.stages if s not in STAGES]
-    if cfg.attention.name in TRAINING_FREE:  # its student needs no cache, DoF, allocation or training
-        cfg = replace(cfg, stages=[s for s in cfg.stages if s not in (*PREPARATION, "train")])
-    _require(not unknown, f"stages={list(cfg.stages)} names unknown stage(s) {', '.join(map(str, unknown))}; "
-             f"valid stages: {', '.join(STAGES)}")
-    needs, chosen, missing = stage_needs(cfg), set(cfg.stages), []
-    for stage in reversed(STAGES):  # every stage needs only earlier ones, so one backward pass closes the set
-        if stage not in chosen:
-            continue
-        for need in needs.get(stage, ()):
-            if need not in chosen and need not in PREPARATION:
-                missing.append(need)
-            chosen.add(need)
-    order = [s for s in STAGES if s in chosen]
-    _require(not missing, f"stages={list(cfg.stages)} leaves out {', '.join(s for s in STAGES if s in missing)}, "
-             f"which the listed stages need; use stages=[{','.join(order)}]")
-    return order
 
 
 def _validate_eval(cfg: RunConfig) -> None:

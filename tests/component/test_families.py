@@ -238,6 +238,7 @@ def test_local_checkpoint_loads_checked_with_the_right_attention(name, tmp_path,
         torch.testing.assert_close(loaded(input_ids=_ids()).logits, teacher(input_ids=_ids()).logits)
 
 
+@pytest.mark.slow  # runs the CLI
 def test_pipeline_runs_on_tiny_qwen3(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", "model.source=tiny:qwen3",

@@ -83,6 +83,7 @@ def test_every_feature_map_and_loss_stays_finite_and_trains(global_qkv, name, lo
         assert values[-1] < 0.9 * values[0], (name, loss, values[0], values[-1])
 
 
+@pytest.mark.slow  # runs the CLI
 def test_the_pipeline_runs_on_real_norms_and_estimates_only_layers_with_features(tmp_path):
     source = tmp_path / "gemma3_real_scale"
     real_scale_gemma3().save_pretrained(source)

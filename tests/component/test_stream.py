@@ -213,7 +213,7 @@ def test_fineweb_edu_fails_fast_offline(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_half_precision_capture_teacher_matches_the_fp32_activations(dtype, teacher):
     """train.teacher_dtype: the copy's q, k, v against the fp32 teacher's (the plain reference)."""
-    from dofla.pipeline import capture_teacher
+    from dofla.stages.data import capture_teacher
 
     fp32 = teacher
     assert capture_teacher(fp32, "float32") is fp32

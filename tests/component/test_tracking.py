@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dofla.config import LoggerConfig
 from dofla.tracking import NullTracker, build_tracker, split_overrides
 
@@ -26,6 +28,7 @@ def test_none_tracker_is_a_no_op(tmp_path):
     assert not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.slow  # runs the CLI
 def test_a_real_run_logs_config_dof_dims_curves_metrics_and_plots_to_wandb(tmp_path):
     from tests.integration.test_pipeline import run_cli
 

@@ -7,7 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
-from dofla.pipeline import log_allocation, run
+from dofla.pipeline import run
+from dofla.stages.report import log_allocation
 from dofla.tracking import NullTracker
 
 

@@ -22,7 +22,7 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **ENV}
+    env = {**os.environ, **ENV}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "dofla", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

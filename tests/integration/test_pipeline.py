@@ -15,7 +15,7 @@ from dofla.models import load_student
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 

@@ -17,7 +17,7 @@ KILL_POINTS = ["cache:batch1", "dof:layer1", "train:layer1:step4", "assemble", "
 
 
 def _run(run_dir, cache_dir, kill_at=None):
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env = dict(os.environ)
     env.pop("DOFLA_KILL_AT", None)
     if kill_at:
         env["DOFLA_KILL_AT"] = kill_at

@@ -112,12 +112,12 @@ def test_changed_eval_settings_recompute_instead_of_returning_stale_metrics(base
 
 
 def _assemble(tmp_path, feature_map: str):
-    from dofla import stages
+    from dofla.stages.assemble import assemble
 
     cfg = RunConfig(model=ModelConfig(source="tiny:llama"), feature_map=FeatureMapConfig(name=feature_map),
                     train=TrainConfig(layer_dir=str(tmp_path / "shared")))
-    return stages.assemble_stage(cfg, build_tiny_model("llama"), build_byte_tokenizer(), [8, 8],
-                                 tmp_path / "run", cache_key="k")
+    return assemble(cfg, build_tiny_model("llama"), build_byte_tokenizer(), [8, 8], tmp_path / "run",
+                    cache_key="k")
 
 
 def test_assembly_with_a_missing_trained_layer_fails_in_one_sentence(tmp_path):

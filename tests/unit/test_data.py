@@ -124,7 +124,7 @@ def test_pack_tokens_errors(byte_tokenizer):
 
 def test_load_data_names_the_source_and_the_setting(tmp_path, byte_tokenizer):
     from dofla.config import RunConfig
-    from dofla.pipeline import load_data
+    from dofla.stages.data import load_data
 
     cfg = RunConfig()
     corpus = _write(tmp_path, "a.jsonl", b'{"text": "a few words"}\n' * 40)

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.artifacts import file_sha256
+from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.models.adapters import AttentionGeometry, get_adapter
 from dofla.models.capture import capturing
@@ -33,7 +34,7 @@ FORMAT_VERSION = 1
 KINDS = ("q", "k", "v")
 
 
-class CacheError(RuntimeError):
+class CacheError(DoflaError, RuntimeError):
     """The cache cannot be built (e.g. not enough disk); the message says what to do."""
 
 

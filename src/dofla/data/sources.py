@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dofla.artifacts import file_sha256
+from dofla.errors import DoflaError
 from dofla.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ DATA_SOURCES: Registry[type["DataSource"]] = Registry("data source")
 SPLITS = ("train", "heldout")
 
 
-class DataError(ValueError):
+class DataError(DoflaError, ValueError):
     """Data that cannot be used; the message names the file (and line) and the fix."""
 
 

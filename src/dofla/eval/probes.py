@@ -1,7 +1,7 @@
 """The eval stage's optional probes: the linear-part ablation, the teacher's attention mass outside
 the window, loss by position on long held-out sequences, and the passkey probe.
 
-Each is a measurement of :class:`dofla.eval.stage.Measurements`, keyed by its settings.
+Each is a measurement of :class:`dofla.stages.eval.Measurements`, keyed by its settings.
 """
 from __future__ import annotations
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dofla.config import EvalConfig
+from dofla.errors import DoflaError
 
 # `eval.tasks=[downstream7]` stands for the paper's seven tasks.
 ALIASES = {"downstream7": ("piqa", "logiqa", "arc_easy", "arc_challenge", "winogrande", "mmlu", "wsc")}
 
 
-class TaskPlanError(ValueError):
+class TaskPlanError(DoflaError, ValueError):
     """The requested tasks cannot give anything here (unknown names, or no data for any)."""
 
 

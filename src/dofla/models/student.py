@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
+from dofla.models.decoding import cache_keyword, take_cache
 from dofla.models.student_attention import (
     ATTN_IMPLEMENTATION,
     RecurrentStateCache,
@@ -88,8 +89,8 @@ class StudentMixin:
         return [module.dofla for module in get_adapter(self).attention_modules(self)]
 
     def forward(self, *args, **kwargs):
-        name = cache_keyword(type(self))
-        cache = _take_cache(kwargs)
+        name = cache_keyword(_forward_signature(type(self)))
+        cache = take_cache(kwargs)
         use_cache = kwargs.get("use_cache")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is None and use_cache:
@@ -167,34 +168,13 @@ class StudentMixin:
                                      commit_message=commit_message or "Upload dofla linear-attention student")
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        name = cache_keyword(type(self))
-        cache = _take_cache(model_kwargs)
+        name = cache_keyword(_forward_signature(type(self)))
+        cache = take_cache(model_kwargs)
         if cache is None and generation_config.use_cache is not False:
             cache = RecurrentStateCache(len(self.student_attentions()))
         if cache is not None:
             model_kwargs[name] = cache
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-
-CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers ≥ 5.24 names it ``cache``; before, ``past_key_values``
-
-
-@functools.cache
-def cache_keyword(cls) -> str:
-    """The name under which this transformers version passes the decoding cache to ``forward``
-    (and ``generate`` keeps it in its model kwargs): read from the teacher's own signature."""
-    parameters = _forward_signature(cls).parameters
-    return next((name for name in CACHE_KEYWORDS if name in parameters), "past_key_values")
-
-
-def _take_cache(kwargs: dict):
-    """Remove the cache from ``kwargs`` under either name; both given and different is an error."""
-    given = {name: kwargs.pop(name) for name in CACHE_KEYWORDS if kwargs.get(name) is not None}
-    for name in CACHE_KEYWORDS:
-        kwargs.pop(name, None)
-    if len({id(cache) for cache in given.values()}) > 1:
-        raise ValueError("both cache= and past_key_values= were passed with different caches; pass one")
-    return next(iter(given.values()), None)
 
 
 def _bind_forward(cls, model, args, kwargs) -> dict:

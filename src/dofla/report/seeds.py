@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 
+from dofla.config import LEGACY_VALUES
 from dofla.feature_maps.blocks import mean_dim
 from dofla.report.stats import gap_closed, mean_ci, paired_differences
 
@@ -22,7 +23,9 @@ SPREAD_KEYS = ("policy", "head_quantum", "head_blocks", "lam", "num_samples", "g
                "head_aggregate", "resamples", "spread_samples", "measured_dims", "measured_steps")
 # Config keys added after runs were recorded without them, with the value that reproduces what those
 # runs did: filled in before comparing, so an older run still groups with its newer seeds.
-LEGACY_DEFAULTS = {"allocation": {"resamples": 1}}
+LEGACY_DEFAULTS: dict[str, dict] = {}
+for (_section, _key), _value in LEGACY_VALUES.items():
+    LEGACY_DEFAULTS.setdefault(_section, {})[_key] = _value
 
 
 def _with_legacy_defaults(config: dict) -> dict:

@@ -18,12 +18,13 @@ from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla import distributed
+from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.train.losses import LOSSES
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(DoflaError, FloatingPointError):
     """A training step produced NaN/inf; the message names the layer and the step."""
 
 

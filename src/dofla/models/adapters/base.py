@@ -14,12 +14,13 @@ from typing import ClassVar
 
 from torch import nn
 
+from dofla.errors import DoflaError
 from dofla.registry import Registry
 
 ADAPTERS: Registry[type["Adapter"]] = Registry("model architecture")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(DoflaError, RuntimeError):
     """A model could not be loaded; the message says why and how to get it."""
 
 

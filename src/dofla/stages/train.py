@@ -1,23 +1,45 @@
-"""The train stage: which layers get trained features, where their artifacts live, and how they
-are trained: layerwise from the activation cache, layerwise from a stream of fresh teacher
-activations (``train.source=stream``), or end to end (``loss=direct``)."""
+"""The train stage: which layers get trained features, where their artifacts live, and how they are
+trained: layerwise from the activation cache, layerwise from a stream of fresh teacher activations
+(``train.source=stream``), or the whole student end to end (``loss=direct``)."""
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+import copy
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from dofla import distributed
-from dofla.artifacts import canonical, settings_digest
+from dofla.artifacts import settings_digest
 from dofla.config import RunConfig
 from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
+from dofla.stages.context import RunContext, RunData
+from dofla.stages.data import stream_steps, training_stream
+from dofla.stages.keys import layer_meta, layer_settings
 
-# bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
-# so layer artifacts of the old layout are retrained instead of failing to load
-ARTIFACT_FORMAT = 2
-STREAM_CACHE_TOKENS = 8192  # data.cache_tokens default when training streams
+
+@dataclass
+class TrainResult:
+    """Per-layer training summaries (layerwise), or ``direct``: ``direct_done.json`` (end to end)."""
+
+    summaries: dict[int, dict] = field(default_factory=dict)
+    direct: dict | None = None
+
+    def tokens(self) -> int | None:
+        """Distillation tokens the features saw when they were counted while training (streamed or
+        direct); None when they are the cached tokens."""
+        if self.direct is not None:
+            return self.direct.get("tokens")
+        streamed = [s["tokens"] for s in self.summaries.values() if "tokens" in s]
+        return max(streamed) if streamed else None
+
+
+def run(ctx: RunContext, cache, dims: list, data: RunData) -> TrainResult:
+    """Train the features of every layer that has them (or the ``train.layers`` subset)."""
+    out = train(ctx.cfg, cache, ctx.geometry, dims, ctx.teacher, data.train_tokens, ctx.out_dir, ctx.tokenizer,
+                ctx.source, capture=ctx.capture)
+    if ctx.cfg.loss.name == "direct":
+        return TrainResult(direct=out)
+    return TrainResult(summaries=out)
 
 
 def linear_layers(cfg: RunConfig, geometry) -> list[int]:
@@ -27,59 +49,6 @@ def linear_layers(cfg: RunConfig, geometry) -> list[int]:
         return []
     windows = geometry.layer_windows or (None,) * geometry.num_layers
     return [i for i, w in enumerate(windows) if w is None]
-
-
-def train_source(cfg: RunConfig, predicted_cache_bytes: int) -> str:
-    """``cache`` or ``stream``: ``train.source``, or for ``auto`` stream when caching every
-    distillation token would exceed ``train.cache_limit_gb``."""
-    if cfg.train.source != "auto":
-        return cfg.train.source
-    return "stream" if predicted_cache_bytes > cfg.train.cache_limit_gb * 2**30 else "cache"
-
-
-def cached_tokens(cfg: RunConfig, source: str) -> int:
-    """Distillation tokens whose activations go to the cache: all of them for the cache path, a
-    bounded sample (``data.cache_tokens``, default 8,192) when training streams."""
-    if source != "stream":
-        return cfg.data.num_tokens
-    return min(cfg.data.num_tokens, cfg.data.cache_tokens or STREAM_CACHE_TOKENS)
-
-
-@torch.no_grad()
-def teacher_tokens_per_second(teacher, seq_len: int) -> float:
-    """One timed teacher forward of a (1, seq_len) batch: the throughput the predictions use."""
-    import time
-
-    device = next(teacher.parameters()).device
-    ids = torch.randint(0, teacher.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    start = time.perf_counter()
-    teacher(input_ids=ids.to(device), use_cache=False)
-    return seq_len / max(time.perf_counter() - start, 1e-9)
-
-
-def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> str:
-    """``cache``, ``stream`` or ``none`` (nothing to train); prints the choice with the predicted
-    disk use and teacher time before any teacher pass."""
-    from dofla.cache import predict_cache_bytes
-
-    if "train" not in plan:
-        return "none"
-    L = cfg.data.seq_len
-    full = predict_cache_bytes(geometry, cfg.data.num_tokens // L, L)
-    source = train_source(cfg, full)
-    kept = predict_cache_bytes(geometry, cached_tokens(cfg, source) // L, L)
-    rate = teacher_tokens_per_second(teacher, L)
-    why = {"auto": f"train.source=auto, limit {cfg.train.cache_limit_gb:g} GB"}.get(cfg.train.source,
-                                                                                   f"train.source={source}")
-    what = ("a stream of fresh token batches (end to end)" if cfg.loss.name == "direct" and source == "stream" else
-            f"{'a stream of fresh' if source == 'stream' else 'cached'} teacher activations")
-    print(f"dofla: training reads {what} "
-          f"({why}); caching all {cfg.data.num_tokens:,} tokens would take {full / 2**30:.2f} GB, this run caches "
-          f"{cached_tokens(cfg, source):,} tokens ({kept / 2**30:.2f} GB); the teacher runs at ≈ {rate:,.0f} tokens/s "
-          f"here, so its passes over {cfg.data.num_tokens:,} tokens take ≈ {cfg.data.num_tokens / rate / 60:.1f} min"
-          + (" (plus every layer's loss and update per step)" if source == "stream" and cfg.loss.name != "direct"
-             else ""), flush=True)
-    return source
 
 
 def build_feature_maps(cfg: RunConfig, geometry, dims: list) -> list:
@@ -112,27 +81,6 @@ def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:
     return Path(cfg.train.layer_dir).expanduser() if cfg.train.layer_dir else out_dir / "layers"
 
 
-def artifact_meta(cfg: RunConfig, cache_key: str) -> dict:
-    """Everything that determines a layer's trained features (not which job trained it)."""
-    skip = ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb")
-    train = {k: v for k, v in asdict(cfg.train).items() if k not in skip}
-    if train["teacher_dtype"] == "float32":  # the default: meta as before the key existed
-        del train["teacher_dtype"]
-    meta = {"feature_map": asdict(cfg.feature_map), "loss": asdict(cfg.loss), "window": cfg.attention.window,
-            "train": train, "seed": cfg.seed, "cache_key": cache_key, "format": ARTIFACT_FORMAT}
-    if cfg.attention.sinks:
-        meta["sinks"] = cfg.attention.sinks
-    if train["source"] != "cache":  # a streamed layer also depends on what was streamed
-        meta["stream"] = {"data": asdict(cfg.data)}
-    return meta
-
-
-def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
-    """The settings of a run's trained layers: :func:`artifact_meta` without the per-layer fields,
-    plus every layer's dims (two allocations must not share a directory)."""
-    return canonical({**artifact_meta(cfg, cache_key), "dims": dims})
-
-
 def settings_dir(cfg: RunConfig, out_dir: Path, settings: dict) -> Path:
     """Where this run writes layer artifacts, checkpoints and ``direct_done.json``: the run's own
     ``layers/``, or ``<train.layer_dir>/<hash12 of settings>/`` so that jobs of other settings
@@ -149,14 +97,14 @@ def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
     return [own] if own == base else [own, base]
 
 
-def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
+def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
                 tokenizer=None, source: str = "cache", capture=None) -> dict:
     """Layerwise (l2 / softmax; from the cache or streamed) or end-to-end (direct) feature training
     of the layers that have feature maps (:func:`linear_layers`). ``capture``: the teacher whose
     forwards a stream reads (``train.teacher_dtype``; default ``teacher``)."""
     requested = range(len(dims)) if cfg.train.layers is None else cfg.train.layers
     layers = [i for i in requested if i in set(linear_layers(cfg, geometry))]
-    meta, settings = artifact_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
+    meta, settings = layer_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
     directory, *also_read = layer_dirs(cfg, out_dir, settings)
     if distributed.is_main():  # tells a human what the hash directory's name stands for
         write_json(directory / "settings.json", settings)
@@ -188,24 +136,6 @@ def train_stage(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, ou
     return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
 
 
-def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int):
-    """The data source's train text as (batch_size, data.seq_len) batches, after skipping the first
-    ``skip_tokens`` (the activation cache's sample, which so stays held out)."""
-    from dofla.data.stream import source_stream
-
-    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, batch_size, cfg.data.seq_len)
-    batches.discard(skip_tokens)
-    return batches
-
-
-def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:
-    """One pass over ``data.num_tokens`` (at least one step), or ``train.max_steps`` if smaller."""
-    steps = cfg.data.num_tokens // batch_tokens
-    if cfg.train.max_steps is not None:
-        steps = min(steps, cfg.train.max_steps)
-    return max(1, steps)
-
-
 def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta) -> dict:
     """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
     from dofla.train.stream import cache_heldout, run_streaming
@@ -222,11 +152,11 @@ def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train
     return run_streaming(teacher, batches, feature_maps, layers, train_cfg, heldout, directory, meta, **kwargs)
 
 
-def _layer_meta(meta: dict, i: int, attn) -> dict:
+def per_layer_meta(meta: dict, i: int, attn) -> dict:
     return {**meta, "layer": i, "num_features": feature_dims(attn.feature_map)}
 
 
-def _trainable(attn) -> bool:
+def trainable(attn) -> bool:
     return attn.feature_map is not None and any(p.requires_grad for p in attn.feature_map.parameters())
 
 
@@ -240,14 +170,12 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict,
     from dofla.artifacts import artifact_problem, save_artifact
     from dofla.train import train_direct
 
-    from dofla.stages import make_student
-
     done = directory / "direct_done.json"
     student = make_student(cfg, teacher, dims)
     marker = read_json(done)
     if marker is not None and marker.get("settings") == settings and not any(
-            artifact_problem(directory / f"layer_{i:02d}.pt", _layer_meta(meta, i, attn))
-            for i, attn in enumerate(student.student_attentions()) if _trainable(attn)):
+            artifact_problem(directory / f"layer_{i:02d}.pt", per_layer_meta(meta, i, attn))
+            for i, attn in enumerate(student.student_attentions()) if trainable(attn)):
         return marker
     dcfg = replace(layer_train_config(cfg), batch_size=cfg.train.direct_batch_size)
     data = train_tokens if stream is None else stream()
@@ -260,9 +188,16 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict,
             if attn.feature_map is None:  # a teacher sliding-window layer: kept exact, nothing trained
                 continue
             save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
-                                                             "curve": curve}, _layer_meta(meta, i, attn))
+                                                             "curve": curve}, per_layer_meta(meta, i, attn))
         write_json(done, {"settings": settings, "steps": len(curve), "tokens": tokens, "curve": curve})
     distributed.barrier()
     return read_json(done)
 
 
+def make_student(cfg: RunConfig, teacher, dims):
+    from dofla.models import convert
+
+    return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
+                   feature_map_options=dict(cfg.feature_map.options),
+                   chunk_size=cfg.attention.chunk_size, seed=cfg.seed,
+                   window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks)

@@ -1,4 +1,4 @@
-"""The eval stage: perplexity, attention error, lm-eval tasks and MQAR -> metrics.json, resumable.
+"""The eval stage: perplexity, attention error, lm-eval tasks, probes and MQAR -> metrics.json, resumable.
 
 Every measurement is kept in ``eval_measurements.json`` under the settings it was taken with (the
 model's settings, the held-out tokens, the eval options that matter to it). A re-run reuses a
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from dofla.artifacts import canonical, settings_digest
 from dofla.config import RunConfig
 from dofla.record import read_json, write_json
+from dofla.stages.context import RunContext, RunData
+from dofla.stages.keys import teacher_settings
 
 MEASUREMENTS = "eval_measurements.json"
 
@@ -73,13 +74,15 @@ def tokens_digest(tokens) -> str:
     return hashlib.sha256(json.dumps(list(tokens.shape)).encode() + tokens.cpu().numpy().tobytes()).hexdigest()
 
 
-def teacher_settings(cfg: RunConfig) -> dict:
-    """The teacher: its source and revision (and, for a tiny random model, the seed that built it)."""
-    tiny = cfg.model.source.startswith("tiny:")
-    return {"model": asdict(cfg.model), "seed": cfg.seed if tiny else None}
+def run(ctx: RunContext, student, data: RunData, tasks=None) -> dict:
+    """Teacher and student measured on the held-out data and the planned tasks -> metrics.json."""
+    from dofla.stages.cache import cache_root
+
+    return evaluate(ctx.cfg, ctx.teacher, student, data.heldout_tokens, ctx.out_dir, ctx.tokenizer, tasks,
+                    teacher_scores=cache_root(ctx.cfg) / "teacher_scores")
 
 
-def eval_stage(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
+def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
                tokenizer=None, plan=None, teacher_scores: Path | None = None) -> dict:
     """Held-out perplexity, per-layer attention error, lm-eval tasks (``plan``, from
     :func:`dofla.eval.suite.plan_tasks`) and MQAR for teacher and student -> metrics.json.

@@ -1,0 +1,57 @@
+"""The allocate stage: feature dims per layer from the policy and budget -> allocation.json."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from dofla.config import RunConfig
+from dofla.record import write_json
+from dofla.stages.context import RunContext
+from dofla.stages.train import layer_train_config, linear_layers
+from dofla.validate import feature_budget
+
+
+def run(ctx: RunContext, dof: dict | None, cache=None) -> list:
+    """The dims (one per layer; per head for ``dof_head``); see :func:`allocate`."""
+    return allocate(ctx.cfg, dof, ctx.geometry, ctx.out_dir, cache)
+
+
+def allocate(cfg: RunConfig, dof: dict | None, geometry, out_dir: Path, cache=None) -> list:
+    """Feature dims from the policy and budget -> allocation.json: one int per layer, or for
+    ``dof_head`` one list of per-head ints per layer.
+
+    Only layers that get feature maps share the budget (:func:`linear_layers`); a teacher
+    sliding-window layer stays exact and gets 0. ``dof`` is None when Algorithm 1 did not run
+    (``fix``); ``measured`` trains briefly at a few dims per layer (:mod:`dofla.dof.oracle`).
+    """
+    from dofla.dof import PER_HEAD_POLICIES, allocate_dims, allocate_head_dims
+    from dofla.feature_maps import mean_dim
+
+    a, head_dim = cfg.allocation, geometry.head_dim
+    budget = feature_budget(cfg, head_dim)
+    layers = linear_layers(cfg, geometry)
+    pick = (lambda values: [values[i] for i in layers]) if dof is not None else (lambda values: None)
+    layer_dof = pick(dof["layer_dof"]) if dof is not None else None
+    record = {}
+    if not layers:
+        chosen = []
+    elif a.policy in PER_HEAD_POLICIES:
+        chosen = allocate_head_dims(pick(dof["per_head"]), budget, head_dim, a.head_quantum, a.head_blocks)
+    elif a.policy == "measured":
+        from dofla.dof.oracle import measured_allocation
+
+        train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
+        record = measured_allocation(cfg, cache, geometry, train_cfg, budget, layer_dof, layers, out_dir)
+        chosen = record["dims"]
+    else:  # fix reads only how many layers there are
+        chosen = allocate_dims(layer_dof if layer_dof is not None else [0.0] * len(layers), budget, a.policy,
+                               head_dim)
+    dims: list = [0] * geometry.num_layers
+    for i, m in zip(layers, chosen):
+        dims[i] = m
+    write_json(out_dir / "allocation.json", {
+        **record, "policy": a.policy, "budget": budget, "lambda": a.lam, "gram_norm": a.gram_norm, "dims": dims,
+        "layer_dof": None if dof is None else dof["layer_dof"], "linear_layers": layers,
+        "mean_dim": mean_dim(chosen) if chosen else 0.0,
+    })
+    return dims

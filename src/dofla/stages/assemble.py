@@ -1,0 +1,72 @@
+"""The assemble stage: the student as a Hugging Face model directory (``student/``), every layer's
+trained features loaded, reused only when ``dofla_settings.json`` matches
+(:func:`dofla.stages.keys.student_settings`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dofla.config import RunConfig
+from dofla.stages.context import RunContext
+from dofla.stages.keys import layer_meta, student_settings
+from dofla.stages.train import layer_dir, layer_dirs, make_student, per_layer_meta, trainable
+
+
+def run(ctx: RunContext, dims: list, cache_key: str):
+    """The assembled student (in eval mode, on the teacher's device)."""
+    return assemble(ctx.cfg, ctx.teacher, ctx.tokenizer, dims, ctx.out_dir, cache_key)
+
+
+def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str):
+    """The student as a Hugging Face model directory, with every layer's trained features.
+
+    ``student/`` is reused only when its ``dofla_settings.json`` matches these settings. Raises
+    :class:`ArtifactError` when a layer with trainable features has no verified artifact.
+    """
+    from dofla.artifacts import model_dir_matches, save_model_dir
+    from dofla.faults import kill_point
+    from dofla.models import load_student
+
+    target, settings = out_dir / "student", student_settings(cfg, cache_key, dims)
+    if model_dir_matches(target, settings):  # loads on the CPU: join the teacher's device
+        return with_settings(load_student(target).to(next(teacher.parameters()).device), settings)
+    if (target / "config.json").exists():
+        print(f"dofla: {target} was assembled for other settings; assembling it again", flush=True)
+    student = make_student(cfg, teacher, dims)
+    student.config.dofla_run = run_provenance(cfg)  # for the model card
+    kill_point("assemble")
+    directories = layer_dirs(cfg, out_dir, settings["layers"])
+    for i, attn in enumerate(student.student_attentions()):
+        _load_trained_layer(i, attn, directories, layer_meta(cfg, cache_key), layer_dir(cfg, out_dir))
+    save_model_dir(student, tokenizer, target, settings)
+    return with_settings(student.eval(), settings)
+
+
+def run_provenance(cfg: RunConfig) -> dict:
+    """How the student was made, in its config.json and model card."""
+    return {"teacher": cfg.model.source, "revision": cfg.model.revision, "loss": cfg.loss.name,
+            "allocation": cfg.allocation.policy, "seed": cfg.seed}
+
+
+def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base: Path) -> None:
+    """Load layer ``i``'s verified features into ``attn``; a layer with nothing to train needs none."""
+    from dofla.artifacts import ArtifactError, artifact_problem
+    from dofla.train.layerwise import find_artifact
+
+    if attn.feature_map is None:
+        return
+    name, own_meta = f"layer_{i:02d}.pt", per_layer_meta(meta, i, attn)
+    trained = find_artifact(directories, name, own_meta)
+    if trained is not None:
+        attn.feature_map.load_state_dict(trained["state_dict"])
+    elif trainable(attn):
+        problem = artifact_problem(directories[0] / name, own_meta)
+        raise ArtifactError(
+            f"layer {i} has no usable trained features ({directories[0] / name}: {problem}); train it by "
+            f"running the same command with train.layers=[{i}] and train.layer_dir={base}, or run without "
+            "train.layers to train every layer")
+
+
+def with_settings(model, settings: dict):
+    """Attach the settings a model was built from (the eval stage keys its measurements by them)."""
+    model.dofla_settings = settings
+    return model

@@ -1,0 +1,95 @@
+"""The dof stage: Algorithm 1 on the activation cache -> dof.json.
+
+Each (layer, head)'s degrees of freedom of the attention kernel's integral operator, and one value
+per layer; shared across runs through the cache directory, reused only for the same settings
+(:func:`dofla.stages.keys.dof_settings`), resumed layer by layer after a kill. Only the layers that
+get features are estimated (a teacher's sliding-window layers read ``null``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dofla.config import RunConfig
+from dofla.record import read_json, write_json
+from dofla.stages.context import RunContext
+from dofla.stages.keys import dof_settings
+
+
+def run(ctx: RunContext, cache, layers: list[int] | None = None) -> dict:
+    """Algorithm 1 on ``cache`` for ``layers`` (default all) -> ``dof.json``, and the result."""
+    cfg, out_dir = ctx.cfg, ctx.out_dir
+    return estimate(cfg, cache, out_dir, layers)
+
+
+def estimate(cfg: RunConfig, cache, out_dir: Path, layers: list[int] | None = None) -> dict:
+    """:func:`run` without a context (the measured allocation and studies call it on a cache)."""
+    settings = dof_settings(cfg, cache.key, layers, cache.meta["num_layers"])
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    shared = Path(cache.path) / f"dof-{digest}.json"
+    result = read_json(out_dir / "dof.json")
+    if result is None or result.get("settings") != settings:
+        result = read_json(shared)
+    if result is None or result.get("settings") != settings:
+        result = _run_algorithm1(cfg, cache, settings, out_dir / "dof.partial.json")
+        write_json(shared, result)
+    write_json(out_dir / "dof.json", result)
+    if result.get("warning"):
+        print(f"dofla: warning: {result['warning']}", flush=True)
+    return result
+
+
+def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -> dict:
+    """Per-layer DoF, saved after every layer so a killed run redoes only the layers it lacks."""
+    from tqdm.auto import tqdm
+
+    from dofla.dof import check_degenerate
+    from dofla.dof.algorithm import estimate_layer_dof_averaged, layer_dof_spread
+    from dofla.faults import kill_point
+
+    a = cfg.allocation
+    partial = read_json(partial_path)
+    done = partial["layers"] if partial and partial.get("settings") == settings else {}
+    estimated = settings.get("layers", range(cache.meta["num_layers"]))
+    for i in tqdm(estimated, desc="dof (Algorithm 1)", unit="layer"):
+        if str(i) in done:
+            continue
+        kill_point(f"dof:layer{i}")
+        q, k = pooled_activations(cache, i, a.num_tokens)
+        # sample r draws with seed + i + 1000·r: r = 0 is the single-sample estimate
+        heads, value, samples = estimate_layer_dof_averaged(
+            q, k, a.lam, a.num_samples, a.gram_norm, [cfg.seed + i + 1000 * r for r in range(a.resamples)],
+            aggregate=a.head_aggregate)
+        done[str(i)] = {"per_head": [float(h) for h in heads], "layer": float(value)}
+        if a.resamples > 1:
+            done[str(i)]["samples"] = samples
+        if a.spread_samples:  # the estimate on other J-samples: how stable the dims built on one sample are
+            seeds = [cfg.seed + i + 1000 * (a.resamples + r) for r in range(a.spread_samples)]
+            done[str(i)]["spread"] = layer_dof_spread(q, k, a.lam, a.num_samples, a.gram_norm, seeds,
+                                                      a.head_aggregate)
+        write_json(partial_path, {"settings": settings, "layers": done})
+    skipped = {"per_head": None, "layer": None, "samples": None, "spread": None}
+    layers = [done.get(str(i), skipped) for i in range(cache.meta["num_layers"])]
+    per_layer = [layer["layer"] for layer in layers]
+    result = {"settings": settings, "per_head": [layer["per_head"] for layer in layers],
+              "layer_dof": per_layer,
+              "warning": check_degenerate([n for n in per_layer if n is not None], a.num_samples)}
+    if a.resamples > 1:
+        result["samples"] = [layer["samples"] for layer in layers]  # each J-sample's layer value
+    if a.spread_samples:
+        result["spread"] = [layer["spread"] for layer in layers]
+    return result
+
+
+def pooled_activations(cache, layer: int, num_tokens: int | None):
+    """Queries (N, H, d) and keys (N, H_kv, d) of one layer, as float32 tensors."""
+    acts = cache.layer(layer)
+    seqs = acts.q.shape[0]
+    if num_tokens is not None:
+        seqs = max(1, min(seqs, -(-num_tokens // acts.q.shape[2])))
+    q = torch.from_numpy(acts.q[:seqs].astype("float32"))  # (S, H, L, d)
+    k = torch.from_numpy(acts.k[:seqs].astype("float32"))  # (S, H_kv, L, d)
+    return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)

@@ -1,0 +1,117 @@
+"""What identifies every artifact, in one place.
+
+An artifact (the activation cache, Algorithm 1's result, a layer's features, the student directory,
+the fine-tuned student, an evaluation measurement) is reused only when it was written under the same
+settings; these functions build those settings. Two rules keep old artifacts valid:
+
+- every field of a config section that feeds a key is declared here, in the key (:data:`IN_KEY`) or
+  out of it (:data:`OUT_OF_KEY`). A field added to a config dataclass without a declaration fails
+  loudly (:class:`KeyDeclarationError`) instead of silently changing every key;
+- a setting added later is left out of a key while it has its legacy value
+  (:data:`dofla.config.LEGACY_VALUES`), so artifacts written before it existed keep their key.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from dofla.artifacts import canonical
+from dofla.config import LEGACY_VALUES, RunConfig
+
+# bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
+# so layer artifacts of the old layout are retrained instead of failing to load
+ARTIFACT_FORMAT = 2
+
+IN_KEY: dict[str, tuple[str, ...]] = {
+    "model": ("name", "source", "revision", "tiny_layers"),
+    "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens"),
+    "feature_map": ("name", "options"),
+    "attention": ("name", "window", "sinks", "chunk_size"),
+    "loss": ("name", "options"),
+    "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
+              "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
+              "max_steps", "teacher_dtype"),
+    "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
+}
+OUT_OF_KEY: dict[str, tuple[str, ...]] = {
+    # which job trains a layer, where it writes, how often it checkpoints: not what it learns
+    "train": ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb"),
+}
+
+
+class KeyDeclarationError(RuntimeError):
+    """A config field that no artifact key declares (a developer's error, not a user's)."""
+
+
+def section(cfg: RunConfig, name: str, legacy: bool = False) -> dict:
+    """The key part of config section ``name``: its :data:`IN_KEY` fields; with ``legacy``, without
+    the fields at their legacy value."""
+    values = asdict(getattr(cfg, name))
+    declared = set(IN_KEY[name]) | set(OUT_OF_KEY.get(name, ()))
+    undeclared = sorted({f.name for f in fields(getattr(cfg, name))} - declared)
+    if undeclared:
+        raise KeyDeclarationError(
+            f"{name}.{', '.join(undeclared)} is not declared in dofla.stages.keys: add it to IN_KEY (it then "
+            "changes artifact keys; give it a LEGACY_VALUES entry so older artifacts stay valid) or to OUT_OF_KEY")
+    out = {k: values[k] for k in IN_KEY[name]}
+    if legacy:
+        out = {k: v for k, v in out.items() if LEGACY_VALUES.get((name, k), object()) != v}
+    return out
+
+
+def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None) -> dict:
+    """What determines the activation cache (its key names the data every later artifact came from)."""
+    fields_ = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
+               "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
+    if cfg.model.source.startswith("tiny:"):
+        fields_["model_seed"], fields_["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
+    fields_.update({k: v for k, v in section(cfg, "train", legacy=True).items() if k == "teacher_dtype"})
+    return fields_
+
+
+def dof_settings(cfg: RunConfig, cache_key: str, layers: list[int] | None, num_layers: int) -> dict:
+    """Algorithm 1's result: its estimate's settings, the cache, and (when not every layer) the layers."""
+    a = cfg.allocation
+    settings = {"lambda": a.lam, "num_samples": a.num_samples, "gram_norm": a.gram_norm,
+                "num_tokens": a.num_tokens, "seed": cfg.seed, "cache_key": cache_key,
+                "head_aggregate": a.head_aggregate, "spread_samples": a.spread_samples}
+    if a.resamples != LEGACY_VALUES[("allocation", "resamples")]:
+        settings["resamples"] = a.resamples
+    if layers is not None and list(layers) != list(range(num_layers)):
+        settings["layers"] = list(layers)  # absent when every layer is estimated, as before the key existed
+    return settings
+
+
+def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
+    """Everything that determines a layer's trained features (not which job trained it)."""
+    train = section(cfg, "train", legacy=True)
+    meta = {"feature_map": section(cfg, "feature_map"), "loss": section(cfg, "loss"),
+            "window": cfg.attention.window, "train": train, "seed": cfg.seed, "cache_key": cache_key,
+            "format": ARTIFACT_FORMAT}
+    meta.update({"sinks": v for k, v in section(cfg, "attention", legacy=True).items() if k == "sinks"})
+    if train["source"] != "cache":  # a streamed layer also depends on what was streamed
+        meta["stream"] = {"data": section(cfg, "data")}
+    return meta
+
+
+def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """The settings of a run's trained layers: :func:`layer_meta` without the per-layer fields, plus
+    every layer's dims (two allocations must not share a directory)."""
+    return canonical({**layer_meta(cfg, cache_key), "dims": dims})
+
+
+def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """What determines the assembled student: the teacher, the attention and the trained layers."""
+    return canonical({"model": section(cfg, "model"), "attention": section(cfg, "attention"),
+                      "layers": layer_settings(cfg, cache_key, dims)})
+
+
+def finetune_settings(cfg: RunConfig, student: dict | None) -> dict:
+    """The fine-tuned student: the student's settings, the fine-tune's and the seed."""
+    return canonical({"student": student, "finetune": section(cfg, "finetune"), "seed": cfg.seed})
+
+
+def teacher_settings(cfg: RunConfig) -> dict:
+    """The teacher as an evaluated model: its source and revision (and, for a tiny random model, the
+    seed that built it)."""
+    tiny = cfg.model.source.startswith("tiny:")
+    return {"model": section(cfg, "model"), "seed": cfg.seed if tiny else None}

@@ -1,0 +1,116 @@
+"""Each stage called directly on a tiny run context, in pipeline order (no CLI, no pipeline.run):
+what it returns, what it writes, and that a second call reuses its artifact."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dofla.cli import CONF_DIR, to_run_config
+from dofla.stages import allocate, assemble, cache, data, dof, finetune, keys, report, train
+from dofla.stages import eval as evaluation
+from dofla.stages.context import RunContext, StageTimer
+from dofla.stages.plan import stage_plan
+from dofla.tracking import NullTracker
+
+
+def tiny_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=["experiment=smoke_tiny", *overrides]))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny run context and every stage's result, computed once in order."""
+    from dofla.models import get_adapter, load_teacher
+
+    root = tmp_path_factory.mktemp("stages")
+    cfg = tiny_config(f"cache_dir={root / 'cache'}", "train.source=cache", "finetune=lora", "finetune.steps=2")
+    teacher, tokenizer = load_teacher(cfg.model.source, seed=cfg.seed, num_layers=cfg.model.tiny_layers)
+    geometry = get_adapter(teacher).geometry(teacher.config)
+    ctx = RunContext(cfg, root / "run", tuple(stage_plan(cfg)), teacher, tokenizer, geometry, teacher, "cache")
+    out = {"ctx": ctx, "data": data.run(ctx)}
+    out["cache"] = cache.run(ctx, out["data"])
+    out["dof"] = dof.run(ctx, out["cache"], train.linear_layers(cfg, geometry))
+    out["dims"] = allocate.run(ctx, out["dof"], out["cache"])
+    out["train"] = train.run(ctx, out["cache"], out["dims"], out["data"])
+    out["student"] = assemble.run(ctx, out["dims"], out["data"].cache_key)
+    out["finetuned"] = finetune.run(ctx, copy.deepcopy(out["student"]), out["data"])  # LoRA merges in place
+    return out
+
+
+def test_data_packs_tokens_and_names_the_cache(run):
+    tokens, cfg = run["data"], run["ctx"].cfg
+    assert tokens.train_tokens.shape == (cfg.data.num_tokens // cfg.data.seq_len, cfg.data.seq_len)
+    assert tokens.heldout_tokens.shape[1] == cfg.data.seq_len
+    assert tokens.cache_key == run["cache"].key
+
+
+def test_cache_dof_and_allocate_write_their_artifacts(run):
+    ctx = run["ctx"]
+    assert run["cache"].meta["num_layers"] == 2
+    assert json.loads((ctx.out_dir / "dof.json").read_text())["layer_dof"] == run["dof"]["layer_dof"]
+    allocation = json.loads((ctx.out_dir / "allocation.json").read_text())
+    assert allocation["dims"] == run["dims"] and sum(run["dims"]) / 2 == pytest.approx(allocation["budget"], abs=1)
+
+
+def test_train_returns_every_layers_summary_and_reuses_its_artifacts(run):
+    ctx, result = run["ctx"], run["train"]
+    assert set(result.summaries) == {0, 1} and result.direct is None and result.tokens() is None
+    assert all(s["final_heldout_loss"] <= s["initial_heldout_loss"] for s in result.summaries.values())
+    before = {p: p.stat().st_mtime_ns for p in (ctx.out_dir / "layers").glob("layer_*.pt")}
+    again = train.run(ctx, run["cache"], run["dims"], run["data"])
+    assert again.summaries.keys() == result.summaries.keys()
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # loaded, not retrained
+
+
+def test_assemble_and_finetune_write_model_directories(run):
+    ctx = run["ctx"]
+    assert (ctx.out_dir / "student" / "config.json").exists()
+    assert (ctx.out_dir / "student_finetuned" / "dofla_settings.json").exists()
+    assert run["finetuned"].dofla_settings["student"] == run["student"].dofla_settings == keys.student_settings(
+        ctx.cfg, run["data"].cache_key, run["dims"])
+    reused = assemble.run(ctx, run["dims"], run["data"].cache_key)
+    ids = run["data"].heldout_tokens[:1]
+    with torch.no_grad():
+        assert torch.equal(reused(ids, use_cache=False).logits, run["student"](ids, use_cache=False).logits)
+
+
+def test_eval_and_report(run):
+    from dofla.record import build_record, write_json
+
+    ctx = run["ctx"]
+    metrics = evaluation.run(ctx, run["finetuned"], run["data"])
+    write_json(ctx.out_dir / "metrics.json", metrics)
+    write_json(ctx.out_dir / "run.json", {**build_record(ctx.cfg, []), "cache_key": run["data"].cache_key})
+    assert {"eval/teacher_ppl", "eval/student_ppl", "eval/attn_error/mean"} <= set(metrics)
+    timer = StageTimer()
+    with timer("eval"):
+        pass
+    report.run(ctx, metrics, timer, NullTracker())
+    assert "time/eval" in json.loads((ctx.out_dir / "timings.json").read_text())
+    assert (ctx.out_dir / "report.md").exists()
+
+
+def test_a_config_field_no_key_declares_fails_loudly():
+    cfg = tiny_config()
+
+    @dataclasses.dataclass
+    class TrainWithNewField(type(cfg.train)):
+        new_knob: float = 1.0
+
+    changed = dataclasses.replace(cfg, train=TrainWithNewField(**dataclasses.asdict(cfg.train)))
+    with pytest.raises(keys.KeyDeclarationError, match="train.new_knob"):
+        keys.layer_meta(changed, "k")
+    assert keys.layer_meta(cfg, "k")["train"]  # declared fields only: the unchanged config works
+
+
+def test_every_config_field_feeding_a_key_is_declared():
+    cfg = tiny_config()
+    for name in keys.IN_KEY:
+        declared = set(keys.IN_KEY[name]) | set(keys.OUT_OF_KEY.get(name, ()))
+        assert {f.name for f in dataclasses.fields(getattr(cfg, name))} == declared, name
