@@ -73,19 +73,26 @@ class BudgetConfig:
 
 
 @dataclass
-class TrainConfig:
+class StepConfig:
+    """How a set of feature maps is optimised: shared by the run's ``train`` group (TrainConfig) and
+    the trainers' own config (dofla.train.LayerTrainConfig), declared once here."""
+
     steps: int = 150
     batch_size: int = 2
     lr_z: float = 0.02
     lr_alpha: float = 0.2
     lr_other: float = 1e-2
     warmup_steps: int = 10
-    schedule: str = "constant"
+    schedule: str = "constant"  # constant | cosine (after warm-up)
     heldout_fraction: float = 0.1
     eval_every: int = 25
-    patience: int = 0
+    patience: int = 0  # evaluations without improvement before stopping; 0 = never stop early
     checkpoint_every: int = 50
     skip_nonfinite: bool = False
+
+
+@dataclass
+class TrainConfig(StepConfig):
     layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
     layer_dir: Optional[str] = None  # layer artifacts (None: <run>/layers); share it across parallel jobs
     direct_batch_size: int = 1

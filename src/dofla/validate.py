@@ -9,15 +9,13 @@ import os
 import re
 from pathlib import Path
 
+from dofla.attention import ATTENTION_FORMS
 from dofla.config import RunConfig
 from dofla.errors import ConfigError, require
 from dofla.stages.plan import stage_plan
 
-ATTENTIONS = ("linear", "hybrid", "sliding_window")
 TRAIN_SOURCES = ("auto", "cache", "stream")
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
-LOSS_NAMES = ("l2", "softmax", "output", "direct")
-GRAM_NORMS = ("none", "J", "trace")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -39,13 +37,16 @@ def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     from dofla.data import DATA_SOURCES
     from dofla.dof import ALLOCATION_POLICIES, MEASURED_POLICIES, PER_HEAD_POLICIES
+    from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
     from dofla.feature_maps import FEATURE_MAPS
+    from dofla.train.losses import LOSSES
 
     _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
-    _one_of("loss.name", cfg.loss.name, LOSS_NAMES)
+    _one_of("loss.name", cfg.loss.name, [*LOSSES.names(), "direct"])  # direct: end to end, no layer loss
     _one_of("allocation.policy", cfg.allocation.policy,
             [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, *MEASURED_POLICIES])
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
+    _one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     _validate_device(cfg.device)
@@ -103,7 +104,7 @@ def _validate_device(device: str) -> None:
 
 def _validate_attention(cfg: RunConfig) -> None:
     a = cfg.attention
-    _one_of("attention.name", a.name, ATTENTIONS)
+    _one_of("attention.name", a.name, ATTENTION_FORMS)
     _require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
     _require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
     if a.name in ("hybrid", "sliding_window"):

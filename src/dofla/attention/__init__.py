@@ -10,7 +10,11 @@ from dofla.attention.naive import (
 )
 from dofla.attention.stable import causal_log_kernel, stable_block
 
+# What replaces softmax in a student's global layers (dofla.models.convert, config attention.name)
+ATTENTION_FORMS = ("linear", "hybrid", "sliding_window")
+
 __all__ = [
+    "ATTENTION_FORMS",
     "HybridState",
     "hybrid_attention_chunked",
     "hybrid_attention_naive",

@@ -29,6 +29,7 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dofla.attention import ATTENTION_FORMS
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
@@ -39,7 +40,7 @@ from dofla.models.student_attention import (
 )
 
 FORMAT_VERSION = 1
-ATTENTIONS = ("linear", "hybrid", "sliding_window")
+ATTENTIONS = ATTENTION_FORMS
 
 
 @dataclass

@@ -4,7 +4,7 @@ trained: layerwise from the activation cache, layerwise from a stream of fresh t
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from dofla import distributed
@@ -63,17 +63,14 @@ def build_feature_maps(cfg: RunConfig, geometry, dims: list) -> list:
 
 
 def layer_train_config(cfg: RunConfig):
+    """The trainers' config: the run's optimisation settings and what the loss needs."""
+    from dofla.config import StepConfig
     from dofla.train import LayerTrainConfig
 
-    t = cfg.train
-    return LayerTrainConfig(
-        loss=cfg.loss.name, loss_options=dict(cfg.loss.options), steps=t.steps,
-        batch_size=t.batch_size, lr_z=t.lr_z, lr_alpha=t.lr_alpha, lr_other=t.lr_other,
-        warmup_steps=t.warmup_steps, schedule=t.schedule, heldout_fraction=t.heldout_fraction,
-        eval_every=t.eval_every, patience=t.patience, seed=cfg.seed,
-        checkpoint_every=t.checkpoint_every, skip_nonfinite=t.skip_nonfinite, window=cfg.attention.window,
-        sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0,
-    )
+    steps = {f.name: getattr(cfg.train, f.name) for f in fields(StepConfig)}
+    return LayerTrainConfig(**steps, loss=cfg.loss.name, loss_options=dict(cfg.loss.options), seed=cfg.seed,
+                            window=cfg.attention.window,
+                            sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0)
 
 
 def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:

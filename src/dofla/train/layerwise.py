@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla import distributed
+from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
+from dofla.config import StepConfig
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
@@ -29,22 +30,12 @@ class NonFiniteLossError(DoflaError, FloatingPointError):
 
 
 @dataclass
-class LayerTrainConfig:
+class LayerTrainConfig(StepConfig):
+    """A trainer's config: the optimisation (:class:`dofla.config.StepConfig`) plus what the loss needs."""
+
     loss: str = "softmax"
     loss_options: dict = field(default_factory=dict)
-    steps: int = 150
-    batch_size: int = 2
-    lr_z: float = 0.02
-    lr_alpha: float = 0.2
-    lr_other: float = 1e-2
-    warmup_steps: int = 10
-    schedule: str = "constant"  # constant | cosine (after warm-up)
-    heldout_fraction: float = 0.1
-    eval_every: int = 25
-    patience: int = 0  # evaluations without improvement before stopping; 0 = never stop early
     seed: int = 0
-    checkpoint_every: int = 50
-    skip_nonfinite: bool = False
     window: int = 0
     sinks: int = 0  # hybrid: the first `sinks` keys are exact too
     softcap: float | None = None  # the teacher's logit soft-cap (Gemma 2): distil against the capped kernel
