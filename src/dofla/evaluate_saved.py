@@ -54,8 +54,9 @@ def load_saved(directory: str | Path):
 
 def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -> dict:
     """Every measurement ``cfg.eval`` asks for on the model in ``directory`` -> ``out_dir/metrics.json``."""
-    from dofla.data import build_source, pack_tokens
+    from dofla.data import build_source
     from dofla.eval import heldout_loss, probes, suite
+    from dofla.stages.data import pack_heldout
     from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
 
     out_dir = Path(out_dir)
@@ -66,8 +67,7 @@ def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -
     store, ev, settings = Measurements(out_dir / MEASUREMENTS, True), cfg.eval, model_settings(model)
     metrics: dict = {}
     if ev.perplexity:
-        heldout = pack_tokens(source.texts("heldout"), tokenizer, cfg.data.seq_len, cfg.data.heldout_tokens,
-                              desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
+        heldout = pack_heldout(cfg, tokenizer, source)
 
         def perplexity() -> dict:
             loss = heldout_loss(model, heldout, ev.batch_size)

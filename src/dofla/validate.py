@@ -19,18 +19,17 @@ TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "cosine")
 
 
-_require = require
 
 
 def _positive(key: str, value) -> None:
-    _require(
+    require(
         isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
         f"{key}={value!r} must be a positive number",
     )
 
 
 def _one_of(key: str, value, valid) -> None:
-    _require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+    require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
 
 def validate_config(cfg: RunConfig) -> None:
@@ -50,7 +49,7 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     _validate_device(cfg.device)
-    _require(cfg.allocation.head_blocks >= 0,
+    require(cfg.allocation.head_blocks >= 0,
              f"allocation.head_blocks={cfg.allocation.head_blocks} must be ≥ 0 (0: no limit on blocks per layer)")
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
@@ -72,12 +71,12 @@ def validate_config(cfg: RunConfig) -> None:
         ("finetune.rank", cfg.finetune.rank),
     ]:
         _positive(key, value)
-    _require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
+    require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
-    _require(0 <= cfg.train.heldout_fraction < 1,
+    require(0 <= cfg.train.heldout_fraction < 1,
              f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
-    _require(cfg.data.num_tokens >= cfg.data.seq_len,
+    require(cfg.data.num_tokens >= cfg.data.seq_len,
              f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
              f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
@@ -93,27 +92,27 @@ def _validate_device(device: str) -> None:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, and a GPU only where one is visible."""
     import torch
 
-    _require(device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(device)) is not None,
+    require(device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(device)) is not None,
              f"device={device!r} must be auto, cpu, cuda or cuda:N")
     if device.startswith("cuda"):
         count = torch.cuda.device_count()
         index = int(device.partition(":")[2] or 0)
-        _require(index < count, f"device={device} but this machine sees {count} CUDA GPU(s); "
+        require(index < count, f"device={device} but this machine sees {count} CUDA GPU(s); "
                  "use device=auto or device=cpu")
 
 
 def _validate_attention(cfg: RunConfig) -> None:
     a = cfg.attention
     _one_of("attention.name", a.name, ATTENTION_FORMS)
-    _require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
-    _require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
+    require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
+    require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
     if a.name in ("hybrid", "sliding_window"):
-        _require(a.window >= 1, f"attention={a.name} needs attention.window ≥ 1 (the exact softmax window), "
+        require(a.window >= 1, f"attention={a.name} needs attention.window ≥ 1 (the exact softmax window), "
                                 f"got {a.window}")
-    _require(a.sinks == 0 or a.name != "linear" or a.window > 0,
+    require(a.sinks == 0 or a.name != "linear" or a.window > 0,
              f"attention.sinks={a.sinks} needs attention=hybrid or attention=sliding_window (pure linear "
              "attention has no exact part to keep sinks in)")
-    _require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
+    require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
              "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
 
 
@@ -126,20 +125,20 @@ def _validate_scale(cfg: RunConfig) -> None:
     if t.max_steps is not None:
         _positive("train.max_steps", t.max_steps)
     if cfg.data.cache_tokens is not None:
-        _require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
+        require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
                  f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
                  f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
     _one_of("allocation.head_aggregate", a.head_aggregate, ("max", "mean", "median"))
-    _require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
-    _require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
+    require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
+    require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
     if a.policy == "measured":
-        _require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
+        require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
                  f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
         _positive("allocation.measured_steps", a.measured_steps)
     ev = cfg.eval
-    _require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
+    require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
              f"eval.position_buckets={list(ev.position_buckets)} must be increasing positions ≥ 1")
-    _require(all(isinstance(n, int) and n >= 64 for n in ev.passkey_lengths),
+    require(all(isinstance(n, int) and n >= 64 for n in ev.passkey_lengths),
              f"eval.passkey_lengths={list(ev.passkey_lengths)} must be context lengths of at least 64 tokens")
 
 
@@ -161,15 +160,15 @@ def _validate_options(cfg: RunConfig) -> None:
          data.options),
     ]:
         problem = option_problem(key, owner, declared, given)
-        _require(problem is None, problem or "")
+        require(problem is None, problem or "")
 
 
 def _validate_eval(cfg: RunConfig) -> None:
     ev = cfg.eval
     _one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
-    _require(all(isinstance(t, str) and t for t in ev.tasks),
+    require(all(isinstance(t, str) and t for t in ev.tasks),
              f"eval.tasks={list(ev.tasks)!r} must be a list of lm-eval task names")
-    _require(ev.protocol == "zeroshot" or ev.tasks,
+    require(ev.protocol == "zeroshot" or ev.tasks,
              "eval.protocol=finetune needs tasks to fine-tune on; set eval.tasks=[...] or eval=downstream7")
     if ev.task_limit is not None:
         _positive("eval.task_limit", ev.task_limit)
@@ -177,22 +176,22 @@ def _validate_eval(cfg: RunConfig) -> None:
         _positive("eval.finetune_train_limit", ev.finetune_train_limit)
     _positive("eval.task_batch_size", ev.task_batch_size)
     _positive("eval.finetune_epochs", ev.finetune_epochs)
-    _require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
+    require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
     for lr in ev.finetune_lr_grid:
         _positive("eval.finetune_lr_grid entry", lr)
     for folder in ev.task_dirs:
-        _require(Path(folder).expanduser().is_dir(),
+        require(Path(folder).expanduser().is_dir(),
                  f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
     if ev.mqar:
         _positive("eval.mqar_examples", ev.mqar_examples)
-        _require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
+        require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
                  f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 
 
 def validate_world(cfg: RunConfig, world: int) -> None:
     """Checks for a data-parallel run under torchrun with ``world`` processes."""
     if world > 1 and cfg.loss.name == "direct" and "train" in cfg.stages:
-        _require(cfg.train.direct_batch_size % world == 0,
+        require(cfg.train.direct_batch_size % world == 0,
                  f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
                  f"torchrun processes; use a multiple of {world}")
 
@@ -200,33 +199,33 @@ def validate_world(cfg: RunConfig, world: int) -> None:
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
     """Checks that need the model's geometry (read from its config, before any compute)."""
     budget = feature_budget(cfg, head_dim)
-    _require(
+    require(
         budget >= 1,
         f"budget gives {budget:g} features per layer (budget.value={cfg.budget.value}, "
         f"budget.multiple={cfg.budget.multiple}); it must be at least 1",
     )
     if cfg.allocation.policy == "dof_clip":
-        _require(
+        require(
             budget <= head_dim,
             f"allocation.policy=dof_clip caps every layer at the head size {head_dim}, so a budget of "
             f"{budget:g} > {head_dim} cannot be met; use policy dof or a budget ≤ {head_dim}",
         )
     if cfg.train.layers is not None:
         bad = [i for i in cfg.train.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
-        _require(
+        require(
             not bad and len(cfg.train.layers) > 0,
             f"train.layers={list(cfg.train.layers)} has entries outside 0..{num_layers - 1} "
             f"(the model has {num_layers} layers)",
         )
-    _require(
+    require(
         cfg.data.seq_len <= max_positions,
         f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens",
     )
     long = cfg.eval.long_seq_len or cfg.data.seq_len
-    _require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
-    _require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
+    require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
+    require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
              f"eval.position_buckets={list(cfg.eval.position_buckets)} reach past eval.long_seq_len={long}")
-    _require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
+    require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
              f"eval.passkey_lengths={list(cfg.eval.passkey_lengths)} exceed the model's context of "
              f"{max_positions} tokens")
 
@@ -243,5 +242,5 @@ def validate_output_dir(out_dir: Path) -> None:
     except OSError as err:
         raise ConfigError(f"output directory {out_dir} cannot be created ({err.strerror}); "
                           "choose a writable hydra.run.dir") from None
-    _require(os.access(out_dir, os.W_OK), f"output directory {out_dir} is not writable; "
+    require(os.access(out_dir, os.W_OK), f"output directory {out_dir} is not writable; "
              "choose a writable hydra.run.dir")

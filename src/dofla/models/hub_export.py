@@ -84,8 +84,7 @@ class DoflaStudentForCausalLM:
 
         from dofla.models.student import student_class
 
-        raw = teacher_config_dict(config.to_dict())
-        teacher_config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+        teacher_config = teacher_config_from_dict(config.to_dict(), "the config")
         base = AutoModelForCausalLM._model_mapping[type(teacher_config)]
         return student_class(base)._from_config(teacher_config, **kwargs)
 
@@ -103,13 +102,18 @@ def teacher_config_dict(raw: dict) -> dict:
 def student_config(path: str | Path, **hub_kwargs) -> PretrainedConfig:
     """The teacher-class config (with ``config.dofla``) of the student saved at ``path``."""
     raw, _ = PretrainedConfig.get_config_dict(str(path), **hub_kwargs)
+    return teacher_config_from_dict(raw, path)
+
+
+def teacher_config_from_dict(raw: dict, where) -> PretrainedConfig:
+    """A student's config dict (either form) -> the teacher's config class, with ``dofla``."""
     raw = teacher_config_dict(raw)
     if raw.get("dofla") is None:
-        raise ValueError(f"{path} holds no dofla student (config.json has no 'dofla' entry)")
+        raise ValueError(f"{where} holds no dofla student (config.json has no 'dofla' entry)")
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{path} is a student of a {model_type!r} model, which this transformers does not know; "
-                         "install a transformers release that has it")
+        raise ValueError(f"{where} is a student of a {model_type!r} model, which this transformers does not "
+                         "know; install a transformers release that has it")
     return CONFIG_MAPPING[model_type].from_dict(raw)
 
 

@@ -40,7 +40,6 @@ from dofla.models.student_attention import (
 )
 
 FORMAT_VERSION = 1
-ATTENTIONS = ATTENTION_FORMS
 
 
 @dataclass
@@ -65,8 +64,8 @@ class ConversionSpec:
 
 def _check_spec(spec: ConversionSpec) -> None:
     """One clear sentence per user error in the attention settings."""
-    if spec.attention not in ATTENTIONS:
-        raise ValueError(f"attention={spec.attention!r} is not one of {', '.join(ATTENTIONS)}; pick one of them")
+    if spec.attention not in ATTENTION_FORMS:
+        raise ValueError(f"attention={spec.attention!r} is not one of {', '.join(ATTENTION_FORMS)}; pick one of them")
     if spec.feature_map == "softmax" and (spec.attention != "linear" or spec.sinks):
         raise ValueError("feature_map='softmax' is the exact reference and takes no window or sinks; drop them")
     if spec.attention != "linear" and spec.window < 1:

@@ -30,10 +30,6 @@ class RunContext:
     capture: Any
     source: str
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.teacher.parameters()).device
-
 
 @dataclass(frozen=True)
 class RunData:

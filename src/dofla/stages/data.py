@@ -38,9 +38,15 @@ def load_data(cfg: RunConfig, tokenizer, source=None, train_tokens: int | None =
     L = cfg.data.seq_len
     train = pack_tokens(source.texts("train"), tokenizer, L, train_tokens or cfg.data.num_tokens,
                         desc="tokenize train", source=cfg.data.name)
-    heldout = pack_tokens(source.texts("heldout"), tokenizer, L, cfg.data.heldout_tokens,
-                          desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
-    return train, heldout, source.fingerprint()
+    return train, pack_heldout(cfg, tokenizer, source), source.fingerprint()
+
+
+def pack_heldout(cfg: RunConfig, tokenizer, source):
+    """The held-out tokens (S', data.seq_len) every evaluation of this data measures on."""
+    from dofla.data import pack_tokens
+
+    return pack_tokens(source.texts("heldout"), tokenizer, cfg.data.seq_len, cfg.data.heldout_tokens,
+                       desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
 
 
 def capture_teacher(teacher, dtype: str):

@@ -22,11 +22,6 @@ from dofla.stages.keys import dof_settings
 def run(ctx: RunContext, cache, layers: list[int] | None = None) -> dict:
     """Algorithm 1 on ``cache`` for ``layers`` (default all) -> ``dof.json``, and the result."""
     cfg, out_dir = ctx.cfg, ctx.out_dir
-    return estimate(cfg, cache, out_dir, layers)
-
-
-def estimate(cfg: RunConfig, cache, out_dir: Path, layers: list[int] | None = None) -> dict:
-    """:func:`run` without a context (the measured allocation and studies call it on a cache)."""
     settings = dof_settings(cfg, cache.key, layers, cache.meta["num_layers"])
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     shared = Path(cache.path) / f"dof-{digest}.json"
