@@ -122,6 +122,32 @@ class FinetuneConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Model-level distillation after assemble (``distill=kl``): KL(teacher ‖ student) on the next-token
+    distributions of fresh streamed text, training what ``train`` names (off by default)."""
+
+    name: str = "none"  # none | kl
+    tokens: int = 65536  # distillation tokens (one pass over fresh text)
+    seq_len: Optional[int] = None  # None: data.seq_len
+    batch_size: int = 4  # effective batch (sequences per optimiser step)
+    micro_batch_size: Optional[int] = None  # sequences per forward/backward (None: batch_size)
+    train: List[str] = field(default_factory=lambda: ["features", "attention"])  # features | attention | lora
+    lr: float = 1e-4  # attention projections, LoRA
+    feature_lr: float = 1e-3  # feature maps
+    temperature: float = 1.0
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # constant | cosine (to 10 % of the peak)
+    grad_clip: float = 1.0  # 0: no clipping (and no non-finite guard)
+    # tokens of the training text skipped before the stream starts (None: the ones the layerwise
+    # stage read, so distillation sees fresh text)
+    offset: Optional[int] = None
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    checkpoint_every: int = 50
+    log_every: int = 10
+
+
+@dataclass
 class EvalConfig:
     name: str = "default"
     batch_size: int = 2
@@ -168,6 +194,7 @@ class RunConfig:
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -179,7 +206,7 @@ class RunConfig:
     stages: list[str] = field(
         # dof is computed when the allocation policy needs it (dofla.validate.stage_plan); list it to
         # run Algorithm 1 under fix too
-        default_factory=lambda: ["cache", "allocate", "train", "assemble", "finetune", "eval", "report"]
+        default_factory=lambda: ["cache", "allocate", "train", "assemble", "distill", "finetune", "eval", "report"]
     )
     experiment: Optional[str] = None
 

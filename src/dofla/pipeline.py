@@ -1,4 +1,5 @@
-"""One run: check -> load -> data -> cache -> dof -> allocate -> train -> assemble -> finetune -> eval -> report.
+"""One run: check -> load -> data -> cache -> dof -> allocate -> train -> assemble -> distill -> finetune -> eval
+-> report.
 
 ``run(cfg, out_dir)`` is what the ``dofla`` command calls after Hydra composed the config; it is
 equally callable from Python. Every stage (one module each in :mod:`dofla.stages`) writes its artifact
@@ -14,7 +15,7 @@ import torch
 from dofla import distributed
 from dofla.config import RunConfig
 from dofla.record import build_record, write_json
-from dofla.stages import allocate, assemble, cache, data, dof, finetune, report, train
+from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, report, train
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir, validate_world
@@ -77,7 +78,13 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     # The student as a Hugging Face model directory.
     with timer("assemble"):
         student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key)
-    # Optional LoRA fine-tune of the assembled student.
+    # Optional model-level distillation: KL to the teacher's next-token distributions on fresh text.
+    distilled = cfg.distill.name != "none" and "distill" in plan
+    if distilled:
+        with timer("distill"):
+            result = distributed.main_first(distill.run, ctx, student, tokens, tracker if main else None)
+        student = result.student
+    # Optional LoRA fine-tune of the (distilled) student.
     finetuned = cfg.finetune.name == "lora" and "finetune" in plan
     if finetuned:
         with timer("finetune"):
@@ -88,9 +95,12 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     with timer("eval"):
         metrics = evaluation.run(ctx, student, tokens, tasks)
     metrics.update(data_budget(ctx, tokens, trained, activations))
+    if distilled:
+        metrics["distill/tokens"] = int(result.tokens)
     if main:
         write_json(out_dir / "metrics.json", metrics)
-        write_card(out_dir / ("student_finetuned" if finetuned else "student"), metrics)
+        final = "student_finetuned" if finetuned else distill.TARGET if distilled else "student"
+        write_card(out_dir / final, metrics)
         # Timings, the tracker, report.md and plots, the summary.
         report.run(ctx, metrics, timer, tracker)
     return metrics

@@ -81,11 +81,42 @@ def validate_config(cfg: RunConfig) -> None:
              f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
+    _validate_distill(cfg)
     _validate_attention(cfg)
     _validate_scale(cfg)
     stage_plan(cfg)
     _validate_options(cfg)
     _validate_eval(cfg)
+
+
+def _validate_distill(cfg: RunConfig) -> None:
+    from dofla.train.distill import TRAINABLE
+
+    d = cfg.distill
+    _one_of("distill.name", d.name, ("none", "kl"))
+    if d.name == "none":
+        return
+    _one_of("distill.schedule", d.schedule, SCHEDULES)
+    for key in ("tokens", "batch_size", "lr", "feature_lr", "temperature", "lora_rank", "checkpoint_every",
+                "log_every"):
+        _positive(f"distill.{key}", getattr(d, key))
+    for key in ("seq_len", "micro_batch_size"):
+        if getattr(d, key) is not None:
+            _positive(f"distill.{key}", getattr(d, key))
+    require(d.micro_batch_size is None or d.batch_size % d.micro_batch_size == 0,
+            f"distill.micro_batch_size={d.micro_batch_size} does not divide distill.batch_size={d.batch_size}; "
+            "choose a divisor so every micro-batch has the same size")
+    unknown = [t for t in d.train if t not in TRAINABLE]
+    require(d.train and not unknown, f"distill.train={list(d.train)} must name one or more of "
+            f"{', '.join(TRAINABLE)}" + (f" ({', '.join(map(str, unknown))} is not one)" if unknown else ""))
+    seq_len = d.seq_len or cfg.data.seq_len
+    require(d.tokens >= d.batch_size * seq_len,
+            f"distill.tokens={d.tokens} is less than one batch ({d.batch_size} × {seq_len} tokens); "
+            "raise distill.tokens or lower distill.batch_size")
+    require(d.offset is None or d.offset >= 0, f"distill.offset={d.offset} must be ≥ 0 (or null: after the "
+            "layerwise stage's tokens)")
+    require(d.grad_clip >= 0 and d.warmup_steps >= 0,
+            "distill.grad_clip and distill.warmup_steps must be ≥ 0")
 
 
 def _validate_device(device: str) -> None:
@@ -223,6 +254,9 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
     )
     long = cfg.eval.long_seq_len or cfg.data.seq_len
     require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
+    distill_len = cfg.distill.seq_len or cfg.data.seq_len
+    require(cfg.distill.name == "none" or distill_len <= max_positions,
+            f"distill.seq_len={distill_len} exceeds the model's context of {max_positions} tokens")
     require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
              f"eval.position_buckets={list(cfg.eval.position_buckets)} reach past eval.long_seq_len={long}")
     require(all(n <= max_positions for n in cfg.eval.passkey_lengths),

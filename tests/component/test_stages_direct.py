@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
-from dofla.stages import allocate, assemble, cache, data, dof, finetune, keys, report, train
+from dofla.config import DistillConfig
+from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, keys, report, train
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, StageTimer
 from dofla.stages.plan import stage_plan
@@ -78,6 +79,27 @@ def test_assemble_and_finetune_write_model_directories(run):
     ids = run["data"].heldout_tokens[:1]
     with torch.no_grad():
         assert torch.equal(reused(ids, use_cache=False).logits, run["student"](ids, use_cache=False).logits)
+
+
+def test_distill_trains_on_fresh_text_writes_a_student_and_reuses_it(run):
+    ctx = dataclasses.replace(run["ctx"], cfg=dataclasses.replace(
+        run["ctx"].cfg, distill=DistillConfig(name="kl", tokens=256, batch_size=2, micro_batch_size=1,
+                                              checkpoint_every=1)))
+    assert distill.offset(ctx, run["data"]) == ctx.cfg.data.num_tokens  # the cached tokens are not read again
+    result = distill.run(ctx, copy.deepcopy(run["student"]), run["data"])
+    assert result.tokens == 256 and result.student.dofla_settings == keys.distill_settings(
+        ctx.cfg, run["student"].dofla_settings)
+    target = ctx.out_dir / distill.TARGET
+    assert (target / "config.json").exists() and not (ctx.out_dir / "distill_ckpt.pt").exists()
+    summary = json.loads((ctx.out_dir / "distill_summary.json").read_text())
+    assert [c["step"] for c in summary["curve"]] == [0, 1]
+    before = (target / "model.safetensors").stat().st_mtime_ns
+    again = distill.run(ctx, copy.deepcopy(run["student"]), run["data"])
+    assert again.tokens == 256 and (target / "model.safetensors").stat().st_mtime_ns == before
+    ids = run["data"].heldout_tokens[:1]
+    with torch.no_grad():
+        assert torch.equal(again.student(ids, use_cache=False).logits, result.student(ids, use_cache=False).logits)
+        assert not torch.equal(result.student(ids, use_cache=False).logits, run["student"](ids, use_cache=False).logits)
 
 
 def test_eval_and_report(run):

@@ -126,8 +126,10 @@ def test_direct_training_moves_only_feature_parameters():
     assert sum(c["loss"] for c in curve[-5:]) < sum(c["loss"] for c in curve[:5])
 
 
-def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch):
-    cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2, checkpoint_every=3)
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch, schedule):
+    # the checkpoint (step 3) falls inside the warm-up: the resumed rates must be the schedule's
+    cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=4, checkpoint_every=3, schedule=schedule)
     full_student = _tiny_student()
     full = train_direct(full_student, _tokens(), cfg)
     ckpt = tmp_path / "direct.ckpt"

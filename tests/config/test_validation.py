@@ -45,6 +45,14 @@ BAD_BEFORE_MODEL = [
     ({"attention__window": -4}, "attention.window"),
     ({"finetune__name": "qlora"}, "finetune.name"),
     ({"finetune__rank": 0}, "finetune.rank"),
+    ({"distill__name": "mse"}, "distill.name"),
+    ({"distill__name": "kl", "distill__train": ["mlp"]}, "distill.train"),
+    ({"distill__name": "kl", "distill__train": []}, "distill.train"),
+    ({"distill__name": "kl", "distill__batch_size": 4, "distill__micro_batch_size": 3}, "distill.micro_batch_size"),
+    ({"distill__name": "kl", "distill__tokens": 100}, "distill.tokens"),
+    ({"distill__name": "kl", "distill__temperature": 0}, "distill.temperature"),
+    ({"distill__name": "kl", "distill__schedule": "linear"}, "distill.schedule"),
+    ({"distill__name": "kl", "distill__offset": -1}, "distill.offset"),
     ({"data__num_tokens": 100, "data__seq_len": 512}, "data.num_tokens"),
     ({"stages": ["cache", "trian"]}, "stages"),
     ({"logger__name": "tensorboard"}, "logger.name"),
@@ -68,6 +76,7 @@ BAD_FOR_MODEL = [
     ({"train__layers": [0, 30]}, "train.layers"),
     ({"train__layers": [-1]}, "train.layers"),
     ({"data__seq_len": 4096}, "data.seq_len"),
+    ({"distill__name": "kl", "distill__seq_len": 4096, "distill__tokens": 16384}, "distill.seq_len"),
 ]
 
 
@@ -180,7 +189,7 @@ def _stages(stages, **changes):
 
 
 def test_stage_plan_runs_dof_only_when_the_policy_needs_it_or_it_is_listed():
-    configured = ["cache", "allocate", "train", "assemble", "finetune", "eval", "report"]  # conf/config.yaml
+    configured = ["cache", "allocate", "train", "assemble", "distill", "finetune", "eval", "report"]  # conf/config.yaml
     assert _stages(configured) == ["cache", "dof", *configured[1:]]
     for policy in ("dof_clip", "dof_head", "fix_max"):
         assert "dof" in _stages(configured, allocation__policy=policy)

@@ -108,12 +108,12 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
     return source
 
 
-def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int):
-    """The data source's train text as (batch_size, data.seq_len) batches, after skipping the first
-    ``skip_tokens`` (the activation cache's sample, which so stays held out)."""
+def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None):
+    """The data source's train text as (batch_size, seq_len or data.seq_len) batches, after skipping
+    the first ``skip_tokens`` (e.g. the activation cache's sample, which so stays held out)."""
     from dofla.data.stream import source_stream
 
-    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, batch_size, cfg.data.seq_len)
+    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, batch_size, seq_len or cfg.data.seq_len)
     batches.discard(skip_tokens)
     return batches
 

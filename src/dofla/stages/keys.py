@@ -30,11 +30,15 @@ IN_KEY: dict[str, tuple[str, ...]] = {
     "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
               "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
               "max_steps", "teacher_dtype"),
+    "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "temperature",
+                "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha"),
     "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
 }
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     # which job trains a layer, where it writes, how often it checkpoints: not what it learns
     "train": ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb"),
+    # micro-batching changes the peak memory, not the gradient
+    "distill": ("micro_batch_size", "checkpoint_every", "log_every"),
 }
 
 
@@ -103,6 +107,11 @@ def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     """What determines the assembled student: the teacher, the attention and the trained layers."""
     return canonical({"model": section(cfg, "model"), "attention": section(cfg, "attention"),
                       "layers": layer_settings(cfg, cache_key, dims)})
+
+
+def distill_settings(cfg: RunConfig, student: dict | None) -> dict:
+    """The distilled student: the student's settings, the distillation's and the seed."""
+    return canonical({"student": student, "distill": section(cfg, "distill"), "seed": cfg.seed})
 
 
 def finetune_settings(cfg: RunConfig, student: dict | None) -> dict:

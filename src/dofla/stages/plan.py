@@ -1,6 +1,6 @@
 """The stage graph: which stages a run executes, in which order, decided before any model loads.
 
-    load ─▶ data ─▶ cache ─▶ dof ─▶ allocate ─▶ train ─▶ assemble ─▶ finetune ─▶ eval ─▶ report
+    load ─▶ data ─▶ cache ─▶ dof ─▶ allocate ─▶ train ─▶ assemble ─▶ distill ─▶ finetune ─▶ eval ─▶ report
 
 ``load`` and ``data`` always run; the others are listed in ``cfg.stages`` (default: all but ``dof``,
 which runs when the allocation policy needs it). :func:`stage_plan` closes the list over what each
@@ -13,7 +13,7 @@ from dataclasses import replace
 from dofla.config import RunConfig
 from dofla.errors import require
 
-STAGES = ("cache", "dof", "allocate", "train", "assemble", "finetune", "eval", "report")
+STAGES = ("cache", "dof", "allocate", "train", "assemble", "distill", "finetune", "eval", "report")
 PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
 POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
@@ -22,12 +22,13 @@ TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no
 def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
     """The stages each stage reads the artifact of, for this config (see stage_plan)."""
     if cfg.attention.name in TRAINING_FREE:  # nothing to allocate or train: assemble from the teacher
-        return {"assemble": (), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
+        return {"assemble": (), "distill": ("assemble",), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
         "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
         "train": ("cache", "allocate"),  # direct needs only the cache's key (dofla.stages.train)
         "assemble": ("allocate", "train"),
+        "distill": ("assemble",),
         "finetune": ("assemble",),
         "eval": ("assemble",),
         "report": ("eval",),

@@ -71,13 +71,13 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
     optimizer = torch.optim.Adam(groups, weight_decay=0.0)
     device = next(student.parameters()).device
     step, curve = 0, []
+    base_lrs = [g["lr"] for g in optimizer.param_groups]  # before a checkpoint's scheduled rates replace them
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
         student.load_state_dict(ckpt["model"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
         batches.restore(ckpt["data"] if "data" in ckpt else ckpt["generator"])  # "generator": before streaming
         step, curve = ckpt["step"], ckpt["curve"]
-    base_lrs = [g["lr"] for g in optimizer.param_groups]
     # eval mode: the frozen network's dropout would only add noise to the target the features chase
     student.eval()
     # counted in tokens, so the bar shows tokens done, tokens/s and the ETA

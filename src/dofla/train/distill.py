@@ -1,0 +1,222 @@
+"""Model-level distillation: KL(teacher ‖ student) on next-token distributions (``distill=kl``).
+
+The layerwise stage matches each layer's attention on its own; errors then compound through the
+network. This stage trains the whole assembled student to reproduce the teacher's next-token
+distribution, on fresh streamed text, so the layers adapt to each other's errors (the recipe of
+the strongest published conversions: short attention alignment, then most tokens on KL).
+
+What trains is named by the config: ``features`` (every layer's feature map), ``attention`` (the
+attention projections, fully), ``lora`` (low-rank adapters on them, merged on return). Everything
+else is frozen. The teacher's logits are computed on the fly, never stored. Batches are micro-batched
+(gradient accumulation), so the effective batch does not set the peak memory.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from dofla.artifacts import load_checkpoint, torch_save_atomic
+from dofla.data.stream import StreamExhausted
+from dofla.errors import DoflaError
+from dofla.faults import kill_point
+
+TRAINABLE = ("features", "attention", "lora")
+
+
+@dataclass(frozen=True)
+class DistillSchedule:
+    """How the distillation steps run (the stage builds it from ``DistillConfig``)."""
+
+    steps: int
+    micro_batch_size: int
+    lr: float  # attention projections / LoRA
+    feature_lr: float  # feature maps
+    temperature: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # constant | cosine (to 10 % of the peak, after warm-up)
+    grad_clip: float = 1.0  # 0: none
+    log_every: int = 10  # host synchronisations (loss to Python) only this often
+    checkpoint_every: int = 50
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over tokens of T² · KL(softmax(teacher / T) ‖ softmax(student / T)), in fp32.
+
+    Logits (..., V); ``mask`` (...) bool selects the tokens that count (None: all). T² keeps the
+    gradient's scale independent of the temperature (Hinton et al.).
+    """
+    log_p = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    log_q = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if mask is not None:
+        per_token = per_token[mask]
+    return per_token.mean() * temperature**2
+
+
+def kl_reference(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The same quantity through ``torch.nn.functional.kl_div`` (the plain reference of the tests)."""
+    V = student_logits.shape[-1]
+    log_q = torch.log_softmax(student_logits.double().reshape(-1, V) / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.double().reshape(-1, V) / temperature, dim=-1)
+    return nn.functional.kl_div(log_q, log_p, log_target=True, reduction="batchmean") * temperature**2
+
+
+def attention_projections(student) -> list[nn.Parameter]:
+    """The parameters of every attention module except its linear-attention part (q/k/v/o, norms)."""
+    from dofla.models import get_adapter
+
+    params = []
+    for module in get_adapter(student).attention_modules(student):
+        params += [p for n, p in module.named_parameters() if not n.startswith("dofla.")]
+    return params
+
+
+def feature_parameters(student) -> list[nn.Parameter]:
+    return [p for attn in student.student_attentions() if attn.feature_map is not None
+            for p in attn.feature_map.parameters()]
+
+
+def prepare_trainable(student, train: list[str], lora_rank: int = 8, lora_alpha: int = 16):
+    """Freeze ``student``, then unfreeze what ``train`` names; returns (the model to call, the Adam
+    groups keyed ``features`` / ``attention`` / ``lora``). With ``lora`` the returned model is the
+    peft wrapper (merge it with :func:`finish`)."""
+    unknown = sorted(set(train) - set(TRAINABLE))
+    if unknown or not train:
+        raise DoflaError(f"distill.train={list(train)} names {', '.join(unknown) or 'nothing'}; "
+                         f"choose from {', '.join(TRAINABLE)}")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    model, groups = student, []
+    if "lora" in train:
+        from peft import LoraConfig, get_peft_model
+
+        from dofla.models import get_adapter
+
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
+                            target_modules=get_adapter(student).lora_targets,
+                            fan_in_fan_out=student.config.model_type == "gpt2", bias="none")
+        model = get_peft_model(student, config)
+        groups.append(("lora", [p for p in model.parameters() if p.requires_grad]))
+    if "attention" in train:
+        groups.append(("attention", attention_projections(student)))
+    if "features" in train:
+        groups.append(("features", feature_parameters(student)))
+    groups = [(name, params) for name, params in groups if params]
+    for _, params in groups:
+        for p in params:
+            p.requires_grad_(True)
+    if not groups:
+        raise DoflaError(f"distill.train={list(train)} leaves nothing to train in this student "
+                         "(a training-free attention has no features); add attention or lora")
+    return model, groups
+
+
+def finish(model, student):
+    """The student with LoRA merged (``model`` is the peft wrapper) or ``student`` itself, in eval mode."""
+    if model is not student:
+        model = model.merge_and_unload()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def lr_factor(step: int, s: DistillSchedule) -> float:
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.schedule == "cosine":
+        progress = min(1.0, (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch.Tensor:
+    """Forward/backward of one effective batch in micro-batches; the gradients are the full batch's
+    (each micro-batch's mean KL weighted by its share of the rows). Returns the batch's KL (a tensor:
+    no host synchronisation)."""
+    total = torch.zeros((), device=batch.device)
+    for micro in batch.split(s.micro_batch_size):
+        with torch.no_grad():
+            target = teacher(input_ids=micro, use_cache=False).logits
+        loss = kl_to_teacher(model(input_ids=micro, use_cache=False).logits, target, s.temperature)
+        (loss * (micro.shape[0] / batch.shape[0])).backward()
+        total += loss.detach() * (micro.shape[0] / batch.shape[0])
+    return total
+
+
+def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,
+             meta: dict | None = None, lora: tuple[int, int] = (8, 16),
+             on_log: Callable[[dict], None] | None = None):
+    """Distil ``teacher`` into ``student`` for ``s.steps`` batches of ``batches`` (a ``BatchStream``-like
+    source: ``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``).
+
+    Returns (the trained student, the curve, the tokens trained on). Resumes from ``checkpoint_path``
+    when it was written with ``meta``. A source that runs out ends the stage early, saying so; the
+    tokens returned are the ones actually used.
+    """
+    model, named = prepare_trainable(student, train, *lora)
+    rates = {"features": s.feature_lr, "attention": s.lr, "lora": s.lr}
+    optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
+    params = [p for _, group in named for p in group]
+    names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
+    device = next(student.parameters()).device
+    step, curve, tokens = 0, [], 0
+    ckpt = load_checkpoint(checkpoint_path, meta)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"], strict=False)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        batches.restore(ckpt["data"])
+        step, curve, tokens = ckpt["step"], ckpt["curve"], ckpt["tokens"]
+    base = [rates[g["name"]] for g in optimizer.param_groups]  # not the loaded groups' (scheduled) rates
+    model.eval()  # dropout off: the target is the teacher's deterministic distribution
+    teacher.eval()
+    bar = tqdm(total=s.steps * batches.batch_tokens, initial=tokens, desc="distill (KL)", unit="tok", unit_scale=True)
+    pending: list[tuple[int, torch.Tensor]] = []
+
+    def flush():
+        values = torch.stack([v for _, v in pending]).tolist() if pending else []
+        for (i, _), value in zip(pending, values):
+            curve.append({"step": i, "kl": value if math.isfinite(value) else None})
+        pending.clear()
+        if values and on_log is not None:
+            on_log({"distill/kl": values[-1], "distill/tokens": tokens, "distill/step": curve[-1]["step"]})
+        if values:
+            bar.set_postfix(kl=f"{values[-1]:.4f}")
+
+    for step in range(step, s.steps):
+        kill_point(f"distill:step{step}")
+        try:
+            batch = batches.next_batch().to(device)
+        except StreamExhausted:
+            print(f"dofla: the data ran out after {tokens:,} distillation tokens ({step} of {s.steps} steps); "
+                  "the stage ends here and records the tokens used", flush=True)
+            break
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * lr_factor(step, s)
+        optimizer.zero_grad(set_to_none=True)
+        kl = accumulate(model, teacher, batch, s)
+        if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:
+            norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # a non-finite norm zeroes the gradient
+            for p in params:
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(torch.isfinite(norm))
+        optimizer.step()
+        tokens += batch.numel()
+        pending.append((step, kl))
+        bar.update(batch.numel())
+        if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
+            flush()
+        if checkpoint_path is not None and (step + 1) % s.checkpoint_every == 0 and step + 1 < s.steps:
+            flush()
+            torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names}, "optimizer": optimizer.state_dict(), "data": batches.state(),
+                               "step": step + 1, "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
+    flush()
+    bar.close()
+    return finish(model, student), curve, tokens
+
