@@ -89,6 +89,10 @@ class StepConfig:
     patience: int = 0  # evaluations without improvement before stopping; 0 = never stop early
     checkpoint_every: int = 50
     skip_nonfinite: bool = False
+    # sequences per forward/backward; the gradients of batch_size / micro_batch_size micro-batches
+    # are accumulated into one step of the full batch (None: the whole batch at once). Lowers the
+    # peak memory, not the result (equal up to float rounding)
+    micro_batch_size: Optional[int] = None
 
 
 @dataclass

@@ -71,6 +71,14 @@ def validate_config(cfg: RunConfig) -> None:
         ("finetune.rank", cfg.finetune.rank),
     ]:
         _positive(key, value)
+    if cfg.train.micro_batch_size is not None:
+        from dofla.train.layerwise import mean_over_rows
+
+        _positive("train.micro_batch_size", cfg.train.micro_batch_size)
+        require(cfg.loss.name == "direct" or mean_over_rows(cfg.loss.name),
+                f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
+                "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
+                "lower train.batch_size")
     require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)

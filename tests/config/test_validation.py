@@ -45,6 +45,8 @@ BAD_BEFORE_MODEL = [
     ({"attention__window": -4}, "attention.window"),
     ({"finetune__name": "qlora"}, "finetune.name"),
     ({"finetune__rank": 0}, "finetune.rank"),
+    ({"train__micro_batch_size": 0}, "train.micro_batch_size"),
+    ({"train__micro_batch_size": 1, "loss__name": "output"}, "train.micro_batch_size"),
     ({"distill__name": "mse"}, "distill.name"),
     ({"distill__name": "kl", "distill__train": ["mlp"]}, "distill.train"),
     ({"distill__name": "kl", "distill__train": []}, "distill.train"),

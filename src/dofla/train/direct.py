@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from dofla import distributed
 from dofla.faults import kill_point
 from dofla.artifacts import load_checkpoint, torch_save_atomic
-from dofla.train.layerwise import LayerTrainConfig, apply_step, lr_factor, param_groups
+from dofla.train.layerwise import Accumulator, LayerTrainConfig, lr_factor, micro_batches, param_groups
 
 
 def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
@@ -89,9 +89,12 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
             group["lr"] = lr * lr_factor(step, cfg)
         batch = batches.next_batch().to(device)
         batch = batch[distributed.rank()::distributed.world()]  # torchrun: this rank's part of the batch
-        loss = student(input_ids=batch, labels=batch, use_cache=False).loss
-        if apply_step(optimizer, loss, f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
-                      data_parallel=True):
+        accumulated = Accumulator(optimizer)
+        for part, share in micro_batches(batch, cfg):
+            accumulated.add(student(input_ids=part, labels=part, use_cache=False).loss, share)
+        loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
+                                data_parallel=True)
+        if loss is not None:
             value = distributed.sum_across([loss.item()])[0] / distributed.world()  # the whole batch's loss
             curve.append({"step": step, "loss": value})
             bar.set_postfix(step=step + 1, loss=f"{value:.4f}")

@@ -126,34 +126,61 @@ def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig, 
     return sum(losses) / len(index)
 
 
-def apply_step(optimizer, loss: torch.Tensor, message: str, skip_nonfinite: bool,
-               data_parallel: bool = False) -> bool:
-    """Backward + Adam step; False (step skipped) or NonFiniteLossError when loss or a gradient is NaN/inf.
+class Accumulator:
+    """One optimiser step of a batch given in micro-batches: :meth:`add` each micro-batch's loss with
+    its weight (its share of the batch: the batch's loss is Σ weight · loss), then :meth:`step`.
 
-    Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be finite while its
-    gradient overflows the fp32 features, and one inf gradient would turn every parameter NaN.
-    ``data_parallel``: under torchrun, gradients are averaged across the ranks before the step and
-    all ranks agree on skipping (every rank must call it).
+    A non-finite loss is not back-propagated; the step then fails (or is skipped) as a whole.
     """
-    optimizer.zero_grad(set_to_none=True)
-    finite = bool(torch.isfinite(loss))
-    if data_parallel:
-        finite = distributed.all_true(finite)
-    if finite:
-        loss.backward()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        optimizer.zero_grad(set_to_none=True)
+        self.total: torch.Tensor | float = 0.0
+        self.finite = True
+
+    def add(self, loss: torch.Tensor, weight: float = 1.0) -> None:
+        if not self.finite:
+            return
+        if not bool(torch.isfinite(loss)):
+            self.finite = False
+            return
+        (loss * weight).backward()
+        self.total = self.total + loss.detach() * weight
+
+    def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
+        """The Adam step; returns the batch's loss, or None when skipped (NonFiniteLossError unless
+        ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be
+        finite while its gradient overflows the fp32 features, and one inf gradient would turn every
+        parameter NaN. ``data_parallel``: under torchrun, gradients are averaged across the ranks
+        before the step and all ranks agree on skipping (every rank must call it)."""
+        optimizer, finite = self.optimizer, self.finite
         if data_parallel:
-            distributed.average_gradients(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
-    if finite:
-        optimizer.step()
-        return True
-    optimizer.zero_grad(set_to_none=True)
-    if not skip_nonfinite:
-        raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
-                                 "or set train.skip_nonfinite=true")
-    return False
+            finite = distributed.all_true(finite)
+        if finite:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if data_parallel:
+                distributed.average_gradients(params)
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        if finite:
+            optimizer.step()
+            return self.total if isinstance(self.total, torch.Tensor) else torch.tensor(self.total)
+        optimizer.zero_grad(set_to_none=True)
+        if not skip_nonfinite:
+            raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
+                                     "or set train.skip_nonfinite=true")
+        return None
+
+
+def mean_over_rows(loss: str) -> bool:
+    """Whether the layerwise loss ``loss`` is a mean over the batch's rows, so micro-batches add up to it."""
+    return getattr(LOSSES.get(loss), "mean_over_rows", True)
+
+
+def micro_batches(batch: torch.Tensor, cfg) -> list[tuple[torch.Tensor, float]]:
+    """``batch`` (rows first) cut into ``cfg.micro_batch_size`` rows, each with its share of the batch."""
+    size = cfg.micro_batch_size or len(batch)
+    return [(part, len(part) / len(batch)) for part in batch.split(size)]
 
 
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
@@ -187,8 +214,11 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * lr_factor(step, cfg)
         batch = train_idx[torch.randint(len(train_idx), (cfg.batch_size,), generator=generator)]
-        loss = layer_loss(feature_map, q[batch], k[batch], cfg, None if v is None else v[batch])
-        if apply_step(optimizer, loss, f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite):
+        accumulated = Accumulator(optimizer)
+        for part, share in micro_batches(batch, cfg):
+            accumulated.add(layer_loss(feature_map, q[part], k[part], cfg, None if v is None else v[part]), share)
+        loss = accumulated.step(f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite)
+        if loss is not None:
             state["curve"].append({"step": step, "loss": loss.item()})
             bar.set_postfix(loss=f"{loss.item():.4f}")
         else:

@@ -227,3 +227,6 @@ def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: 
 
 
 output_loss.needs_values = True
+# a ratio of sums over the whole batch, not a mean of per-sequence terms: micro-batches cannot add up
+# to it (train.micro_batch_size is refused with this loss)
+output_loss.mean_over_rows = False

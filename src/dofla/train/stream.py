@@ -28,8 +28,8 @@ from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
 from dofla.models.capture import capturing
-from dofla.train.layerwise import (LayerTrainConfig, apply_step, cpu_state, heldout_loss, layer_loss, lr_factor,
-                                   needs_values, param_groups)
+from dofla.train.layerwise import (Accumulator, LayerTrainConfig, cpu_state, heldout_loss, layer_loss, lr_factor,
+                                   micro_batches, needs_values, param_groups)
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
 HeldOut = Union[dict, Callable[[int], tuple]]
@@ -166,21 +166,27 @@ def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
 
 
 def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg) -> list[float]:
-    """One teacher forward, then one loss and one Adam step per active layer; the finite losses."""
+    """Per micro-batch one teacher forward and every active layer's loss and backward; then one Adam
+    step per layer on the accumulated gradients. Returns the finite losses."""
     step, active = state["step"], _active(state)
-    started = time.perf_counter()
-    acts = teacher_qk(teacher, modules, ids, active, values=needs_values(cfg.loss))
-    state["teacher_seconds"] += time.perf_counter() - started
+    steps = {i: Accumulator(optimizers[i]) for i in active}
+    for part, share in micro_batches(ids, cfg):
+        started = time.perf_counter()
+        acts = teacher_qk(teacher, modules, part, active, values=needs_values(cfg.loss))
+        state["teacher_seconds"] += time.perf_counter() - started
+        for i in active:
+            started = time.perf_counter()
+            q, k, v = acts.pop(i)  # frees this layer's activations before the next layer's step
+            steps[i].add(layer_loss(feature_maps[i], q, k, cfg, v), share)
+            state["layers"][i]["seconds"] += time.perf_counter() - started
     losses = []
     for i in active:
         started = time.perf_counter()
         for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
             group["lr"] = lr * lr_factor(step, cfg)
-        q, k, v = acts.pop(i)  # frees this layer's activations before the next layer's step
-        loss = layer_loss(feature_maps[i], q, k, cfg, v)
+        loss = steps[i].step(f"layer{i}: non-finite training loss at streaming step {step}", cfg.skip_nonfinite)
         curve = state["layers"][i]["curve"]
-        if apply_step(optimizers[i], loss, f"layer{i}: non-finite training loss at streaming step {step}",
-                      cfg.skip_nonfinite):
+        if loss is not None:
             losses.append(loss.item())
             curve.append({"step": step, "loss": losses[-1]})
         else:
