@@ -207,6 +207,8 @@ class RunConfig:
     # where the teacher, student and feature maps run: auto (the GPU when one is visible, under
     # torchrun this rank's), cpu, cuda or cuda:N; data and caches stay in host memory
     device: str = "auto"
+    # training arithmetic: fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 master weights; dofla.precision)
+    precision: str = "fp32"
     stages: list[str] = field(
         # dof is computed when the allocation policy needs it (dofla.validate.stage_plan); list it to
         # run Algorithm 1 under fix too
@@ -222,4 +224,8 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("train", "teacher_dtype"): "float32",
     ("allocation", "resamples"): 1,
     ("attention", "sinks"): 0,
+    ("train", "micro_batch_size"): None,
+    ("run", "precision"): "fp32",  # "run": a top-level key
 }
+# Config sections added later: a run recorded without one ran with its defaults.
+ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig}

@@ -130,13 +130,16 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
 def load(cfg: RunConfig, out_dir: Path, plan: list[str]) -> RunContext:
     """Load the teacher onto ``cfg.device``, check the config against it, choose the training source."""
     from dofla.models import get_adapter, load_teacher
+    from dofla.precision import configure_matmul, teacher_dtype
 
+    configure_matmul(cfg.precision)
     teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
     teacher = teacher.to(distributed.device(cfg.device))  # the student is a copy: it follows
     geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
     needs_capture = "cache" in plan or "train" in plan
-    capture = data.capture_teacher(teacher, cfg.train.teacher_dtype) if needs_capture else teacher
+    capture = data.capture_teacher(teacher, teacher_dtype(cfg.precision, cfg.train.teacher_dtype)) \
+        if needs_capture else teacher
     source = data.choose_train_source(cfg, plan, geometry, capture) if distributed.is_main() else None
     return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture,
                       distributed.broadcast(source))

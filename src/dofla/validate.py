@@ -34,6 +34,7 @@ def _one_of(key: str, value, valid) -> None:
 
 def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
+    from dofla.precision import PRECISIONS
     from dofla.data import DATA_SOURCES
     from dofla.dof import ALLOCATION_POLICIES, MEASURED_POLICIES, PER_HEAD_POLICIES
     from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
@@ -49,6 +50,7 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     _validate_device(cfg.device)
+    _one_of("precision", cfg.precision, PRECISIONS)
     require(cfg.allocation.head_blocks >= 0,
              f"allocation.head_blocks={cfg.allocation.head_blocks} must be ≥ 0 (0: no limit on blocks per layer)")
     for key, value in [

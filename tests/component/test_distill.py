@@ -12,7 +12,7 @@ from dofla.errors import DoflaError
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model
 from dofla.train.direct import RandomRows
-from dofla.train.distill import (DistillSchedule, accumulate, attention_projections, feature_parameters,
+from dofla.train.distill import (DistillSchedule, accumulate, attention_projections,
                                  kl_reference, kl_to_teacher, prepare_trainable, train_kl)
 
 SCHEDULE = DistillSchedule(steps=12, micro_batch_size=4, lr=1e-2, feature_lr=1e-2, warmup_steps=2,

@@ -28,6 +28,7 @@ import torch
 
 from dofla.attention.linear import LinearState, chunk_step
 from dofla.attention.naive import log_kernel_matrix, masked_softmax
+from dofla.attention.stable import widened
 
 
 @dataclass
@@ -85,7 +86,7 @@ def _sink_keys(valid: torch.Tensor, sinks: int, seen: torch.Tensor | None = None
 
 def exact_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """(B, H, T, S) q·k/sqrt(d), soft-capped to softcap·tanh(·/softcap) when given (Gemma 2)."""
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = widened(q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 
 
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is a half type (a matmul under bf16 autocast), else unchanged: the
+    exp / log / sum math after a matmul stays in float32 (or float64) whatever the autocast."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def guard(dtype: torch.dtype) -> tuple[float, float]:
     """(G, E) for a dtype: query factors stay ≤ e^G; a feature contributing < e^{−E} of the row's
     largest term is negligible. E + G stays inside the normal range (e^{±87} in fp32), so every
@@ -77,7 +83,7 @@ def stable_block(
     d = (log_q + offset[:, :, None]).sub_(r)
     if n == 0 or not bool(d.detach().amax() > g):
         query = torch.exp(d)
-        return Block((query @ keys.transpose(-1, -2)) * mask, r, query, keys, offset, True)
+        return Block(widened(query @ keys.transpose(-1, -2)) * mask, r, query, keys, offset, True)
     return _guarded_block(log_q, log_k, limit, floor, mask, keys, offset)
 
 
@@ -92,7 +98,7 @@ def _guarded_block(log_q, log_k, limit, floor, mask, keys, offset) -> Block:
     r = (lq + torch.maximum(floor[:, :, None], seen)).amax(-1, keepdim=True).clamp_min(fmin)
     d = log_q + offset[:, :, None] - r
     query = torch.exp(d.clamp_max(g))
-    scores = (query @ keys.transpose(-1, -2)) * mask
+    scores = widened(query @ keys.transpose(-1, -2)) * mask
     bad = ((d.detach() > g) & (lq + seen - r > -e)).any(-1)  # (B, H, C)
     if bool(bad.any()):
         scores = _exact_rows(scores, log_q, log_k, r, limit, bad)
@@ -139,7 +145,7 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
         if later.shape[2]:
             c = blk.offset[:, :, None]
             r_late = (later.detach() + c).amax(-1, keepdim=True).clamp_min(fmin)
-            s_late = torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2)
+            s_late = widened(torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2))
             yield first + diag, start, s_late, r_late, False
 
 

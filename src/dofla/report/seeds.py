@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import asdict
 
-from dofla.config import LEGACY_VALUES
+from dofla.config import ADDED_SECTIONS, LEGACY_VALUES
 from dofla.feature_maps.blocks import mean_dim
 from dofla.report.stats import gap_closed, mean_ci, paired_differences
 
@@ -29,7 +30,9 @@ for (_section, _key), _value in LEGACY_VALUES.items():
 
 
 def _with_legacy_defaults(config: dict) -> dict:
-    config = dict(config)
+    config = {**{name: asdict(section()) for name, section in ADDED_SECTIONS.items()}, **config}
+    for key, value in LEGACY_DEFAULTS.get("run", {}).items():
+        config.setdefault(key, value)
     for section, defaults in LEGACY_DEFAULTS.items():
         if isinstance(config.get(section), dict):
             config[section] = {**defaults, **config[section]}

@@ -17,7 +17,7 @@ class RunContext:
     """One run: its config, directory and plan, and the loaded teacher.
 
     ``capture`` is the teacher whose forwards produce distillation activations (a half-precision copy
-    under ``train.teacher_dtype``, else ``teacher``); ``source`` is where training reads activations
+    under ``train.teacher_dtype`` or ``precision=bf16``, else ``teacher``); ``source`` is where training reads activations
     from: ``cache``, ``stream``, or ``none`` when nothing trains.
     """
 

@@ -27,7 +27,7 @@ def finetune(cfg: RunConfig, student, tokenizer, train_tokens, out_dir: Path):
     settings = finetune_settings(cfg, getattr(student, "dofla_settings", None))
     if model_dir_matches(target, settings):
         return with_settings(load_student(target).to(next(student.parameters()).device), settings)
-    curve = finetune_lora(student, train_tokens, cfg.finetune, seed=cfg.seed)
+    curve = finetune_lora(student, train_tokens, cfg.finetune, seed=cfg.seed, precision=cfg.precision)
     write_json(out_dir / "finetune_curve.json", curve)
     save_model_dir(student, tokenizer, target, settings)
     return with_settings(student.eval(), settings)

@@ -16,6 +16,7 @@ from dataclasses import asdict, fields
 
 from dofla.artifacts import canonical
 from dofla.config import LEGACY_VALUES, RunConfig
+from dofla.precision import teacher_dtype
 
 # bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
 # so layer artifacts of the old layout are retrained instead of failing to load
@@ -68,8 +69,17 @@ def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None
                "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
     if cfg.model.source.startswith("tiny:"):
         fields_["model_seed"], fields_["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
-    fields_.update({k: v for k, v in section(cfg, "train", legacy=True).items() if k == "teacher_dtype"})
+    dtype = teacher_dtype(cfg.precision, cfg.train.teacher_dtype)
+    if dtype != LEGACY_VALUES[("train", "teacher_dtype")]:
+        fields_["teacher_dtype"] = dtype
     return fields_
+
+
+def with_precision(settings: dict, cfg: RunConfig) -> dict:
+    """``settings`` plus the training precision, when it is not the legacy fp32."""
+    if cfg.precision != LEGACY_VALUES[("run", "precision")]:
+        settings["precision"] = cfg.precision
+    return settings
 
 
 def dof_settings(cfg: RunConfig, cache_key: str, layers: list[int] | None, num_layers: int) -> dict:
@@ -94,7 +104,7 @@ def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
     meta.update({"sinks": v for k, v in section(cfg, "attention", legacy=True).items() if k == "sinks"})
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
         meta["stream"] = {"data": section(cfg, "data")}
-    return meta
+    return with_precision(meta, cfg)
 
 
 def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
@@ -111,12 +121,13 @@ def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
 
 def distill_settings(cfg: RunConfig, student: dict | None) -> dict:
     """The distilled student: the student's settings, the distillation's and the seed."""
-    return canonical({"student": student, "distill": section(cfg, "distill"), "seed": cfg.seed})
+    return canonical(with_precision({"student": student, "distill": section(cfg, "distill"), "seed": cfg.seed}, cfg))
 
 
 def finetune_settings(cfg: RunConfig, student: dict | None) -> dict:
     """The fine-tuned student: the student's settings, the fine-tune's and the seed."""
-    return canonical({"student": student, "finetune": section(cfg, "finetune"), "seed": cfg.seed})
+    return canonical(with_precision({"student": student, "finetune": section(cfg, "finetune"), "seed": cfg.seed},
+                                    cfg))
 
 
 def teacher_settings(cfg: RunConfig) -> dict:

@@ -70,7 +70,7 @@ def layer_train_config(cfg: RunConfig):
     steps = {f.name: getattr(cfg.train, f.name) for f in fields(StepConfig)}
     return LayerTrainConfig(**steps, loss=cfg.loss.name, loss_options=dict(cfg.loss.options), seed=cfg.seed,
                             window=cfg.attention.window,
-                            sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0)
+                            sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0, precision=cfg.precision)
 
 
 def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:

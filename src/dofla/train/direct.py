@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.faults import kill_point
+from dofla.precision import autocast
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.train.layerwise import Accumulator, LayerTrainConfig, lr_factor, micro_batches, param_groups
 
@@ -91,7 +92,9 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
         batch = batch[distributed.rank()::distributed.world()]  # torchrun: this rank's part of the batch
         accumulated = Accumulator(optimizer)
         for part, share in micro_batches(batch, cfg):
-            accumulated.add(student(input_ids=part, labels=part, use_cache=False).loss, share)
+            with autocast(cfg.precision, device):
+                loss = student(input_ids=part, labels=part, use_cache=False).loss
+            accumulated.add(loss, share)
         loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
                                 data_parallel=True)
         if loss is not None:

@@ -25,6 +25,7 @@ from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
+from dofla.precision import autocast
 
 TRAINABLE = ("features", "attention", "lora")
 
@@ -43,6 +44,7 @@ class DistillSchedule:
     grad_clip: float = 1.0  # 0: none
     log_every: int = 10  # host synchronisations (loss to Python) only this often
     checkpoint_every: int = 50
+    precision: str = "fp32"  # fp32 | tf32 | bf16 (the forwards under autocast; dofla.precision)
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
@@ -142,9 +144,11 @@ def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch
     no host synchronisation)."""
     total = torch.zeros((), device=batch.device)
     for micro in batch.split(s.micro_batch_size):
-        with torch.no_grad():
+        with torch.no_grad(), autocast(s.precision, batch.device):
             target = teacher(input_ids=micro, use_cache=False).logits
-        loss = kl_to_teacher(model(input_ids=micro, use_cache=False).logits, target, s.temperature)
+        with autocast(s.precision, batch.device):
+            logits = model(input_ids=micro, use_cache=False).logits
+        loss = kl_to_teacher(logits, target, s.temperature)  # in fp32 whatever the logits' dtype
         (loss * (micro.shape[0] / batch.shape[0])).backward()
         total += loss.detach() * (micro.shape[0] / batch.shape[0])
     return total

@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 
 from dofla.config import FinetuneConfig
 from dofla.models import get_adapter
+from dofla.precision import autocast
 
 
-def finetune_lora(student, tokens: torch.Tensor, cfg: FinetuneConfig, seed: int = 0) -> list[dict]:
+def finetune_lora(student, tokens: torch.Tensor, cfg: FinetuneConfig, seed: int = 0,
+                  precision: str = "fp32") -> list[dict]:
     """Fine-tune ``student`` in place on ``tokens`` (S, L); returns the loss curve.
 
     Only LoRA weights on the adapter's ``lora_targets`` train; they are merged on return.
@@ -37,7 +39,8 @@ def finetune_lora(student, tokens: torch.Tensor, cfg: FinetuneConfig, seed: int 
     peft_model.train()
     for step in tqdm(range(cfg.steps), desc="finetune (LoRA)", unit="step"):
         batch = tokens[torch.randint(0, tokens.shape[0], (cfg.batch_size,), generator=generator)].to(device)
-        loss = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
+        with autocast(precision, device):
+            loss = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -22,6 +22,8 @@ from dofla.config import StepConfig
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
+from dofla.attention.stable import widened
+from dofla.precision import autocast
 from dofla.train.losses import LOSSES
 
 
@@ -39,6 +41,7 @@ class LayerTrainConfig(StepConfig):
     window: int = 0
     sinks: int = 0  # hybrid: the first `sinks` keys are exact too
     softcap: float | None = None  # the teacher's logit soft-cap (Gemma 2): distil against the capped kernel
+    precision: str = "fp32"  # fp32 | tf32 | bf16 (autocast; dofla.precision)
 
 
 @dataclass
@@ -105,6 +108,11 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
         if v is None:
             raise ValueError(f"loss {cfg.loss!r} compares attention outputs; pass the teacher's values v")
         v = v.repeat_interleave(group, dim=1)
+    with autocast(cfg.precision, device):
+        return _block_losses(feature_map, q, k, v, cfg, loss_fn, values)
+
+
+def _block_losses(feature_map, q, k, v, cfg: LayerTrainConfig, loss_fn, values: bool) -> torch.Tensor:
     total = 0.0
     for block, heads in blocks(feature_map):  # per-head dims: the heads-weighted mean over blocks
         qb, kb = (q, k) if heads is None else (q[:, heads], k[:, heads])
@@ -113,7 +121,7 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
             extra["softcap"] = cfg.softcap
         if values:
             extra["v"] = v if heads is None else v[:, heads]
-        loss = loss_fn(block.log_features(qb), block.log_features(kb), qb, kb, window=cfg.window,
+        loss = loss_fn(widened(block.log_features(qb)), widened(block.log_features(kb)), qb, kb, window=cfg.window,
                        **extra, **cfg.loss_options)
         total = total + loss * (qb.shape[1] / q.shape[1])
     return total

@@ -14,7 +14,7 @@ import math
 import torch
 
 from dofla.attention.hybrid import exact_logits
-from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser
+from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser, widened
 from dofla.registry import Registry
 
 LOSSES: Registry = Registry("layerwise loss")
@@ -27,7 +27,7 @@ def shifted_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> tuple[to
     constants of the graph), S_ij = Σ_m exp(log_q + c − r)_im exp(log_k − c)_jm ≤ M.
     """
     fq, fk, r = shifted_features(log_q, log_k, with_shift=True)
-    return fq @ fk.transpose(-1, -2), r
+    return widened(fq @ fk.transpose(-1, -2)), r
 
 
 def shifted_features(log_q: torch.Tensor, log_k: torch.Tensor, with_shift: bool = False):
@@ -222,8 +222,8 @@ def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: 
         raise ValueError("loss 'output' compares attention outputs and needs the teacher's values v")
     _check_sinks(window, sinks)
     p, p_hat = _attention_rows(log_q, log_k, teacher_logits(q, k, softcap), causal, window, sinks)
-    y = p @ v
-    return (p_hat @ v - y).pow(2).sum() / y.pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
+    y = widened(p @ v)
+    return (widened(p_hat @ v) - y).pow(2).sum() / y.pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
 
 
 output_loss.needs_values = True
