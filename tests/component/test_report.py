@@ -226,3 +226,17 @@ def test_each_dof_estimate_pairs_with_the_fix_run_of_its_seed(tmp_path):
     paired = paired_vs_fix(seed_groups(runs)[0])
     assert len(paired) == 2 and all(len(p["per_seed"]) == 2 for p in paired)
     assert sorted(round(p["stats"]["ppl_diff"][0], 6) for p in paired) == [-5.0, -2.0]
+
+
+def test_a_run_recorded_before_distill_precision_and_micro_batching_groups_with_a_new_default_run():
+    from dataclasses import asdict
+
+    from dofla.config import RunConfig
+    from dofla.report.seeds import settings_key
+
+    new = asdict(RunConfig())
+    old = {k: v for k, v in new.items() if k not in ("distill", "precision")}
+    old["train"] = {k: v for k, v in new["train"].items() if k != "micro_batch_size"}
+    assert settings_key(old) == settings_key(new)
+    assert settings_key(old) != settings_key({**new, "precision": "bf16"})
+    assert settings_key(old) != settings_key({**new, "distill": {**new["distill"], "name": "kl"}})
