@@ -16,12 +16,12 @@ import pytest
 KILL_POINTS = ["cache:batch1", "dof:layer1", "train:layer1:step4", "assemble", "eval:student", "eval:attention"]
 
 
-def _run(run_dir, cache_dir, kill_at=None):
+def _run(run_dir, cache_dir, kill_at=None, extra=()):
     env = dict(os.environ)
     env.pop("DOFLA_KILL_AT", None)
     if kill_at:
         env["DOFLA_KILL_AT"] = kill_at
-    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}"]
+    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}", *extra]
     return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -47,3 +47,21 @@ def test_killed_run_resumes_to_identical_results(point, tmp_path, uninterrupted)
     resumed = _run(run_dir, cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _outputs(run_dir) == uninterrupted
+
+
+DISTILL = ["distill=kl", "distill.tokens=1024", "distill.batch_size=2", "distill.micro_batch_size=1",
+           "distill.checkpoint_every=3"]
+
+
+def test_a_run_killed_inside_distillation_resumes_from_its_checkpoint(tmp_path):
+    base = tmp_path / "base"
+    assert _run(base / "run", base / "cache", extra=DISTILL).returncode == 0
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    killed = _run(run_dir, cache_dir, kill_at="distill:step5", extra=DISTILL)  # 8 steps; checkpoint at 3
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
+    assert (run_dir / "distill_ckpt.pt").exists() and not (run_dir / "student_distilled").exists()
+    resumed = _run(run_dir, cache_dir, extra=DISTILL)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _outputs(run_dir) == _outputs(base / "run")
+    summary = json.loads((run_dir / "distill_summary.json").read_text())
+    assert summary["tokens"] == 1024 and [c["step"] for c in summary["curve"]] == list(range(8))
