@@ -12,6 +12,7 @@ from pathlib import Path
 
 CARD_METRICS = (  # (metrics.json key, label), in the card's order
     ("train/tokens", "distillation tokens"),
+    ("distill/tokens", "model-level (KL) distillation tokens"),
     ("eval/teacher_ppl", "held-out perplexity, teacher"),
     ("eval/student_ppl", "held-out perplexity, student"),
     ("eval/ppl_ratio", "perplexity ratio (student / teacher)"),
