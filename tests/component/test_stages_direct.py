@@ -102,6 +102,15 @@ def test_distill_trains_on_fresh_text_writes_a_student_and_reuses_it(run):
         assert not torch.equal(result.student(ids, use_cache=False).logits, run["student"](ids, use_cache=False).logits)
 
 
+def test_a_long_cpu_run_under_device_auto_is_warned_about(run, capsys):
+    ctx = run["ctx"]
+    cfg = dataclasses.replace(ctx.cfg, device="auto", data=dataclasses.replace(ctx.cfg.data, num_tokens=10**10))
+    data.choose_train_source(cfg, list(ctx.plan), ctx.geometry, ctx.teacher)
+    assert "WARNING: no GPU is visible" in capsys.readouterr().out
+    data.choose_train_source(dataclasses.replace(cfg, device="cpu"), list(ctx.plan), ctx.geometry, ctx.teacher)
+    assert "WARNING" not in capsys.readouterr().out  # asked for the CPU: no surprise to warn about
+
+
 def test_eval_and_report(run):
     from dofla.record import build_record, write_json
 

@@ -105,6 +105,11 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
           f"here, so its passes over {cfg.data.num_tokens:,} tokens take ≈ {cfg.data.num_tokens / rate / 60:.1f} min"
           + (" (plus every layer's loss and update per step)" if source == "stream" and cfg.loss.name != "direct"
              else ""), flush=True)
+    hours = cfg.data.num_tokens / rate / 3600
+    if cfg.device == "auto" and next(teacher.parameters()).device.type == "cpu" and hours > 1:
+        print(f"dofla: WARNING: no GPU is visible, so device=auto runs on the CPU, where the teacher passes alone "
+              f"are predicted to take {hours:.1f} h; set device=cuda to require a GPU (it then fails at once "
+              "instead)", flush=True)
     return source
 
 
