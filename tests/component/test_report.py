@@ -142,7 +142,7 @@ def test_seed_report_shows_means_intervals_and_paired_differences(tmp_path):
     rows = _seed_sweep(tmp_path, ppl)
     fix, dof = rows[("fix", "1")], rows[("dof", "2")]
     assert fix["n_seeds"] == dof["n_seeds"] == "3" and rows[("fix_max", "0")]["n_seeds"] == "1"
-    mean, half = sum(ppl["dof"]) / 3, None
+    mean = sum(ppl["dof"]) / 3
     sd = math.sqrt(sum((x - mean) ** 2 for x in ppl["dof"]) / 2)
     assert float(dof["eval/student_ppl_mean"]) == pytest.approx(mean)
     assert float(dof["eval/student_ppl_ci95"]) == pytest.approx(T975[2] * sd / math.sqrt(3), rel=2e-4)
