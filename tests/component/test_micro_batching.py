@@ -13,8 +13,8 @@ from dofla.feature_maps import build_feature_map
 from dofla.models import convert
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train.direct import train_direct
-from dofla.train.layerwise import (Accumulator, LayerTrainConfig, layer_loss, mean_over_rows, micro_batches,
-                                   train_layer)
+from dofla.train.layerwise import LayerTrainConfig, layer_loss, mean_over_rows, train_layer
+from dofla.train.step import Accumulator, micro_batches
 from dofla.train.losses import LOSSES
 from dofla.train.stream import train_layers_streaming
 

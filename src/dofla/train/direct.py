@@ -19,7 +19,8 @@ from dofla import distributed
 from dofla.faults import kill_point
 from dofla.precision import autocast
 from dofla.artifacts import load_checkpoint, torch_save_atomic
-from dofla.train.layerwise import Accumulator, LayerTrainConfig, lr_factor, micro_batches, param_groups
+from dofla.train.layerwise import LayerTrainConfig, param_groups
+from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
 def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:

@@ -26,6 +26,7 @@ from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.precision import autocast
+from dofla.train.step import lr_factor, micro_batches
 
 TRAINABLE = ("features", "attention", "lora")
 
@@ -129,28 +130,19 @@ def finish(model, student):
     return model.eval()
 
 
-def lr_factor(step: int, s: DistillSchedule) -> float:
-    if step < s.warmup_steps:
-        return (step + 1) / s.warmup_steps
-    if s.schedule == "cosine":
-        progress = min(1.0, (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0
-
-
 def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch.Tensor:
     """Forward/backward of one effective batch in micro-batches; the gradients are the full batch's
     (each micro-batch's mean KL weighted by its share of the rows). Returns the batch's KL (a tensor:
     no host synchronisation)."""
     total = torch.zeros((), device=batch.device)
-    for micro in batch.split(s.micro_batch_size):
+    for micro, share in micro_batches(batch, s):
         with torch.no_grad(), autocast(s.precision, batch.device):
             target = teacher(input_ids=micro, use_cache=False).logits
         with autocast(s.precision, batch.device):
             logits = model(input_ids=micro, use_cache=False).logits
         loss = kl_to_teacher(logits, target, s.temperature)  # in fp32 whatever the logits' dtype
-        (loss * (micro.shape[0] / batch.shape[0])).backward()
-        total += loss.detach() * (micro.shape[0] / batch.shape[0])
+        (loss * share).backward()
+        total += loss.detach() * share
     return total
 
 
@@ -202,7 +194,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
                   "the stage ends here and records the tokens used", flush=True)
             break
         for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * lr_factor(step, s)
+            group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
         kl = accumulate(model, teacher, batch, s)
         if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:

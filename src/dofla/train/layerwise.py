@@ -7,7 +7,6 @@ held-out sequences of the cache, checkpoints every few steps so a killed run res
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,19 +15,14 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dofla import distributed
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla.config import StepConfig
-from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.attention.stable import widened
 from dofla.precision import autocast
 from dofla.train.losses import LOSSES
-
-
-class NonFiniteLossError(DoflaError, FloatingPointError):
-    """A training step produced NaN/inf; the message names the layer and the step."""
+from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
 @dataclass
@@ -63,15 +57,6 @@ def param_groups(feature_map, cfg: LayerTrainConfig) -> list[dict]:
         return [{"params": g["params"], "lr": lrs.get(g["name"], cfg.lr_other)} for g in named()]
     params = [p for p in feature_map.parameters() if p.requires_grad]
     return [{"params": params, "lr": cfg.lr_other}] if params else []
-
-
-def lr_factor(step: int, cfg: LayerTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return 1.0
 
 
 def split_sequences(num_seqs: int, heldout_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,61 +119,9 @@ def heldout_loss(feature_map, q, k, index: torch.Tensor, cfg: LayerTrainConfig, 
     return sum(losses) / len(index)
 
 
-class Accumulator:
-    """One optimiser step of a batch given in micro-batches: :meth:`add` each micro-batch's loss with
-    its weight (its share of the batch: the batch's loss is Σ weight · loss), then :meth:`step`.
-
-    A non-finite loss is not back-propagated; the step then fails (or is skipped) as a whole.
-    """
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-        optimizer.zero_grad(set_to_none=True)
-        self.total: torch.Tensor | float = 0.0
-        self.finite = True
-
-    def add(self, loss: torch.Tensor, weight: float = 1.0) -> None:
-        if not self.finite:
-            return
-        if not bool(torch.isfinite(loss)):
-            self.finite = False
-            return
-        (loss * weight).backward()
-        self.total = self.total + loss.detach() * weight
-
-    def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
-        """The Adam step; returns the batch's loss, or None when skipped (NonFiniteLossError unless
-        ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be
-        finite while its gradient overflows the fp32 features, and one inf gradient would turn every
-        parameter NaN. ``data_parallel``: under torchrun, gradients are averaged across the ranks
-        before the step and all ranks agree on skipping (every rank must call it)."""
-        optimizer, finite = self.optimizer, self.finite
-        if data_parallel:
-            finite = distributed.all_true(finite)
-        if finite:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            if data_parallel:
-                distributed.average_gradients(params)
-            finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
-        if finite:
-            optimizer.step()
-            return self.total if isinstance(self.total, torch.Tensor) else torch.tensor(self.total)
-        optimizer.zero_grad(set_to_none=True)
-        if not skip_nonfinite:
-            raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
-                                     "or set train.skip_nonfinite=true")
-        return None
-
-
 def mean_over_rows(loss: str) -> bool:
     """Whether the layerwise loss ``loss`` is a mean over the batch's rows, so micro-batches add up to it."""
     return getattr(LOSSES.get(loss), "mean_over_rows", True)
-
-
-def micro_batches(batch: torch.Tensor, cfg) -> list[tuple[torch.Tensor, float]]:
-    """``batch`` (rows first) cut into ``cfg.micro_batch_size`` rows, each with its share of the batch."""
-    size = cfg.micro_batch_size or len(batch)
-    return [(part, len(part) / len(batch)) for part in batch.split(size)]
 
 
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,

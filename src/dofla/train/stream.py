@@ -28,8 +28,8 @@ from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
 from dofla.models.capture import capturing
-from dofla.train.layerwise import (Accumulator, LayerTrainConfig, cpu_state, heldout_loss, layer_loss, lr_factor,
-                                   micro_batches, needs_values, param_groups)
+from dofla.train.layerwise import LayerTrainConfig, cpu_state, heldout_loss, layer_loss, needs_values, param_groups
+from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
 HeldOut = Union[dict, Callable[[int], tuple]]

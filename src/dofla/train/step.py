@@ -1,0 +1,77 @@
+"""One optimiser step, shared by every trainer (layerwise, streamed, direct, distill): the learning
+rate schedule, micro-batches and the accumulation of their gradients into one step."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dofla import distributed
+from dofla.errors import DoflaError
+
+
+class NonFiniteLossError(DoflaError, FloatingPointError):
+    """A training step produced NaN/inf; the message names the layer and the step."""
+
+
+def lr_factor(step: int, cfg, floor: float = 0.0) -> float:
+    """The learning-rate multiplier at ``step`` for a config with ``warmup_steps``, ``schedule`` and
+    ``steps``: linear warm-up, then constant or cosine down to ``floor`` of the peak."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def micro_batches(batch: torch.Tensor, cfg) -> list[tuple[torch.Tensor, float]]:
+    """``batch`` (rows first) cut into ``cfg.micro_batch_size`` rows, each with its share of the batch."""
+    size = cfg.micro_batch_size or len(batch)
+    return [(part, len(part) / len(batch)) for part in batch.split(size)]
+
+
+class Accumulator:
+    """One optimiser step of a batch given in micro-batches: :meth:`add` each micro-batch's loss with
+    its weight (its share of the batch: the batch's loss is Σ weight · loss), then :meth:`step`.
+
+    A non-finite loss is not back-propagated; the step then fails (or is skipped) as a whole.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        optimizer.zero_grad(set_to_none=True)
+        self.total: torch.Tensor | float = 0.0
+        self.finite = True
+
+    def add(self, loss: torch.Tensor, weight: float = 1.0) -> None:
+        if not self.finite:
+            return
+        if not bool(torch.isfinite(loss)):
+            self.finite = False
+            return
+        (loss * weight).backward()
+        self.total = self.total + loss.detach() * weight
+
+    def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
+        """The Adam step; returns the batch's loss, or None when skipped (NonFiniteLossError unless
+        ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be
+        finite while its gradient overflows the fp32 features, and one inf gradient would turn every
+        parameter NaN. ``data_parallel``: under torchrun, gradients are averaged across the ranks
+        before the step and all ranks agree on skipping (every rank must call it)."""
+        optimizer, finite = self.optimizer, self.finite
+        if data_parallel:
+            finite = distributed.all_true(finite)
+        if finite:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if data_parallel:
+                distributed.average_gradients(params)
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        if finite:
+            optimizer.step()
+            return self.total if isinstance(self.total, torch.Tensor) else torch.tensor(self.total)
+        optimizer.zero_grad(set_to_none=True)
+        if not skip_nonfinite:
+            raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
+                                     "or set train.skip_nonfinite=true")
+        return None
