@@ -100,12 +100,50 @@ class SweepReport(Callback):
             print(f"dofla: no report: {err}", file=sys.stderr)
 
 
+def compose_config(overrides: list[str]) -> RunConfig:
+    """The typed config ``dofla OVERRIDES`` would run, composed without starting a Hydra job."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=overrides))
+
+
+def prepare_main(argv: list[str] | None = None) -> None:
+    """``dofla-prepare [overrides]``: tokenise the data ``dofla [overrides]`` reads, once (see
+    dofla.data.prepared); every run, sweep cell, resume and rank with that data and model reads it."""
+    import argparse
+
+    from hydra.errors import HydraException
+
+    from dofla.stages.data import prepare
+    from dofla.validate import validate_config
+
+    parser = argparse.ArgumentParser(prog="dofla-prepare", description="Tokenise the data a run reads, once, "
+                                     "into the dofla cache (e.g. dofla-prepare experiment=paper_gpt2).")
+    parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides (model=..., data=..., experiment=...)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = compose_config(args.overrides)
+        validate_config(cfg)
+        directory, meta = prepare(cfg)
+    except HydraException as err:
+        sys.exit(f"dofla-prepare: error: {str(err).splitlines()[0]}")
+    except DoflaError as err:
+        sys.exit(f"dofla-prepare: error: {err}")
+    size = sum(f.stat().st_size for f in directory.iterdir())
+    for split in ("train", "heldout"):
+        m = meta[split]
+        print(f"dofla-prepare: {split}: {m['tokens']:,} tokens from {m['documents']:,} documents "
+              f"({'the whole split' if m['complete'] else 'a prefix of the split'})")
+    print(f"dofla-prepare: wrote {directory} ({size / 2**20:,.1f} MiB); runs of this config read it "
+          "(data.prepared=auto)")
+
+
 def eval_main(argv: list[str] | None = None) -> None:
     """``dofla-eval DIR [--out OUT] [overrides]``: evaluate a saved model (see dofla.evaluate_saved)."""
     import argparse
     from datetime import datetime
 
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
     from dofla.evaluate_saved import evaluate_saved
@@ -118,8 +156,7 @@ def eval_main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)
     out = Path(args.out or datetime.now().strftime("outputs/eval/%Y-%m-%d/%H-%M-%S"))
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = to_run_config(compose(config_name="config", overrides=args.overrides))
+        cfg = compose_config(args.overrides)
         metrics = evaluate_saved(args.model_dir, cfg, out)
     except HydraException as err:
         sys.exit(f"dofla-eval: error: {str(err).splitlines()[0]}")

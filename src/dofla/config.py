@@ -22,11 +22,16 @@ class DataConfig:
     name: str = "embedded"
     options: dict[str, Any] = field(default_factory=dict)
     seq_len: int = 512
-    num_tokens: int = 8192  # distillation tokens (cached, or streamed once with train.source=stream)
+    # distillation tokens (cached, or streamed once with train.source=stream); "all": one pass over
+    # the prepared training split (dofla-prepare), minus the cached sample and distill.tokens
+    num_tokens: Any = 8192
     # tokens whose activations are cached when training streams: Algorithm 1's sample and the
     # held-out set of the layerwise trainer (None: min(num_tokens, 8192)); the cache path caches all
     cache_tokens: Optional[int] = None
     heldout_tokens: int = 4096  # for held-out perplexity and attention error
+    # read the tokens dofla-prepare wrote for this data and tokenizer: auto (when they exist), require
+    # (fail before loading when they do not), off (always tokenise the source's text)
+    prepared: str = "auto"
 
 
 @dataclass

@@ -54,14 +54,13 @@ def load_saved(directory: str | Path):
 
 def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -> dict:
     """Every measurement ``cfg.eval`` asks for on the model in ``directory`` -> ``out_dir/metrics.json``."""
-    from dofla.data import build_source
     from dofla.eval import heldout_loss, probes, suite
-    from dofla.stages.data import pack_heldout
+    from dofla.stages.data import open_data, pack_heldout
     from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    source = build_source(cfg.data.name, **cfg.data.options)  # checks the data before the model loads
+    cfg, source = open_data(cfg)  # checks the data (prepared tokens when they exist) before the model loads
     plan = suite.plan_tasks(cfg.eval, out_dir, others_requested=True) if cfg.eval.tasks else None
     model, tokenizer = load_saved(directory)
     store, ev, settings = Measurements(out_dir / MEASUREMENTS, True), cfg.eval, model_settings(model)
@@ -76,7 +75,7 @@ def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -
         metrics.update(store.get("perplexity", {"model": settings, "heldout": tokens_digest(heldout),
                                                 "batch_size": ev.batch_size}, perplexity))
     if ev.position_buckets:
-        long = probes.long_tokens(cfg, tokenizer)
+        long = probes.long_tokens(cfg, tokenizer, source)
         metrics.update(store.get("position", {"model": settings, "tokens": tokens_digest(long),
                                               "edges": ev.position_buckets},
                                  lambda: probes.position_metrics(cfg, WHO, model, long)))

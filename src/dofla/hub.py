@@ -25,10 +25,10 @@ def hub_reachable(timeout: float = 5.0) -> bool:
         return False
     from huggingface_hub import constants
 
-    url = urlparse(constants.ENDPOINT)
+    host, port = _first_hop(constants.ENDPOINT)
     deadline = time.monotonic() + timeout
     found: list = []
-    lookup = threading.Thread(daemon=True, target=lambda: found.append(_resolve(url.hostname, url.port or 443)))
+    lookup = threading.Thread(daemon=True, target=lambda: found.append(_resolve(host, port)))
     lookup.start()
     lookup.join(timeout)
     for family, kind, proto, _, address in (found[0] if found else []):
@@ -43,6 +43,19 @@ def hub_reachable(timeout: float = 5.0) -> bool:
         except OSError:
             continue
     return False
+
+
+def _first_hop(endpoint: str) -> tuple[str, int]:
+    """(host, port) a request to ``endpoint`` connects to first: the HTTPS proxy when one is set
+    (HTTPS_PROXY / https_proxy, not bypassed by NO_PROXY), else the endpoint itself."""
+    from urllib.request import getproxies, proxy_bypass
+
+    url = urlparse(endpoint)
+    proxy = getproxies().get(url.scheme or "https")
+    if proxy and not proxy_bypass(url.hostname or ""):
+        hop = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        return hop.hostname, hop.port or (443 if hop.scheme == "https" else 80)
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 def _resolve(host: str, port: int) -> list:

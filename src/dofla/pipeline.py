@@ -27,8 +27,9 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
 
     out_dir, tracker, timer = Path(out_dir), tracker or NullTracker(), StageTimer()
     main = distributed.is_main()
-    # Every check that needs no model (config, world, run directory, data files, lm-eval tasks).
-    plan, source, tasks = check_before_loading(cfg, out_dir)
+    # Every check that needs no model (config, world, run directory, data files, lm-eval tasks); the
+    # data is opened (prepared tokens when they exist) and data.num_tokens=all becomes a number.
+    cfg, plan, source, tasks = check_before_loading(cfg, out_dir)
     torch.manual_seed(cfg.seed)
     # The teacher, its geometry, and where training reads activations from (printed with the costs).
     with timer("load"):
@@ -109,22 +110,21 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
 def check_before_loading(cfg: RunConfig, out_dir: Path):
     """Every check that needs no model: config, world size, run directory, data files, lm-eval tasks.
 
-    Returns (the stages to run, the checked data source, the eval task plan or None).
+    Returns (the config with data.num_tokens resolved, the stages to run, the checked data source,
+    the eval task plan or None).
     """
-    from dofla.data import build_source
-
     validate_config(cfg)
     validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
     plan = stage_plan(cfg)
-    source = build_source(cfg.data.name, **cfg.data.options)  # checks the files exist and are text
+    cfg, source = data.open_data(cfg)  # prepared tokens, or the text source (its files checked)
     tasks = None
     if cfg.eval.tasks and "eval" in plan and distributed.is_main():
         from dofla.eval.suite import plan_tasks
 
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
         tasks = plan_tasks(cfg.eval, out_dir, others_requested=others)
-    return plan, source, tasks
+    return cfg, plan, source, tasks
 
 
 def load(cfg: RunConfig, out_dir: Path, plan: list[str]) -> RunContext:

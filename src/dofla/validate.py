@@ -58,7 +58,6 @@ def validate_config(cfg: RunConfig) -> None:
         ("allocation.num_samples", cfg.allocation.num_samples),
         ("allocation.head_quantum", cfg.allocation.head_quantum),
         ("data.seq_len", cfg.data.seq_len),
-        ("data.num_tokens", cfg.data.num_tokens),
         ("data.heldout_tokens", cfg.data.heldout_tokens),
         ("budget.multiple", cfg.budget.multiple),
         ("train.batch_size", cfg.train.batch_size),
@@ -86,9 +85,7 @@ def validate_config(cfg: RunConfig) -> None:
         _positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,
              f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
-    require(cfg.data.num_tokens >= cfg.data.seq_len,
-             f"data.num_tokens={cfg.data.num_tokens} is less than one sequence of data.seq_len="
-             f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
+    _validate_num_tokens(cfg)
     _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
     _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
     _validate_distill(cfg)
@@ -140,6 +137,22 @@ def _validate_device(device: str) -> None:
         index = int(device.partition(":")[2] or 0)
         require(index < count, f"device={device} but this machine sees {count} CUDA GPU(s); "
                  "use device=auto or device=cpu")
+
+
+def _validate_num_tokens(cfg: RunConfig) -> None:
+    from dofla.data.prepared import PREPARED_MODES
+
+    _one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
+    n = cfg.data.num_tokens
+    if n == "all":
+        require(cfg.data.prepared != "off", "data.num_tokens=all reads the prepared training split, which "
+                "data.prepared=off turns off; set data.prepared=auto or a number of tokens")
+        return
+    require(isinstance(n, int) and not isinstance(n, bool),
+             f"data.num_tokens={n!r} must be a number of tokens or 'all' (one pass over the prepared data)")
+    _positive("data.num_tokens", n)
+    require(n >= cfg.data.seq_len, f"data.num_tokens={n} is less than one sequence of data.seq_len="
+             f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
 
 
 def _validate_attention(cfg: RunConfig) -> None:

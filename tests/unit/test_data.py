@@ -155,6 +155,26 @@ def test_hub_probe_bounds_a_hanging_dns_lookup(monkeypatch):
         assert time.perf_counter() - start < 5
 
 
+def test_the_hub_check_goes_through_an_https_proxy_unless_no_proxy_bypasses_it(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from dofla.hub import hub_reachable
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "NO_PROXY", "no_proxy", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")  # closed: only a proxy can reach it
+    assert not hub_reachable(timeout=2)
+    with socket.socket() as proxy:  # a real listener standing in for the cluster's proxy
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        assert hub_reachable(timeout=2)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")  # bypassed: the closed endpoint is tried directly
+        assert not hub_reachable(timeout=2)
+
+
 def test_check_reads_only_the_start_and_respects_skip_mode(tmp_path):
     cut = _write(tmp_path, "cut.txt", b"a" * 65535 + "é".encode())  # the 64 KiB read ends mid-character
     assert list(build_source("text_files", paths=[cut], heldout_fraction=0).texts("train"))[0].endswith("é")

@@ -47,19 +47,27 @@ class BatchStream:
 
     def _reset(self) -> None:
         self.position = 0  # batches served
+        self._consumed = 0  # tokens served or discarded
         self._documents = 0  # documents read (tokenised) so far
         self._buffer: list[int] = []
         self._iterator: Iterator[str] | None = None
 
     def state(self) -> dict:
         """Everything needed to continue exactly here (small: one document's tail at most)."""
-        return {"position": self.position, "documents": self._documents, "buffer": list(self._buffer)}
+        return {"position": self.position, "documents": self._documents, "buffer": list(self._buffer),
+                "tokens": self._consumed}
 
     def restore(self, state: dict) -> None:
-        """Continue from a ``state()``: the next batch is the one that followed it."""
+        """Continue from a ``state()``: the next batch is the one that followed it. A prepared
+        stream's state (tokens consumed, no document count) is replayed by tokenising the way there."""
         self._reset()
+        if "documents" not in state:
+            self.discard(state["tokens"])
+            self.position = state["position"]
+            return
         self.position, self._documents = state["position"], state["documents"]
         self._buffer = list(state["buffer"])
+        self._consumed = state.get("tokens", 0)
         self._iterator = islice(iter(self.texts()), self._documents, None)
 
     def skip_to(self, batch: int) -> None:
@@ -73,6 +81,7 @@ class BatchStream:
         holds, so that cache's sequences stay held out from the stream (resumable like a batch)."""
         self._fill(num_tokens)
         del self._buffer[:num_tokens]
+        self._consumed += num_tokens
 
     def next_batch(self) -> torch.LongTensor:
         """The next (B, L) batch; StreamExhausted (a DataError) when the text runs out."""
@@ -80,6 +89,7 @@ class BatchStream:
         batch = torch.tensor(self._buffer[: self.batch_tokens], dtype=torch.long)
         del self._buffer[: self.batch_tokens]
         self.position += 1
+        self._consumed += self.batch_tokens
         return batch.view(self.batch_size, self.seq_len)
 
     def _fill(self, num_tokens: int) -> None:

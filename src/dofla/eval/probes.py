@@ -57,14 +57,14 @@ def window_mass_metrics(cfg: RunConfig, teacher, heldout_tokens) -> dict:
     return out
 
 
-def long_tokens(cfg: RunConfig, tokenizer):
-    """``eval.long_context_seqs`` held-out sequences of ``eval.long_seq_len`` tokens (S, L)."""
-    from dofla.data import build_source, pack_tokens
+def long_tokens(cfg: RunConfig, tokenizer, source):
+    """``eval.long_context_seqs`` held-out sequences of ``eval.long_seq_len`` tokens (S, L) of ``source``
+    (a data source or prepared tokens)."""
+    from dofla.data.prepared import pack_split
 
     length = cfg.eval.long_seq_len or cfg.data.seq_len
-    source = build_source(cfg.data.name, **cfg.data.options)
-    return pack_tokens(source.texts("heldout"), tokenizer, length, cfg.eval.long_context_seqs * length,
-                       desc="tokenize long held-out", source=cfg.data.name, setting="eval.long_context_seqs")
+    return pack_split(source, "heldout", tokenizer, length, cfg.eval.long_context_seqs * length,
+                      desc="tokenize long held-out", setting="eval.long_context_seqs")
 
 
 def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:

@@ -6,12 +6,12 @@ from dofla.models.adapters import (
     get_adapter,
 )
 from dofla.models.capture import capture_qkv, capturing
-from dofla.models.loading import EMBEDDED, ModelLoadError, cache_root, load_teacher
+from dofla.models.loading import EMBEDDED, ModelLoadError, cache_root, load_teacher, load_tokenizer
 from dofla.models.student import ConversionSpec, convert, load_student, student_class
 from dofla.models.student_attention import RecurrentStateCache, StudentAttention
 
 __all__ = [
     "ADAPTERS", "AttentionGeometry", "UnsupportedModelError", "check_supported", "get_adapter", "capture_qkv",
-    "capturing", "EMBEDDED", "ModelLoadError", "cache_root", "load_teacher", "ConversionSpec", "convert",
+    "capturing", "EMBEDDED", "ModelLoadError", "cache_root", "load_teacher", "load_tokenizer", "ConversionSpec", "convert",
     "load_student", "student_class", "RecurrentStateCache", "StudentAttention",
 ]

@@ -67,6 +67,27 @@ def load_teacher(
     return model, tokenizer
 
 
+def load_tokenizer(name: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of model ``name`` without its weights (what ``dofla-prepare`` needs)."""
+    if name.startswith("tiny:"):
+        return build_byte_tokenizer()
+    if name == EMBEDDED:
+        return AutoTokenizer.from_pretrained(embedded_model_dir())
+    if Path(name).expanduser().is_dir():
+        return AutoTokenizer.from_pretrained(Path(name).expanduser())
+    reachable = hub_reachable()
+    try:
+        with nullcontext() if reachable else forced_offline():
+            return AutoTokenizer.from_pretrained(name, revision=revision)
+    except OSError as err:
+        if reachable:
+            raise ModelLoadError(f"could not load the tokenizer of {name!r} from the hub: {err}".split("\n")[0]) \
+                from None
+        raise ModelLoadError(f"could not load the tokenizer of {name!r}: it is not in the local Hugging Face cache "
+                             f"and the hub cannot be reached; download it once with network access "
+                             f"(`hf download {name}`) or pass a local model directory") from None
+
+
 def _attn_implementation(config) -> str:
     """Checked before any weight loads (refusals are cheap); SDPA unless logits are soft-capped."""
     check_supported(config)

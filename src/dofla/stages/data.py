@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,30 +25,87 @@ def run(ctx: RunContext, source=None) -> RunData:
     from dofla.cache import cache_key
 
     cfg = ctx.cfg
+    source = source or open_data(cfg)[1]
+    if hasattr(source, "check_tokenizer"):  # prepared tokens: made by this model's tokenizer?
+        source.check_tokenizer(ctx.tokenizer)
     num_cached = cached_tokens(cfg, ctx.source)
     train, heldout, fingerprint = load_data(cfg, ctx.tokenizer, source, num_cached)
     return RunData(train, heldout, fingerprint, cache_key(cache_fields(cfg, fingerprint, num_cached)))
 
 
+def open_data(cfg: RunConfig):
+    """(cfg, source): the data the run reads, checked before any model loads, and ``cfg`` with
+    ``data.num_tokens=all`` resolved to a number.
+
+    The source is the tokens ``dofla-prepare`` wrote for this data and model when they exist
+    (``data.prepared=auto``; ``require`` fails without them), else the data source's text.
+    """
+    from dofla.data import DataError, build_source
+    from dofla.data.prepared import PreparedTokens
+
+    text = build_source(cfg.data.name, **cfg.data.options)  # checks the files exist and are text
+    if cfg.data.prepared == "off":
+        return cfg, text
+    directory = prepared_path(cfg, text)
+    if not (directory / "meta.json").is_file():
+        if cfg.data.prepared == "require" or cfg.data.num_tokens == "all":
+            why = "data.num_tokens=all" if cfg.data.num_tokens == "all" else "data.prepared=require"
+            raise DataError(f"{why} reads the prepared tokens of data={cfg.data.name} for model {cfg.model.source}, "
+                            f"which are not in {directory.parent}; run `{PREPARE_HINT}` first")
+        return cfg, text
+    prepared = PreparedTokens(directory, command=PREPARE_HINT)
+    prepared.check()
+    return resolve_num_tokens(cfg, prepared), prepared
+
+
+PREPARE_HINT = "dofla-prepare <this run's overrides>"
+
+
+def prepared_path(cfg: RunConfig, text_source):
+    """Where ``dofla-prepare`` writes (and runs read) this data's tokens for this model's tokenizer."""
+    from dofla.data.prepared import prepared_dir
+    from dofla.models import cache_root as default_root
+
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root()
+    return prepared_dir(root, text_source.fingerprint(), cfg.model.source, cfg.model.revision)
+
+
+def resolve_num_tokens(cfg: RunConfig, prepared) -> RunConfig:
+    """``data.num_tokens=all``: every prepared training token, less the stream's cached sample and the
+    tokens ``distill`` reads after the layerwise stage, in whole sequences; a number stays as it is."""
+    from dofla.data import DataError
+
+    if cfg.data.num_tokens != "all":
+        return cfg
+    total, L = prepared.available("train"), cfg.data.seq_len
+    sample = 0 if cfg.train.source == "cache" else min(total, cfg.data.cache_tokens or STREAM_CACHE_TOKENS)
+    reserved = cfg.distill.tokens if cfg.distill.name != "none" and cfg.distill.offset is None else 0
+    tokens = (total - sample - reserved) // L * L
+    if tokens < L:
+        raise DataError(f"data.num_tokens=all leaves {max(tokens, 0)} tokens: the prepared training split holds "
+                        f"{total:,}, the cached sample takes {sample:,} and distill.tokens {reserved:,}; prepare "
+                        "more data or set data.num_tokens")
+    return replace(cfg, data=replace(cfg.data, num_tokens=tokens))
+
+
 def load_data(cfg: RunConfig, tokenizer, source=None, train_tokens: int | None = None):
-    """(train tokens (S, L), held-out tokens (S', L), data fingerprint); ``source`` is built when not
+    """(train tokens (S, L), held-out tokens (S', L), data fingerprint); ``source`` is opened when not
     given. ``train_tokens`` (default ``data.num_tokens``): how many training tokens to pack here (a
     streaming run packs only the cached sample; the stream reads the rest as it trains)."""
-    from dofla.data import build_source, pack_tokens
+    from dofla.data.prepared import pack_split
 
-    source = source or build_source(cfg.data.name, **cfg.data.options)
-    L = cfg.data.seq_len
-    train = pack_tokens(source.texts("train"), tokenizer, L, train_tokens or cfg.data.num_tokens,
-                        desc="tokenize train", source=cfg.data.name)
+    source = source or open_data(cfg)[1]
+    train = pack_split(source, "train", tokenizer, cfg.data.seq_len, train_tokens or cfg.data.num_tokens,
+                       desc="tokenize train")
     return train, pack_heldout(cfg, tokenizer, source), source.fingerprint()
 
 
 def pack_heldout(cfg: RunConfig, tokenizer, source):
     """The held-out tokens (S', data.seq_len) every evaluation of this data measures on."""
-    from dofla.data import pack_tokens
+    from dofla.data.prepared import pack_split
 
-    return pack_tokens(source.texts("heldout"), tokenizer, cfg.data.seq_len, cfg.data.heldout_tokens,
-                       desc="tokenize held-out", source=cfg.data.name, setting="data.heldout_tokens")
+    return pack_split(source, "heldout", tokenizer, cfg.data.seq_len, cfg.data.heldout_tokens,
+                      desc="tokenize held-out", setting="data.heldout_tokens")
 
 
 def capture_teacher(teacher, dtype: str):
@@ -116,9 +175,9 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
 def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None):
     """The data source's train text as (batch_size, seq_len or data.seq_len) batches, after skipping
     the first ``skip_tokens`` (e.g. the activation cache's sample, which so stays held out)."""
-    from dofla.data.stream import source_stream
+    from dofla.data.prepared import train_stream
 
-    batches = source_stream(cfg.data.name, dict(cfg.data.options), tokenizer, batch_size, seq_len or cfg.data.seq_len)
+    batches = train_stream(open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len)
     batches.discard(skip_tokens)
     return batches
 
@@ -129,3 +188,39 @@ def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:
     if cfg.train.max_steps is not None:
         steps = min(steps, cfg.train.max_steps)
     return max(1, steps)
+
+
+def prepare_limits(cfg: RunConfig) -> tuple[int | None, int]:
+    """Training and held-out tokens a run of ``cfg`` reads (training None: all of it, for
+    ``data.num_tokens=all``): the cached sample, the stream, distill's tokens, the long held-out set."""
+    ev = cfg.eval
+    long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
+    heldout = max(cfg.data.heldout_tokens, long)
+    if cfg.data.num_tokens == "all":
+        return None, heldout
+    n = cfg.data.num_tokens
+    layerwise = min(n, cfg.data.cache_tokens or STREAM_CACHE_TOKENS) + n
+    start = cfg.distill.offset if cfg.distill.offset is not None else layerwise
+    distilled = start + cfg.distill.tokens if cfg.distill.name != "none" else 0
+    return max(layerwise, distilled), heldout
+
+
+def prepare(cfg: RunConfig) -> tuple[Path, dict]:
+    """``dofla-prepare``: tokenise the data a run of ``cfg`` reads, once, into the directory such runs
+    look up (:func:`open_data`); kept when it already holds enough. Returns (directory, meta)."""
+    from dofla.data import build_source
+    from dofla.data.prepared import META, prepare as write
+    from dofla.models import load_tokenizer
+    from dofla.record import read_json
+
+    text = build_source(cfg.data.name, **cfg.data.options)
+    directory = prepared_path(cfg, text)
+    train, heldout = prepare_limits(cfg)
+    old = read_json(directory / META)
+    if old is not None and all(old[split]["complete"] or (limit is not None and old[split]["tokens"] >= limit)
+                               for split, limit in (("train", train), ("heldout", heldout))):
+        print(f"dofla: {directory} already holds the prepared tokens this config reads", flush=True)
+        return directory, old
+    tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision)
+    meta = write(text, tokenizer, directory, train, heldout, tokenizer_source=cfg.model.source)
+    return directory, meta

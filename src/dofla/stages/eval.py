@@ -17,6 +17,7 @@ from dofla.config import RunConfig
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
+from dofla.stages.data import open_data
 
 MEASUREMENTS = "eval_measurements.json"
 
@@ -208,7 +209,7 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
     long = None
     for who, model in models:
         if ev.position_buckets:
-            long = long if long is not None else probes.long_tokens(cfg, tokenizer)
+            long = long if long is not None else probes.long_tokens(cfg, tokenizer, open_data(cfg)[1])
             settings = {"model": who_settings[who], "tokens": tokens_digest(long), "edges": ev.position_buckets}
             metrics.update(store.get(f"position/{who}", settings,
                                      lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))
