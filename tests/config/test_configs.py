@@ -82,13 +82,63 @@ def test_every_paper_grid_cell_composes(variant):
         assert cfg.feature_map.name == variant and cfg.allocation.policy == "fix"
 
 
-@pytest.mark.parametrize("experiment", ["paper_gpt2", "paper_pythia1b", "paper_grid_smollm2"])
-def test_paper_grids_list_all_fourteen_cells(experiment):
-    from omegaconf import OmegaConf
-
+def _grid(experiment: str) -> list[str]:
     text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
-    grid = OmegaConf.create(text)["hydra"]["sweeper"]["params"]["+variant"].split(",")
-    assert sorted(grid) == sorted(_options("variant")) and len(grid) == 14
+    return OmegaConf.create(text)["hydra"]["sweeper"]["params"]["+variant"].split(",")
+
+
+def test_the_cpu_grid_lists_all_fourteen_cells():
+    assert sorted(_grid("paper_grid_smollm2")) == sorted(_options("variant"))
+
+
+# What the paper states for each run (docs/method.md lists what it does not state, with the choice).
+PAPER_CELLS = ["fix_direct", "fix_softmax", "fix_l2", "dof_direct", "dof_softmax", "dof_l2", "dof_clip_direct",
+               "dof_clip_softmax", "dof_clip_l2", "performer", "dijiang"]
+PAPER = {
+    "paper_gpt2": {"model": "gpt2", "head_dim": 64, "seq_len": 1024, "batch": 128, "C": 64, "lam": 2**-4,
+                   "cells": PAPER_CELLS},
+    "paper_pythia1b": {"model": "EleutherAI/pythia-1b", "head_dim": 256, "seq_len": 2048, "batch": 64, "C": 128,
+                       "lam": 2**-8, "cells": ["fix_softmax", "dof_softmax"]},
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_the_paper_experiments_compose_the_papers_settings(experiment):
+    from dofla.validate import feature_budget, validate_config
+
+    paper = PAPER[experiment]
+    assert _grid(experiment) == paper["cells"]
+    for cell in paper["cells"]:
+        cfg = _compose([f"experiment={experiment}", f"+variant={cell}"])
+        validate_config(cfg)
+        assert cfg.model.source == paper["model"] and cfg.data.seq_len == paper["seq_len"]
+        # tokens: one pass over a random 10 % of English Wikipedia, read from the prepared subset
+        assert (cfg.data.name, cfg.data.options["fraction"], cfg.data.num_tokens) == ("wikipedia", 0.1, "all")
+        assert cfg.data.prepared == "require" and cfg.train.source == "stream"
+        # the effective batch, layerwise and end to end; micro-batches only bound the memory
+        assert cfg.train.batch_size == cfg.train.direct_batch_size == paper["batch"]
+        assert paper["batch"] % cfg.train.micro_batch_size == 0
+        assert feature_budget(cfg, paper["head_dim"]) == paper["C"]
+        # Algorithm 1 in the paper's form
+        a = cfg.allocation
+        assert (a.gram_norm, a.lam, a.num_samples, a.resamples, a.head_aggregate) == ("J", paper["lam"], 2048, 1, "max")
+        assert cfg.data.cache_tokens * 2 >= 10 * a.num_samples  # the pooled q∪k sample holds ≥ 10·J vectors
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER))
+def test_a_grid_named_on_the_command_line_replaces_the_papers(experiment):
+    """What docs/guide/paper.md tells a user to type for extra cells, through Hydra's own sweeper."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def jobs(arguments):
+        params = [f"+variant={','.join(_grid(experiment))}", *arguments]  # the config's grid first, as Hydra does
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params), None)
+        return [job[0] for job in batches[0]]
+
+    assert jobs([]) == [f"+variant={cell}" for cell in PAPER[experiment]["cells"]]
+    wider = [*PAPER[experiment]["cells"], "dof_head_softmax"]
+    assert jobs([f"+variant={','.join(wider)}"]) == [f"+variant={cell}" for cell in wider]
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in ("feature_map", "loss", "data") for o in _options(g)])
