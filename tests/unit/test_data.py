@@ -199,3 +199,45 @@ def test_data_is_checked_before_the_model_loads(tmp_path):
     with pytest.raises(DataError, match="a.txt does not exist; fix data.options.paths"):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def _parquet(path, texts, column="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: texts, "id": list(range(len(texts)))}), path, row_group_size=7)
+    return str(path)
+
+
+def test_local_parquet_files_are_read_in_order_with_every_nth_row_held_out(tmp_path):
+    docs = [f"document number {i}" for i in range(50)]
+    a, b = _parquet(tmp_path / "a.parquet", docs[:30]), _parquet(tmp_path / "b.parquet", docs[30:])
+    source = build_source("parquet", paths=[a, b], heldout_every=10)
+    assert list(source.texts("heldout")) == docs[::10]
+    assert list(source.texts("train")) == [d for i, d in enumerate(docs) if i % 10]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    moved = [_parquet(copy / "x.parquet", docs[:30]), _parquet(copy / "y.parquet", docs[30:])]
+    assert build_source("parquet", paths=moved, heldout_every=10).fingerprint() == source.fingerprint()
+    with pytest.raises(DataError, match="has no 'body' column .*data.options.text_field"):
+        build_source("parquet", paths=[a], text_field="body")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="bad.parquet is not a readable Parquet file"):
+        build_source("parquet", paths=[str(tmp_path / "bad.parquet")])
+    with pytest.raises(DataError, match="does not exist"):
+        build_source("parquet", paths=[str(tmp_path / "missing.parquet")])
+
+
+def test_wikipedia_from_local_parquet_keeps_the_hubs_articles(tmp_path):
+    """The same seeded 10 % (and held-out rows) as the hub path, which the hash of each row's index picks."""
+    from dofla.data.hub import Wikipedia
+
+    docs = [f"article {i}" for i in range(3000)]
+    files = [_parquet(tmp_path / "train-00000.parquet", docs[:1700]), _parquet(tmp_path / "train-00001.parquet",
+                                                                               docs[1700:])]
+    local = build_source("wikipedia", fraction=0.1, heldout_every=100, files=files)
+    hub_rule = Wikipedia(fraction=0.1, heldout_every=100)  # the hub's selection rule, applied to the same rows
+    kept = [(i, d) for i, d in enumerate(docs) if hub_rule._keep(i)]
+    assert list(local.texts("train")) == [d for i, d in kept if i % 100]
+    assert list(local.texts("heldout")) == [d for i, d in kept if i % 100 == 0]
+    assert 200 < len(kept) < 400 and local.fingerprint() != hub_rule.fingerprint()
