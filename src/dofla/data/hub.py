@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split
+from dofla.data.sources import DATA_SOURCES, DataError, DataSource, _check_split, files_fingerprint
 from dofla.hub import forced_offline, hub_offline, hub_reachable
 
 
@@ -173,13 +173,4 @@ class Parquet(DataSource):
                 yield row[self.text_field]
 
     def fingerprint(self) -> str:
-        """Content only (not paths), as for text files."""
-        import hashlib
-
-        from dofla.artifacts import file_sha256
-
-        digest = hashlib.sha256()
-        for path in self.paths:
-            digest.update(bytes.fromhex(file_sha256(Path(path).expanduser())))
-        digest.update(f"{self.text_field}-{self.heldout_every}".encode())
-        return "parquet-" + digest.hexdigest()[:16]
+        return files_fingerprint("parquet", self.paths, f"{self.text_field}-{self.heldout_every}")

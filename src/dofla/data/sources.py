@@ -162,12 +162,17 @@ class TextFiles(DataSource):
                 "document per line, more .txt files, or a larger data.options.heldout_fraction")
 
     def fingerprint(self) -> str:
-        """Content only (not paths), so the same data copied elsewhere shares the cache."""
-        digest = hashlib.sha256()
-        for path in self.paths:
-            digest.update(bytes.fromhex(file_sha256(path)))
-        digest.update(f"{self.text_field}-{self.heldout_every}-{self.on_bad_line}".encode())
-        return "text_files-" + digest.hexdigest()[:16]
+        return files_fingerprint("text_files", self.paths, f"{self.text_field}-{self.heldout_every}-{self.on_bad_line}")
+
+
+def files_fingerprint(kind: str, paths, settings: str) -> str:
+    """``kind-<hash>`` of the files' contents (not their paths, so the same data copied elsewhere shares
+    every cache) and of the settings that select documents from them."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(bytes.fromhex(file_sha256(Path(path).expanduser())))
+    digest.update(settings.encode())
+    return f"{kind}-{digest.hexdigest()[:16]}"
 
 
 def _check_readable(path: Path) -> None:
