@@ -48,12 +48,15 @@ class NullTracker:
 
 
 class WandbTracker(NullTracker):
-    """Weights & Biases; with no key or network use WANDB_MODE=offline (sync later)."""
+    """Weights & Biases: online when logged in (WANDB_API_KEY or `wandb login`), else offline, said on one line."""
 
     def __init__(self, cfg: LoggerConfig, config: dict, out_dir: Path, name: str):
         import wandb
 
-        mode = cfg.mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode = wandb_mode(cfg)
+        if mode == "offline":
+            print(f"dofla: wandb logs offline into {out_dir}/wandb ({offline_reason(cfg)}); upload later with "
+                  f"`wandb sync {out_dir}/wandb/offline-run-*`", flush=True)
         self._wandb = wandb
         self.run = wandb.init(
             project=cfg.project, group=cfg.group or seed_group(config, name), config=config, dir=str(out_dir),
@@ -72,6 +75,32 @@ class WandbTracker(NullTracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def wandb_logged_in() -> bool:
+    """A W&B key is available: WANDB_API_KEY, or the netrc entry `wandb login` writes for the W&B host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(cfg: LoggerConfig) -> str:
+    """``logger.mode``, else WANDB_MODE, else online when logged in (a key or `wandb login`), else offline."""
+    return cfg.mode or os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
+
+
+def offline_reason(cfg: LoggerConfig) -> str:
+    if cfg.mode or os.environ.get("WANDB_MODE"):
+        return "logger.mode" if cfg.mode else "WANDB_MODE"
+    return "no WANDB_API_KEY and no `wandb login`"
 
 
 def build_tracker(cfg: LoggerConfig, config: dict, out_dir: Path, name: str) -> NullTracker:

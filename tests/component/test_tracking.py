@@ -79,3 +79,25 @@ def test_wandb_groups_runs_that_differ_only_in_seed_and_types_them_by_policy(tmp
 def test_split_overrides_keeps_bracketed_lists_whole():
     assert split_overrides("a=1,eval.tasks=[x,y],b={c:1,d:2}") == ["a=1", "eval.tasks=[x,y]", "b={c:1,d:2}"]
     assert split_overrides("") == []
+
+
+def test_a_wandb_login_counts_as_logged_in_and_offline_is_said(tmp_path, monkeypatch, capsys):
+    from dofla.tracking import wandb_mode
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    cfg = LoggerConfig(name="wandb", project="dofla-test")
+    assert wandb_mode(cfg) == "offline"  # no key, no netrc
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    netrc.chmod(0o600)
+    assert wandb_mode(cfg) == "online"  # what `wandb login` writes
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert wandb_mode(cfg) == "offline"  # the key is for another host
+    assert wandb_mode(LoggerConfig(name="wandb", mode="disabled")) == "disabled"
+    netrc.write_text("")
+    tracker = build_tracker(cfg, {"seed": 0}, tmp_path, "x")
+    tracker.finish()
+    out = capsys.readouterr().out
+    assert "wandb logs offline" in out and "no WANDB_API_KEY and no `wandb login`" in out and "wandb sync" in out
