@@ -94,7 +94,10 @@ class CountingSource(DataSource):
         return f"counting-{len(self.docs)}"
 
 
-DATA_SOURCES.register("counting_test")(CountingSource)
+@pytest.fixture(autouse=True)
+def counting_source(monkeypatch):
+    """CountingSource registered for this module's tests only (the registry is global)."""
+    monkeypatch.setitem(DATA_SOURCES._items, "counting_test", CountingSource)
 
 
 def tiny(*overrides):
