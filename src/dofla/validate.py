@@ -22,10 +22,8 @@ SCHEDULES = ("constant", "cosine")
 
 
 def _positive(key: str, value) -> None:
-    require(
-        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-        f"{key}={value!r} must be a positive number",
-    )
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            f"{key}={value!r} must be a positive number")
 
 
 def _one_of(key: str, value, valid) -> None:
@@ -144,10 +142,9 @@ def _validate_num_tokens(cfg: RunConfig) -> None:
 
     _one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
     n = cfg.data.num_tokens
-    if n == "all":
-        require(cfg.data.prepared != "off", "data.num_tokens=all reads the prepared training split, which "
-                "data.prepared=off turns off; set data.prepared=auto or a number of tokens")
-        return
+    if n == "all":  # resolved to a number from the prepared data (dofla.stages.data.open_data)
+        return require(cfg.data.prepared != "off", "data.num_tokens=all reads the prepared training split, which "
+                       "data.prepared=off turns off; set data.prepared=auto or a number of tokens")
     require(isinstance(n, int) and not isinstance(n, bool),
              f"data.num_tokens={n!r} must be a number of tokens or 'all' (one pass over the prepared data)")
     _positive("data.num_tokens", n)
