@@ -33,10 +33,10 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     torch.manual_seed(cfg.seed)
     # The teacher, its geometry, and where training reads activations from (printed with the costs).
     with timer("load"):
-        ctx = load(cfg, out_dir, plan)
+        ctx = load(cfg, out_dir, plan, source)
     # Token tensors: the training tokens the cache needs and the held-out tokens.
     with timer("data"):
-        tokens = data.run(ctx, source)
+        tokens = data.run(ctx)
     if main:
         write_json(out_dir / "run.json", {**build_record(cfg, overrides), "cache_key": tokens.cache_key,
                                           "world_size": distributed.world(), "stages": list(plan),
@@ -127,8 +127,9 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     return cfg, plan, source, tasks
 
 
-def load(cfg: RunConfig, out_dir: Path, plan: list[str]) -> RunContext:
-    """Load the teacher onto ``cfg.device``, check the config against it, choose the training source."""
+def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> RunContext:
+    """Load the teacher onto ``cfg.device``, check the config against it, choose the training source;
+    ``data_source``: the data :func:`check_before_loading` opened (kept in the context)."""
     from dofla.models import get_adapter, load_teacher
     from dofla.precision import configure_matmul, teacher_dtype
 
@@ -142,7 +143,7 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str]) -> RunContext:
         if needs_capture else teacher
     source = data.choose_train_source(cfg, plan, geometry, capture) if distributed.is_main() else None
     return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture,
-                      distributed.broadcast(source))
+                      distributed.broadcast(source), data_source)
 
 
 def data_budget(ctx: RunContext, tokens: RunData, trained: train.TrainResult, activations) -> dict:

@@ -29,6 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.data.sources import DataError, DataSource
+from dofla.data.stream import BatchStream, StreamExhausted
+from dofla.data.tokens import pack_tokens
 
 FORMAT = 1
 PREPARED_MODES = ("auto", "require", "off")
@@ -61,7 +63,7 @@ def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def _write_split(texts: Iterable[str], tokenizer, path: Path, dtype, limit: int | None, desc: str) -> dict:
     """Tokenise ``texts`` into ``path`` until ``limit`` tokens (None: all); returns the counts."""
-    written, documents, exhausted = 0, 0, True
+    written, documents, cut = 0, 0, False
     iterator: Iterator[str] = iter(texts)
     with open(path, "wb") as f, tqdm(total=limit, desc=desc, unit="tok") as bar:
         while limit is None or written < limit:
@@ -77,14 +79,13 @@ def _write_split(texts: Iterable[str], tokenizer, path: Path, dtype, limit: int 
                 break
             documents += len(chunk)
             ids = [t for doc in _ids(tokenizer, chunk) for t in doc]
-            if limit is not None and written + len(ids) >= limit:
-                ids, exhausted = ids[: limit - written], False
+            if limit is not None and written + len(ids) > limit:
+                ids, cut = ids[: limit - written], True
             np.asarray(ids, dtype=dtype).tofile(f)
             written += len(ids)
             bar.update(len(ids))
-    if exhausted and limit is not None and written == limit:
-        exhausted = next(iterator, None) is None  # exactly at the limit: is there more text?
-    return {"tokens": written, "documents": documents, "complete": exhausted}
+    end = object()
+    return {"tokens": written, "documents": documents, "complete": not cut and next(iterator, end) is end}
 
 
 def prepare(source: DataSource, tokenizer, directory: str | Path, train_tokens: int | None = None,
@@ -212,8 +213,6 @@ class TokenStream:
         return batch.view(self.batch_size, self.seq_len)
 
     def _check(self, num_tokens: int) -> None:
-        from dofla.data.stream import StreamExhausted
-
         if self.offset + num_tokens > self.prepared.available("train"):
             served = self.position * self.batch_tokens
             raise StreamExhausted(
@@ -221,8 +220,6 @@ class TokenStream:
                 f"{self.batch_size}×{self.seq_len}); request fewer tokens or prepare more", served)
 
     def __iter__(self) -> Iterator[torch.LongTensor]:
-        from dofla.data.stream import StreamExhausted
-
         while True:
             try:
                 yield self.next_batch()
@@ -236,8 +233,6 @@ def pack_split(source, split: str, tokenizer, seq_len: int, num_tokens: int, des
     tokenised from the source's text (:func:`~dofla.data.pack_tokens`); the same tensor either way."""
     if isinstance(source, PreparedTokens):
         return source.pack(split, seq_len, num_tokens, setting)
-    from dofla.data.tokens import pack_tokens
-
     return pack_tokens(source.texts(split), tokenizer, seq_len, num_tokens, desc=desc, source=source.name,
                        setting=setting)
 
@@ -247,6 +242,4 @@ def train_stream(source, tokenizer, batch_size: int, seq_len: int):
     ``BatchStream`` tokenising the text (the same batches either way)."""
     if isinstance(source, PreparedTokens):
         return source.stream(batch_size, seq_len)
-    from dofla.data.stream import BatchStream
-
     return BatchStream(lambda: source.texts("train"), tokenizer, batch_size, seq_len, source=source.name)

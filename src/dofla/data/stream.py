@@ -129,5 +129,6 @@ class BatchStream:
 
 def source_stream(name: str, options: dict, tokenizer, batch_size: int, seq_len: int) -> BatchStream:
     """The stream of a registered data source's "train" texts (``dofla.data.build_source``)."""
-    source = build_source(name, **options)
-    return BatchStream(lambda: source.texts("train"), tokenizer, batch_size, seq_len, source=name)
+    from dofla.data.prepared import train_stream
+
+    return train_stream(build_source(name, **options), tokenizer, batch_size, seq_len)

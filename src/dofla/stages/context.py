@@ -18,7 +18,9 @@ class RunContext:
 
     ``capture`` is the teacher whose forwards produce distillation activations (a half-precision copy
     under ``train.teacher_dtype`` or ``precision=bf16``, else ``teacher``); ``source`` is where training reads activations
-    from: ``cache``, ``stream``, or ``none`` when nothing trains.
+    from: ``cache``, ``stream``, or ``none`` when nothing trains. ``data_source`` is the data opened
+    once before loading (prepared tokens or the text source, :func:`dofla.stages.data.open_data`;
+    None: opened where needed).
     """
 
     cfg: RunConfig
@@ -29,6 +31,7 @@ class RunContext:
     geometry: Any
     capture: Any
     source: str
+    data_source: Any = None
 
 
 @dataclass(frozen=True)

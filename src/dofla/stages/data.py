@@ -19,18 +19,26 @@ from dofla.stages.keys import cache_fields
 STREAM_CACHE_TOKENS = 8192  # data.cache_tokens default when training streams
 
 
-def run(ctx: RunContext, source=None) -> RunData:
+def run(ctx: RunContext) -> RunData:
     """Pack the training tokens the cache needs (all of them, or the stream's cached sample) and the
-    held-out tokens; ``source``: the data source already checked before loading (else built here)."""
+    held-out tokens, from ``ctx.data_source`` (opened here when the context has none)."""
     from dofla.cache import cache_key
 
     cfg = ctx.cfg
-    source = source or open_data(cfg)[1]
+    source = data_source(ctx)
     if hasattr(source, "check_tokenizer"):  # prepared tokens: made by this model's tokenizer?
         source.check_tokenizer(ctx.tokenizer)
     num_cached = cached_tokens(cfg, ctx.source)
     train, heldout, fingerprint = load_data(cfg, ctx.tokenizer, source, num_cached)
     return RunData(train, heldout, fingerprint, cache_key(cache_fields(cfg, fingerprint, num_cached)))
+
+
+PREPARE_HINT = "dofla-prepare <this run's overrides>"
+
+
+def data_source(ctx: RunContext):
+    """The run's data: the one opened before loading, else opened now."""
+    return ctx.data_source if ctx.data_source is not None else open_data(ctx.cfg)[1]
 
 
 def open_data(cfg: RunConfig):
@@ -56,9 +64,6 @@ def open_data(cfg: RunConfig):
     prepared = PreparedTokens(directory, command=PREPARE_HINT)
     prepared.check()
     return resolve_num_tokens(cfg, prepared), prepared
-
-
-PREPARE_HINT = "dofla-prepare <this run's overrides>"
 
 
 def prepared_path(cfg: RunConfig, text_source):
@@ -172,12 +177,14 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
     return source
 
 
-def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None):
-    """The data source's train text as (batch_size, seq_len or data.seq_len) batches, after skipping
-    the first ``skip_tokens`` (e.g. the activation cache's sample, which so stays held out)."""
+def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None,
+                    source=None):
+    """The training split of ``source`` (default: opened from ``cfg``) as (batch_size, seq_len or
+    data.seq_len) batches, after skipping the first ``skip_tokens`` (e.g. the activation cache's
+    sample, which so stays held out)."""
     from dofla.data.prepared import train_stream
 
-    batches = train_stream(open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len)
+    batches = train_stream(source or open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len)
     batches.discard(skip_tokens)
     return batches
 

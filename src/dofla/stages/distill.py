@@ -10,7 +10,7 @@ from dofla.artifacts import canonical
 from dofla.record import read_json, write_json
 from dofla.stages.assemble import with_settings
 from dofla.stages.context import RunContext, RunData
-from dofla.stages.data import cached_tokens, training_stream
+from dofla.stages.data import cached_tokens, data_source, training_stream
 from dofla.stages.keys import distill_settings
 
 TARGET = "student_distilled"
@@ -38,7 +38,8 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     if model_dir_matches(target, settings) and summary.get("settings") == canonical(settings):
         return Distilled(with_settings(load_student(target).to(device), settings), summary["tokens"])
     d = cfg.distill
-    stream = training_stream(cfg, ctx.tokenizer, d.batch_size, offset(ctx, data), seq_len=d.seq_len)
+    stream = training_stream(cfg, ctx.tokenizer, d.batch_size, offset(ctx, data), seq_len=d.seq_len,
+                             source=data_source(ctx))
     log = None if tracker is None else (lambda values: tracker.log(values))
     student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, schedule(ctx, stream.batch_tokens),
                                       checkpoint_path=ctx.out_dir / "distill_ckpt.pt", meta=settings,

@@ -17,7 +17,7 @@ from dofla.config import RunConfig
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
-from dofla.stages.data import open_data
+from dofla.stages.data import data_source, open_data
 
 MEASUREMENTS = "eval_measurements.json"
 
@@ -80,15 +80,16 @@ def run(ctx: RunContext, student, data: RunData, tasks=None) -> dict:
     from dofla.stages.cache import cache_root
 
     return evaluate(ctx.cfg, ctx.teacher, student, data.heldout_tokens, ctx.out_dir, ctx.tokenizer, tasks,
-                    teacher_scores=cache_root(ctx.cfg) / "teacher_scores")
+                    teacher_scores=cache_root(ctx.cfg) / "teacher_scores", source=data_source(ctx))
 
 
 def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
-               tokenizer=None, plan=None, teacher_scores: Path | None = None) -> dict:
+               tokenizer=None, plan=None, teacher_scores: Path | None = None, source=None) -> dict:
     """Held-out perplexity, per-layer attention error, lm-eval tasks (``plan``, from
     :func:`dofla.eval.suite.plan_tasks`) and MQAR for teacher and student -> metrics.json.
     ``teacher_scores``: a directory where the teacher's task scores are kept across runs (every run
-    of a sweep has the same teacher; it is scored once).
+    of a sweep has the same teacher; it is scored once). ``source``: the opened data the long held-out
+    set is read from (default: opened from ``cfg``).
 
     Each measurement is saved as it completes, keyed by its settings, so a killed eval resumes and
     a changed setting redoes only what it affects. Under torchrun, perplexity and attention error
@@ -107,7 +108,7 @@ def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
         metrics.update(_task_measurements(cfg, models, who_settings, tokenizer, plan, store, teacher_scores))
     if plan is not None:
         write_json(out_dir / "tasks_skipped.json", plan.skipped)
-    metrics.update(_probe_measurements(cfg, models, who_settings, heldout_tokens, tokenizer, store, metrics))
+    metrics.update(_probe_measurements(cfg, models, who_settings, heldout_tokens, tokenizer, store, metrics, source))
     if cfg.eval.mqar:
         from dofla.eval import suite
 
@@ -188,7 +189,7 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
 
 
 def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tokens, tokenizer, store,
-                        full: dict) -> dict:
+                        full: dict, source=None) -> dict:
     """The optional probes of :mod:`dofla.eval.probes` (rank 0), each keyed by its settings."""
     from dofla.eval import probes
 
@@ -209,7 +210,7 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
     long = None
     for who, model in models:
         if ev.position_buckets:
-            long = long if long is not None else probes.long_tokens(cfg, tokenizer, open_data(cfg)[1])
+            long = long if long is not None else probes.long_tokens(cfg, tokenizer, source or open_data(cfg)[1])
             settings = {"model": who_settings[who], "tokens": tokens_digest(long), "edges": ev.position_buckets}
             metrics.update(store.get(f"position/{who}", settings,
                                      lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))

@@ -36,7 +36,7 @@ class TrainResult:
 def run(ctx: RunContext, cache, dims: list, data: RunData) -> TrainResult:
     """Train the features of every layer that has them (or the ``train.layers`` subset)."""
     out = train(ctx.cfg, cache, ctx.geometry, dims, ctx.teacher, data.train_tokens, ctx.out_dir, ctx.tokenizer,
-                ctx.source, capture=ctx.capture)
+                ctx.source, capture=ctx.capture, data_source=ctx.data_source)
     if ctx.cfg.loss.name == "direct":
         return TrainResult(direct=out)
     return TrainResult(summaries=out)
@@ -95,10 +95,11 @@ def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
 
 
 def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
-                tokenizer=None, source: str = "cache", capture=None) -> dict:
+                tokenizer=None, source: str = "cache", capture=None, data_source=None) -> dict:
     """Layerwise (l2 / softmax; from the cache or streamed) or end-to-end (direct) feature training
     of the layers that have feature maps (:func:`linear_layers`). ``capture``: the teacher whose
-    forwards a stream reads (``train.teacher_dtype``; default ``teacher``)."""
+    forwards a stream reads (``train.teacher_dtype``; default ``teacher``); ``data_source``: the opened
+    data a stream reads (default: opened from ``cfg``)."""
     requested = range(len(dims)) if cfg.train.layers is None else cfg.train.layers
     layers = [i for i in requested if i in set(linear_layers(cfg, geometry))]
     meta, settings = layer_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
@@ -106,7 +107,8 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
     if distributed.is_main():  # tells a human what the hash directory's name stands for
         write_json(directory / "settings.json", settings)
     if cfg.loss.name == "direct":
-        stream = (lambda: training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel())) \
+        stream = (lambda: training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel(),
+                                          source=data_source)) \
             if source == "stream" else None
         return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings, stream)
     if not layers:
@@ -116,7 +118,7 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
     train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
     if source == "stream":
         return _train_streaming(cfg, cache, capture or teacher, tokenizer, feature_maps, layers, train_cfg,
-                                directory, meta)
+                                directory, meta, data_source)
     from dofla.train import run_layerwise
     from dofla.train.layerwise import needs_values
 
@@ -133,12 +135,14 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
     return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
 
 
-def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta) -> dict:
+def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta,
+                     data_source=None) -> dict:
     """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
     from dofla.train.stream import cache_heldout, run_streaming
 
     cached_seqs = cache.layer(0).q.shape[0]
-    batches = training_stream(cfg, tokenizer, cfg.train.batch_size, cached_seqs * cfg.data.seq_len)
+    batches = training_stream(cfg, tokenizer, cfg.train.batch_size, cached_seqs * cfg.data.seq_len,
+                              source=data_source)
     held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
     heldout = cache_heldout(cache, num_seqs=held)
     kwargs = dict(num_tokens=cfg.data.num_tokens, steps=stream_steps(cfg, batches.batch_tokens))
