@@ -32,6 +32,10 @@ class DataConfig:
     # read the tokens dofla-prepare wrote for this data and tokenizer: auto (when they exist), require
     # (fail before loading when they do not), off (always tokenise the source's text)
     prepared: str = "auto"
+    # None: read the training split in its own order; a seed: its sequences in that seed's random
+    # order (prepared data only), so the cached sample (Algorithm 1's) is a random sample of the whole
+    # split, the same in every run with this seed, and the stream one pass over the rest
+    shuffle_seed: Optional[int] = None
 
 
 @dataclass
@@ -231,6 +235,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("attention", "sinks"): 0,
     ("train", "micro_batch_size"): None,
     ("run", "precision"): "fp32",  # "run": a top-level key
+    ("data", "shuffle_seed"): None,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig}

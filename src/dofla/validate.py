@@ -19,8 +19,6 @@ TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "cosine")
 
 
-
-
 def _positive(key: str, value) -> None:
     require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
             f"{key}={value!r} must be a positive number")
@@ -141,6 +139,8 @@ def _validate_num_tokens(cfg: RunConfig) -> None:
     from dofla.data.prepared import PREPARED_MODES
 
     _one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
+    require(cfg.data.shuffle_seed is None or cfg.data.prepared != "off", "data.shuffle_seed reads the prepared "
+            "training split in a random order, which data.prepared=off turns off; set data.prepared=auto")
     n = cfg.data.num_tokens
     if n == "all":  # resolved to a number from the prepared data (dofla.stages.data.open_data)
         return require(cfg.data.prepared != "off", "data.num_tokens=all reads the prepared training split, which "

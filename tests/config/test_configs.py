@@ -115,6 +115,7 @@ def test_the_paper_experiments_compose_the_papers_settings(experiment):
         # tokens: one pass over a random 10 % of English Wikipedia, read from the prepared subset
         assert (cfg.data.name, cfg.data.options["fraction"], cfg.data.num_tokens) == ("wikipedia", 0.1, "all")
         assert cfg.data.prepared == "require" and cfg.train.source == "stream"
+        assert cfg.data.shuffle_seed == 0  # a random order: the sample is drawn from the whole subset
         # the effective batch, layerwise and end to end; micro-batches only bound the memory
         assert cfg.train.batch_size == cfg.train.direct_batch_size == paper["batch"]
         assert paper["batch"] % cfg.train.micro_batch_size == 0

@@ -42,6 +42,9 @@ def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
         if name != "performer":  # the baseline is not trained; every other cell saw the whole pass
             assert metrics["train/tokens"] >= (total - 1024) // (128 * 32) * 128 * 32
     assert len(list(csv_rows(sweep))) == 11
+    # Algorithm 1's sample, drawn at random from the whole split, is the same for every cell: one cache
+    caches = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name != "prepared"]  # activations
+    assert len(caches) == 1, caches
 
 
 def csv_rows(sweep):

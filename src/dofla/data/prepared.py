@@ -9,7 +9,10 @@ arrays (``train.bin``, ``heldout.bin``: uint16 when the vocabulary fits, else ui
   activation cache's key and every artifact are identical with or without preparation;
 - a stream seeks to its position on resume (no document is read twice) and tokenises nothing on
   the training step's path;
-- the number of training tokens is known up front, so ``data.num_tokens=all`` means one pass.
+- the number of training tokens is known up front, so ``data.num_tokens=all`` means one pass;
+- the training split can be read in a seeded random order of its sequences (:meth:`PreparedTokens.shuffled`,
+  ``data.shuffle_seed``): the cached sample is then a random sample of the whole split and the stream one
+  pass over the rest in random order.
 
 The directory is keyed by the source's fingerprint and the model's tokenizer source, under the
 dofla cache (``<cache>/prepared/<key>``); ``meta.json`` also records a hash of the vocabulary,
@@ -17,6 +20,7 @@ checked against the run's tokenizer before any teacher pass.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -133,17 +137,35 @@ class PreparedTokens:
                             f"reads {FORMAT}; run {command} again")
         self.name = self.meta["source"]
         self._arrays: dict[str, np.ndarray] = {}
+        self.order: np.ndarray | None = None  # training sequences in reading order (None: as written)
+        self.order_len = 0  # tokens per sequence of ``order``
+
+    def shuffled(self, seq_len: int, seed: int) -> "PreparedTokens":
+        """This data with its training split read as its whole sequences of ``seq_len`` tokens in the
+        random order of ``seed`` (the same order for every run with this seed and length). Only a
+        completely prepared split has one order, so a partial one is refused."""
+        if not self.meta["train"]["complete"]:
+            raise DataError(f"data.shuffle_seed reads the whole prepared training split, but {self.directory} holds "
+                            f"only its first {self.available('train'):,} tokens; run {self.command} again (with "
+                            "data.shuffle_seed set it prepares the whole split)")
+        other = copy.copy(self)  # shares the memory-mapped files
+        count = int(self.meta["train"]["tokens"]) // seq_len
+        other.order, other.order_len = np.random.default_rng(seed).permutation(count), seq_len
+        return other
 
     def fingerprint(self) -> str:
         return self.meta["fingerprint"]
 
     def available(self, split: str) -> int:
+        """Tokens ``split`` can serve (a shuffled training split: its whole sequences)."""
+        if split == "train" and self.order is not None:
+            return len(self.order) * self.order_len
         return int(self.meta[split]["tokens"])
 
     def check(self) -> None:
         for split in ("train", "heldout"):
             path = self.directory / f"{split}.bin"
-            size = np.dtype(self.meta["dtype"]).itemsize * self.available(split)
+            size = np.dtype(self.meta["dtype"]).itemsize * int(self.meta[split]["tokens"])
             if not path.is_file() or path.stat().st_size != size:
                 raise DataError(f"prepared data {path} is missing or truncated; run {self.command} again")
 
@@ -154,7 +176,7 @@ class PreparedTokens:
 
     def array(self, split: str) -> np.ndarray:
         if split not in self._arrays:
-            count = self.available(split)
+            count = int(self.meta[split]["tokens"])
             self._arrays[split] = (np.memmap(self.directory / f"{split}.bin", dtype=self.meta["dtype"], mode="r",
                                              shape=(count,)) if count else np.zeros(0, dtype=self.meta["dtype"]))
         return self._arrays[split]
@@ -168,7 +190,16 @@ class PreparedTokens:
                 "settings of this run to prepare more")
             raise DataError(f"prepared {split} data ({self.name}) holds {have:,} tokens but this run needs "
                             f"{start + count:,} ({setting}){more}; or lower {setting}")
+        if split == "train" and self.order is not None:
+            return torch.from_numpy(self.array(split)[self._positions(start, count)].astype(np.int64))
         return torch.from_numpy(self.array(split)[start:start + count].astype(np.int64))
+
+    def _positions(self, start: int, count: int) -> np.ndarray:
+        """File positions of tokens [start, start + count) of the shuffled order (a read may span sequences)."""
+        L = self.order_len
+        first, last = start // L, (start + count - 1) // L
+        rows = self.order[first:last + 1, None] * L + np.arange(L)
+        return rows.ravel()[start - first * L:start - first * L + count]
 
     def pack(self, split: str, seq_len: int, num_tokens: int, setting: str) -> torch.LongTensor:
         """The same (ceil(num_tokens / seq_len), seq_len) tensor ``pack_tokens`` makes of the text."""

@@ -56,13 +56,17 @@ def open_data(cfg: RunConfig):
         return cfg, text
     directory = prepared_path(cfg, text)
     if not (directory / "meta.json").is_file():
-        if cfg.data.prepared == "require" or cfg.data.num_tokens == "all":
-            why = "data.num_tokens=all" if cfg.data.num_tokens == "all" else "data.prepared=require"
-            raise DataError(f"{why} reads the prepared tokens of data={cfg.data.name} for model {cfg.model.source}, "
-                            f"which are not in {directory.parent}; run `{PREPARE_HINT}` first")
+        why = [setting for setting, needs in (("data.num_tokens=all", cfg.data.num_tokens == "all"),
+                                              ("data.shuffle_seed", cfg.data.shuffle_seed is not None),
+                                              ("data.prepared=require", cfg.data.prepared == "require")) if needs]
+        if why:
+            raise DataError(f"{why[0]} reads the prepared tokens of data={cfg.data.name} for model "
+                            f"{cfg.model.source}, which are not in {directory.parent}; run `{PREPARE_HINT}` first")
         return cfg, text
     prepared = PreparedTokens(directory, command=PREPARE_HINT)
     prepared.check()
+    if cfg.data.shuffle_seed is not None:
+        prepared = prepared.shuffled(cfg.data.seq_len, cfg.data.shuffle_seed)
     return resolve_num_tokens(cfg, prepared), prepared
 
 
@@ -199,11 +203,12 @@ def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:
 
 def prepare_limits(cfg: RunConfig) -> tuple[int | None, int]:
     """Training and held-out tokens a run of ``cfg`` reads (training None: all of it, for
-    ``data.num_tokens=all``): the cached sample, the stream, distill's tokens, the long held-out set."""
+    ``data.num_tokens=all`` or a shuffled order): the cached sample, the stream, distill's tokens, the
+    long held-out set."""
     ev = cfg.eval
     long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
     heldout = max(cfg.data.heldout_tokens, long)
-    if cfg.data.num_tokens == "all":
+    if cfg.data.num_tokens == "all" or cfg.data.shuffle_seed is not None:  # the whole split
         return None, heldout
     n = cfg.data.num_tokens
     layerwise = min(n, cfg.data.cache_tokens or STREAM_CACHE_TOKENS) + n

@@ -24,7 +24,8 @@ ARTIFACT_FORMAT = 2
 
 IN_KEY: dict[str, tuple[str, ...]] = {
     "model": ("name", "source", "revision", "tiny_layers"),
-    "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens"),
+    "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens",
+             "shuffle_seed"),
     "feature_map": ("name", "options"),
     "attention": ("name", "window", "sinks", "chunk_size"),
     "loss": ("name", "options"),
@@ -71,6 +72,8 @@ def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None
                "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
     if cfg.model.source.startswith("tiny:"):
         fields_["model_seed"], fields_["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
+    if cfg.data.shuffle_seed is not None:  # which sequences were cached
+        fields_["shuffle_seed"] = cfg.data.shuffle_seed
     dtype = teacher_dtype(cfg.precision, cfg.train.teacher_dtype)
     if dtype != LEGACY_VALUES[("train", "teacher_dtype")]:
         fields_["teacher_dtype"] = dtype
@@ -105,7 +108,7 @@ def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
             "format": ARTIFACT_FORMAT}
     meta.update({"sinks": v for k, v in section(cfg, "attention", legacy=True).items() if k == "sinks"})
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
-        meta["stream"] = {"data": section(cfg, "data")}
+        meta["stream"] = {"data": section(cfg, "data", legacy=True)}
     return with_precision(meta, cfg)
 
 
