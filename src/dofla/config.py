@@ -176,6 +176,9 @@ class EvalConfig:
     protocol: str = "zeroshot"  # zeroshot | finetune (the paper's per-task fine-tune, METHOD §5)
     finetune_lr_grid: List[float] = field(default_factory=lambda: [1e-5, 3e-5, 1e-4])
     finetune_epochs: int = 3
+    # sequences per fine-tune step: a number, or per task {task: n, default: n}
+    finetune_batch_size: Any = 4
+    finetune_max_length: int = 512  # tokens per fine-tune example (the oldest context is cut first)
     finetune_train_limit: Optional[int] = None  # first N training documents per task
     mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
     mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])

@@ -215,6 +215,8 @@ def _validate_options(cfg: RunConfig) -> None:
 
 
 def _validate_eval(cfg: RunConfig) -> None:
+    from dofla.eval.suite import finetune_batch_sizes
+
     ev = cfg.eval
     _one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
     require(all(isinstance(t, str) and t for t in ev.tasks),
@@ -225,11 +227,12 @@ def _validate_eval(cfg: RunConfig) -> None:
         _positive("eval.task_limit", ev.task_limit)
     if ev.finetune_train_limit is not None:
         _positive("eval.finetune_train_limit", ev.finetune_train_limit)
-    _positive("eval.task_batch_size", ev.task_batch_size)
-    _positive("eval.finetune_epochs", ev.finetune_epochs)
     require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
-    for lr in ev.finetune_lr_grid:
-        _positive("eval.finetune_lr_grid entry", lr)
+    for key, value in [("eval.task_batch_size", ev.task_batch_size), ("eval.finetune_epochs", ev.finetune_epochs),
+                       ("eval.finetune_max_length", ev.finetune_max_length),
+                       *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
+                       *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
+        _positive(key, value)
     for folder in ev.task_dirs:
         require(Path(folder).expanduser().is_dir(),
                  f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
@@ -250,11 +253,8 @@ def validate_world(cfg: RunConfig, world: int) -> None:
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
     """Checks that need the model's geometry (read from its config, before any compute)."""
     budget = feature_budget(cfg, head_dim)
-    require(
-        budget >= 1,
-        f"budget gives {budget:g} features per layer (budget.value={cfg.budget.value}, "
-        f"budget.multiple={cfg.budget.multiple}); it must be at least 1",
-    )
+    require(budget >= 1, f"budget gives {budget:g} features per layer (budget.value={cfg.budget.value}, "
+            f"budget.multiple={cfg.budget.multiple}); it must be at least 1")
     if cfg.allocation.policy == "dof_clip":
         require(
             budget <= head_dim,
@@ -268,10 +268,8 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
             f"train.layers={list(cfg.train.layers)} has entries outside 0..{num_layers - 1} "
             f"(the model has {num_layers} layers)",
         )
-    require(
-        cfg.data.seq_len <= max_positions,
-        f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens",
-    )
+    require(cfg.data.seq_len <= max_positions,
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens")
     long = cfg.eval.long_seq_len or cfg.data.seq_len
     require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
     distill_len = cfg.distill.seq_len or cfg.data.seq_len

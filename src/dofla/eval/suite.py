@@ -83,14 +83,12 @@ def zero_shot(model, tokenizer, who: str, plan: TaskPlan, ev: EvalConfig) -> dic
     return {f"tasks/{who}/{key.removeprefix('downstream/')}": value for key, value in result.metrics.items()}
 
 
-def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, cfg) -> dict[str, float]:
-    """The teacher's ``tasks/teacher/...`` scores, computed once per (model, tasks, task files,
-    limit, lm-eval version) and kept in ``directory``; later runs with the same teacher read them."""
+def teacher_file(directory: Path, plan: TaskPlan, cfg, kind: str, extra: dict | None = None) -> Path:
+    """``directory/<kind>-<digest>.json``: where a teacher measurement of the plan's tasks is kept,
+    keyed by (model, tasks, task files, limit, lm-eval version, ``extra``)."""
     import hashlib
     import json
     from importlib.metadata import version
-
-    from dofla.record import read_json, write_json
 
     files = sorted(p for d in plan.task_dirs for p in Path(d).rglob("*") if p.is_file())
     digest = hashlib.sha256(json.dumps({
@@ -100,25 +98,68 @@ def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, c
         # a task YAML names its data by absolute path, which differs per run: hash without it
         "files": [[p.name, hashlib.sha256(p.read_bytes().replace(str(p.parent).encode(), b"")).hexdigest()]
                   for p in files],
+        **({"extra": extra} if extra else {}),
     }, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(directory) / f"teacher_tasks-{digest}.json"
-    scores = read_json(path)
-    if scores is None:
-        scores = zero_shot(teacher, tokenizer, "teacher", plan, cfg.eval)
-        write_json(path, scores)
+    return Path(directory) / f"{kind}-{digest}.json"
+
+
+def kept(path: Path | None, compute, what: str):
+    """The JSON at ``path`` when it exists, else ``compute()`` written there (None: never kept)."""
+    from dofla.record import read_json, write_json
+
+    value = read_json(path) if path is not None else None
+    if value is None:
+        value = compute()
+        if path is not None:
+            write_json(path, value)
     else:
-        print(f"dofla: teacher task scores reused from {path}", flush=True)
-    return scores
+        print(f"dofla: {what} reused from {path}", flush=True)
+    return value
 
 
-def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, ev: EvalConfig, seed: int) -> dict[str, float]:
-    """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused."""
-    from dofla.eval.task_finetune import FinetuneProtocolConfig, run_finetune_protocol
+def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, cfg) -> dict[str, float]:
+    """The teacher's ``tasks/teacher/...`` scores, computed once per (model, tasks, task files,
+    limit, lm-eval version) and kept in ``directory``; later runs with the same teacher read them."""
+    return kept(teacher_file(directory, plan, cfg, "teacher_tasks"),
+                lambda: zero_shot(teacher, tokenizer, "teacher", plan, cfg.eval), "teacher task scores")
 
-    cfg = FinetuneProtocolConfig(lr_grid=tuple(ev.finetune_lr_grid), epochs=ev.finetune_epochs,
-                                 train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
-                                 eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs)
-    result = run_finetune_protocol(teacher, {"student": student}, tokenizer, plan.runnable, cfg)
+
+def finetune_batch_sizes(ev: EvalConfig) -> dict:
+    """``eval.finetune_batch_size`` as {task: sequences per step, "default": for the other tasks}."""
+    sizes = ev.finetune_batch_size
+    return {"default": 4, **sizes} if isinstance(sizes, dict) else {"default": sizes}
+
+
+def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
+    """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune)."""
+    from dofla.eval.task_finetune import FinetuneProtocolConfig
+
+    sizes = finetune_batch_sizes(ev)
+    default = sizes.pop("default")
+    return FinetuneProtocolConfig(lr_grid=tuple(ev.finetune_lr_grid), epochs=ev.finetune_epochs,
+                                  batch_size=default, task_batch_sizes=tuple(sorted(sizes.items())),
+                                  max_length=ev.finetune_max_length,
+                                  train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
+                                  eval_batch_size=ev.task_batch_size, seed=seed,
+                                  task_dirs=tuple(str(Path(d).resolve()) for d in plan.task_dirs))
+
+
+def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, directory: Path | None = None
+                      ) -> dict[str, float]:
+    """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused. The
+    teacher's half (its grid search) is kept in ``directory`` and computed once per teacher and
+    protocol settings: every cell of a sweep reuses it."""
+    from dataclasses import asdict
+
+    from dofla.eval.task_finetune import TeacherProtocol, run_finetune_protocol, run_teacher_protocol
+
+    pcfg = protocol_config(plan, cfg.eval, cfg.seed)
+    settings = {k: v for k, v in asdict(pcfg).items() if k not in ("task_dirs", "eval_batch_size")}
+    path = None if directory is None else teacher_file(directory, plan, cfg, "teacher_finetuned", settings)
+    teacher_half = TeacherProtocol.from_json(kept(
+        path, lambda: run_teacher_protocol(teacher, tokenizer, plan.runnable, pcfg).to_json(),
+        "the teacher's fine-tune protocol (learning rates and scores)"))
+    result = run_finetune_protocol(teacher, {"student": student}, tokenizer, plan.runnable, pcfg, teacher_half)
     plan.skipped.update({f"finetune/{task}": why for task, why in result.skipped.items()})
     return result.flat()
 

@@ -11,7 +11,7 @@ multiple-choice run as ``evaluate_tasks``. Selecting the epoch on the eval split
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ class FinetuneProtocolConfig:
     epochs: int = 3
     last_checkpoint_tasks: tuple[str, ...] = ("mmlu",)
     single_epoch_epochs: int = 1
-    batch_size: int = 4
+    batch_size: int = 4  # sequences per step; ``task_batch_sizes`` overrides it per task
+    task_batch_sizes: tuple[tuple[str, int], ...] = ()
     max_length: int = 512
     train_limit: int | None = None  # first N training docs (None: all)
     eval_limit: int | None = None
@@ -35,12 +36,33 @@ class FinetuneProtocolConfig:
     task_dirs: tuple[str, ...] = ()
 
 
+    def batch_for(self, task: str) -> int:
+        return dict(self.task_batch_sizes).get(task, self.batch_size)
+
+
 @dataclass
 class TaskScore:
     lr: float
     epoch_accs: list[float]
     chosen_epoch: int  # 1-based
     acc: float
+
+
+@dataclass
+class TeacherProtocol:
+    """The teacher's half of the protocol, the same for every student of that teacher: the learning
+    rate picked per task, the teacher's scores at it and the tasks skipped (kept across runs as JSON)."""
+
+    lrs: dict[str, float]
+    scores: dict[str, TaskScore]
+    skipped: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {"lrs": self.lrs, "scores": {t: asdict(s) for t, s in self.scores.items()}, "skipped": self.skipped}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TeacherProtocol":
+        return cls(data["lrs"], {t: TaskScore(**s) for t, s in data["scores"].items()}, data["skipped"])
 
 
 @dataclass
@@ -102,15 +124,14 @@ def pad_batch(pairs, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
-def train_one_epoch(model, pairs, optimizer, cfg: FinetuneProtocolConfig, generator) -> float:
+def train_one_epoch(model, pairs, optimizer, cfg: FinetuneProtocolConfig, generator, batch_size: int) -> float:
     """One shuffled pass of next-token loss on the continuations; returns the mean batch loss."""
     device = next(model.parameters()).device
     order = torch.randperm(len(pairs), generator=generator).tolist()
     model.train()
     losses = []
-    for start in tqdm(range(0, len(order), cfg.batch_size), desc="task finetune", leave=False):
-        input_ids, labels = pad_batch([pairs[i] for i in order[start : start + cfg.batch_size]],
-                                      cfg.max_length)
+    for start in tqdm(range(0, len(order), batch_size), desc="task finetune", leave=False):
+        input_ids, labels = pad_batch([pairs[i] for i in order[start : start + batch_size]], cfg.max_length)
         loss = model(input_ids=input_ids.to(device), labels=labels.to(device), use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -132,7 +153,7 @@ def finetune_and_score(model, tokenizer, task: str, pairs, lr: float,
     last_only = task in cfg.last_checkpoint_tasks
     accs = []
     for _ in range(cfg.single_epoch_epochs if last_only else cfg.epochs):
-        train_one_epoch(work, pairs, optimizer, cfg, generator)
+        train_one_epoch(work, pairs, optimizer, cfg, generator, cfg.batch_for(task))
         result = evaluate_tasks(work, tokenizer, [task], limit=cfg.eval_limit,
                                 batch_size=cfg.eval_batch_size, task_dirs=cfg.task_dirs)
         accs.append(result.acc(task))
@@ -141,30 +162,41 @@ def finetune_and_score(model, tokenizer, task: str, pairs, lr: float,
     return TaskScore(lr=lr, epoch_accs=accs, chosen_epoch=chosen + 1, acc=accs[chosen])
 
 
-def run_finetune_protocol(teacher, students: dict, tokenizer, tasks: list[str],
-                          cfg: FinetuneProtocolConfig | None = None) -> FinetuneProtocolResult:
-    """Per task: LR picked on the teacher over ``cfg.lr_grid``, reused for every student.
-
-    ``teacher`` and ``students`` are left untouched (each run trains a deep copy).
-    """
-    cfg = cfg or FinetuneProtocolConfig()
-    cfg = replace(cfg, task_dirs=tuple(str(Path(d).resolve()) for d in cfg.task_dirs))
+def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProtocolConfig) -> TeacherProtocol:
+    """Per task, the teacher fine-tuned at every learning rate of ``cfg.lr_grid``; the best is kept
+    (ties keep the smaller, earlier rate). Tasks without a training split are skipped, said once."""
     runnable, skipped, _ = availability(list(tasks), cfg.task_dirs)
-    result = FinetuneProtocolResult(skipped=dict(skipped))
-    result.scores = {name: {} for name in ("teacher", *students)}
+    result = TeacherProtocol({}, {}, dict(skipped))
     for reason in skipped.values():
         print(reason, flush=True)
     for task in runnable:
         pairs = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
         if not pairs:
-            result.skipped[task] = (f"fine-tune protocol skipped {task}: "
-                                    "lm-eval defines no training split for it")
+            result.skipped[task] = f"fine-tune protocol skipped {task}: lm-eval defines no training split for it"
             print(result.skipped[task], flush=True)
             continue
         trials = [finetune_and_score(teacher, tokenizer, task, pairs, lr, cfg) for lr in cfg.lr_grid]
-        best = max(trials, key=lambda s: s.acc)  # ties keep the smaller (earlier) learning rate
-        result.lrs[task] = best.lr
-        result.scores["teacher"][task] = best
+        best = max(trials, key=lambda s: s.acc)
+        result.lrs[task], result.scores[task] = best.lr, best
+    return result
+
+
+def run_finetune_protocol(teacher, students: dict, tokenizer, tasks: list[str],
+                          cfg: FinetuneProtocolConfig | None = None,
+                          teacher_result: TeacherProtocol | None = None) -> FinetuneProtocolResult:
+    """Per task: LR picked on the teacher over ``cfg.lr_grid`` (or taken from ``teacher_result``, the
+    teacher's half computed before), reused for every student.
+
+    ``teacher`` and ``students`` are left untouched (each run trains a deep copy).
+    """
+    cfg = cfg or FinetuneProtocolConfig()
+    cfg = replace(cfg, task_dirs=tuple(str(Path(d).resolve()) for d in cfg.task_dirs))
+    if teacher_result is None:
+        teacher_result = run_teacher_protocol(teacher, tokenizer, tasks, cfg)
+    result = FinetuneProtocolResult(lrs=dict(teacher_result.lrs), skipped=dict(teacher_result.skipped))
+    result.scores = {"teacher": dict(teacher_result.scores), **{name: {} for name in students}}
+    for task, lr in teacher_result.lrs.items():
+        pairs = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
         for name, student in students.items():
-            result.scores[name][task] = finetune_and_score(student, tokenizer, task, pairs, best.lr, cfg)
+            result.scores[name][task] = finetune_and_score(student, tokenizer, task, pairs, lr, cfg)
     return result

@@ -180,8 +180,11 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
         settings = {**tasks, "teacher": who_settings["teacher"], "student": who_settings["student"],
                     "lr_grid": ev.finetune_lr_grid, "epochs": ev.finetune_epochs,
                     "train_limit": ev.finetune_train_limit, "seed": cfg.seed}
+        # added later: in the key only when not the value every earlier measurement used
+        settings.update({k: v for k, v, legacy in (("batch_size", ev.finetune_batch_size, 4),
+                                                   ("max_length", ev.finetune_max_length, 512)) if v != legacy})
         metrics.update(store.get("finetuned", settings, lambda: suite.finetune_protocol(
-            teacher, student, tokenizer, plan, ev, cfg.seed), plan))
+            teacher, student, tokenizer, plan, cfg, teacher_scores), plan))
     if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:
         # what the distillation lost
         metrics["tasks/acc_gap"] = metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"]
