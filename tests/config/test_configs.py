@@ -96,14 +96,16 @@ PAPER_CELLS = ["fix_direct", "fix_softmax", "fix_l2", "dof_direct", "dof_softmax
                "dof_clip_softmax", "dof_clip_l2", "performer", "dijiang"]
 PAPER = {
     "paper_gpt2": {"model": "gpt2", "head_dim": 64, "seq_len": 1024, "batch": 128, "C": 64, "lam": 2**-4,
-                   "cells": PAPER_CELLS},
+                   "cells": PAPER_CELLS, "lr_grid": [1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4]},
     "paper_pythia1b": {"model": "EleutherAI/pythia-1b", "head_dim": 256, "seq_len": 2048, "batch": 64, "C": 128,
-                       "lam": 2**-8, "cells": ["fix_softmax", "dof_softmax"]},
+                       "lam": 2**-8, "cells": ["fix_softmax", "dof_softmax"],
+                       "lr_grid": [1e-7, 5e-7, 1e-6, 5e-6, 1e-5, 5e-5]},
 }
 
 
 @pytest.mark.parametrize("experiment", sorted(PAPER))
 def test_the_paper_experiments_compose_the_papers_settings(experiment):
+    from dofla.eval.suite import finetune_batch_sizes
     from dofla.validate import feature_budget, validate_config
 
     paper = PAPER[experiment]
@@ -124,6 +126,11 @@ def test_the_paper_experiments_compose_the_papers_settings(experiment):
         a = cfg.allocation
         assert (a.gram_norm, a.lam, a.num_samples, a.resamples, a.head_aggregate) == ("J", paper["lam"], 2048, 1, "max")
         assert cfg.data.cache_tokens * 2 >= 10 * a.num_samples  # the pooled q∪k sample holds ≥ 10·J vectors
+        # the evaluation: the seven tasks, each model fine-tuned per task, 3 epochs, six learning rates
+        ev = cfg.eval
+        assert (ev.tasks, ev.protocol, ev.finetune_epochs) == (["downstream7"], "finetune", 3)
+        assert ev.finetune_lr_grid == pytest.approx(paper["lr_grid"])
+        assert all(32 <= n <= 128 for n in finetune_batch_sizes(ev).values())
 
 
 @pytest.mark.parametrize("experiment", sorted(PAPER))

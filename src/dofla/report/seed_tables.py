@@ -5,7 +5,7 @@ import math
 
 SEED_KEYS = ("seed",)
 GROUP_METRICS = ("mean_dim", "cost", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
-                 "tasks/student/avg_acc", "tasks/acc_gap")
+                 "tasks/student/avg_acc", "tasks/acc_gap", "finetuned/student/avg_acc")
 PAIRED_METRICS = {"loss_diff": "Δ held-out loss (policy − fix)", "ppl_diff": "Δ ppl (policy − fix)",
                   "gap_closed": "fix→teacher loss gap closed"}
 GROUP_CAPTION = ("Across seeds: mean ± half-width of the two-sided 95 % Student-t interval over the seeds "

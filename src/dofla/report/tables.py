@@ -19,7 +19,9 @@ from dofla.report.seed_tables import GROUP_CAPTION, PAIRED_CAPTION, csv_columns,
 from dofla.report.seeds import paired_vs_fix, run_seed, seed_groups, twin_key
 
 SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
-                   "tasks/teacher/avg_acc", "tasks/student/avg_acc", "tasks/acc_gap")
+                   "tasks/teacher/avg_acc", "tasks/student/avg_acc", "tasks/acc_gap",
+                   # the paper's protocol: each model fine-tuned per task, the average over the tasks run
+                   "finetuned/teacher/avg_acc", "finetuned/student/avg_acc")
 # Parts of the reproducibility record that should match across runs being compared.
 RECORD_KEYS = ("git", "packages", "device", "cache_key")
 
