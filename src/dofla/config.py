@@ -239,6 +239,8 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("train", "micro_batch_size"): None,
     ("run", "precision"): "fp32",  # "run": a top-level key
     ("data", "shuffle_seed"): None,
+    ("eval", "finetune_batch_size"): 4,
+    ("eval", "finetune_max_length"): 512,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig}

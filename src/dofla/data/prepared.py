@@ -146,26 +146,30 @@ class PreparedTokens:
         completely prepared split has one order, so a partial one is refused."""
         if not self.meta["train"]["complete"]:
             raise DataError(f"data.shuffle_seed reads the whole prepared training split, but {self.directory} holds "
-                            f"only its first {self.available('train'):,} tokens; run {self.command} again (with "
+                            f"only its first {self.written('train'):,} tokens; run {self.command} again (with "
                             "data.shuffle_seed set it prepares the whole split)")
         other = copy.copy(self)  # shares the memory-mapped files
-        count = int(self.meta["train"]["tokens"]) // seq_len
+        count = self.written("train") // seq_len
         other.order, other.order_len = np.random.default_rng(seed).permutation(count), seq_len
         return other
 
     def fingerprint(self) -> str:
         return self.meta["fingerprint"]
 
+    def written(self, split: str) -> int:
+        """Tokens in ``split``'s file."""
+        return int(self.meta[split]["tokens"])
+
     def available(self, split: str) -> int:
         """Tokens ``split`` can serve (a shuffled training split: its whole sequences)."""
         if split == "train" and self.order is not None:
             return len(self.order) * self.order_len
-        return int(self.meta[split]["tokens"])
+        return self.written(split)
 
     def check(self) -> None:
         for split in ("train", "heldout"):
             path = self.directory / f"{split}.bin"
-            size = np.dtype(self.meta["dtype"]).itemsize * int(self.meta[split]["tokens"])
+            size = np.dtype(self.meta["dtype"]).itemsize * self.written(split)
             if not path.is_file() or path.stat().st_size != size:
                 raise DataError(f"prepared data {path} is missing or truncated; run {self.command} again")
 
@@ -176,7 +180,7 @@ class PreparedTokens:
 
     def array(self, split: str) -> np.ndarray:
         if split not in self._arrays:
-            count = int(self.meta[split]["tokens"])
+            count = self.written(split)
             self._arrays[split] = (np.memmap(self.directory / f"{split}.bin", dtype=self.meta["dtype"], mode="r",
                                              shape=(count,)) if count else np.zeros(0, dtype=self.meta["dtype"]))
         return self._arrays[split]

@@ -127,7 +127,7 @@ def cached_teacher_scores(directory: Path, teacher, tokenizer, plan: TaskPlan, c
 def finetune_batch_sizes(ev: EvalConfig) -> dict:
     """``eval.finetune_batch_size`` as {task: sequences per step, "default": for the other tasks}."""
     sizes = ev.finetune_batch_size
-    return {"default": 4, **sizes} if isinstance(sizes, dict) else {"default": sizes}
+    return {"default": EvalConfig.finetune_batch_size, **sizes} if isinstance(sizes, dict) else {"default": sizes}
 
 
 def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
@@ -140,8 +140,7 @@ def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
                                   batch_size=default, task_batch_sizes=tuple(sorted(sizes.items())),
                                   max_length=ev.finetune_max_length,
                                   train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
-                                  eval_batch_size=ev.task_batch_size, seed=seed,
-                                  task_dirs=tuple(str(Path(d).resolve()) for d in plan.task_dirs))
+                                  eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs)
 
 
 def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, directory: Path | None = None

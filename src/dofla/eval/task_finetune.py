@@ -11,7 +11,7 @@ multiple-choice run as ``evaluate_tasks``. Selecting the epoch on the eval split
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,8 +33,10 @@ class FinetuneProtocolConfig:
     eval_limit: int | None = None
     eval_batch_size: int = 1
     seed: int = 0
-    task_dirs: tuple[str, ...] = ()
+    task_dirs: tuple[str, ...] = ()  # lm-eval task YAML folders (kept as absolute paths)
 
+    def __post_init__(self):
+        self.task_dirs = tuple(str(Path(d).resolve()) for d in self.task_dirs)
 
     def batch_for(self, task: str) -> int:
         return dict(self.task_batch_sizes).get(task, self.batch_size)
@@ -162,15 +164,18 @@ def finetune_and_score(model, tokenizer, task: str, pairs, lr: float,
     return TaskScore(lr=lr, epoch_accs=accs, chosen_epoch=chosen + 1, acc=accs[chosen])
 
 
-def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProtocolConfig) -> TeacherProtocol:
+def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProtocolConfig,
+                         pairs_by_task: dict | None = None) -> TeacherProtocol:
     """Per task, the teacher fine-tuned at every learning rate of ``cfg.lr_grid``; the best is kept
-    (ties keep the smaller, earlier rate). Tasks without a training split are skipped, said once."""
+    (ties keep the smaller, earlier rate). Tasks without a training split are skipped, said once.
+    ``pairs_by_task``: filled with each task's training pairs, for the students of the same call."""
     runnable, skipped, _ = availability(list(tasks), cfg.task_dirs)
     result = TeacherProtocol({}, {}, dict(skipped))
+    pairs_by_task = {} if pairs_by_task is None else pairs_by_task
     for reason in skipped.values():
         print(reason, flush=True)
     for task in runnable:
-        pairs = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
+        pairs = pairs_by_task[task] = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
         if not pairs:
             result.skipped[task] = f"fine-tune protocol skipped {task}: lm-eval defines no training split for it"
             print(result.skipped[task], flush=True)
@@ -190,13 +195,13 @@ def run_finetune_protocol(teacher, students: dict, tokenizer, tasks: list[str],
     ``teacher`` and ``students`` are left untouched (each run trains a deep copy).
     """
     cfg = cfg or FinetuneProtocolConfig()
-    cfg = replace(cfg, task_dirs=tuple(str(Path(d).resolve()) for d in cfg.task_dirs))
+    pairs_by_task: dict = {}
     if teacher_result is None:
-        teacher_result = run_teacher_protocol(teacher, tokenizer, tasks, cfg)
+        teacher_result = run_teacher_protocol(teacher, tokenizer, tasks, cfg, pairs_by_task)
     result = FinetuneProtocolResult(lrs=dict(teacher_result.lrs), skipped=dict(teacher_result.skipped))
     result.scores = {"teacher": dict(teacher_result.scores), **{name: {} for name in students}}
     for task, lr in teacher_result.lrs.items():
-        pairs = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
+        pairs = pairs_by_task.get(task) or training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
         for name, student in students.items():
             result.scores[name][task] = finetune_and_score(student, tokenizer, task, pairs, lr, cfg)
     return result

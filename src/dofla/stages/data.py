@@ -211,7 +211,7 @@ def prepare_limits(cfg: RunConfig) -> tuple[int | None, int]:
     if cfg.data.num_tokens == "all" or cfg.data.shuffle_seed is not None:  # the whole split
         return None, heldout
     n = cfg.data.num_tokens
-    layerwise = min(n, cfg.data.cache_tokens or STREAM_CACHE_TOKENS) + n
+    layerwise = cached_tokens(cfg, "stream") + n
     start = cfg.distill.offset if cfg.distill.offset is not None else layerwise
     distilled = start + cfg.distill.tokens if cfg.distill.name != "none" else 0
     return max(layerwise, distilled), heldout

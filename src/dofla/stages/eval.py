@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from dofla.artifacts import canonical, settings_digest
-from dofla.config import RunConfig
+from dofla.config import LEGACY_VALUES, RunConfig
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
@@ -181,8 +181,9 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
                     "lr_grid": ev.finetune_lr_grid, "epochs": ev.finetune_epochs,
                     "train_limit": ev.finetune_train_limit, "seed": cfg.seed}
         # added later: in the key only when not the value every earlier measurement used
-        settings.update({k: v for k, v, legacy in (("batch_size", ev.finetune_batch_size, 4),
-                                                   ("max_length", ev.finetune_max_length, 512)) if v != legacy})
+        settings.update({name.removeprefix("finetune_"): getattr(ev, name)
+                         for name in ("finetune_batch_size", "finetune_max_length")
+                         if getattr(ev, name) != LEGACY_VALUES[("eval", name)]})
         metrics.update(store.get("finetuned", settings, lambda: suite.finetune_protocol(
             teacher, student, tokenizer, plan, cfg, teacher_scores), plan))
     if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:

@@ -210,8 +210,9 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
             flush()
         if checkpoint_path is not None and (step + 1) % s.checkpoint_every == 0 and step + 1 < s.steps:
             flush()
-            torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names}, "optimizer": optimizer.state_dict(), "data": batches.state(),
-                               "step": step + 1, "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
+            torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names},
+                               "optimizer": optimizer.state_dict(), "data": batches.state(), "step": step + 1,
+                               "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
     flush()
     bar.close()
     return finish(model, student), curve, tokens
