@@ -15,7 +15,7 @@ from dofla.registry import did_you_mean
 
 # Arguments the pipeline passes itself, so they are not user options.
 FEATURE_MAP_PASSED = ("num_heads", "head_dim", "num_features", "seed")
-LOSS_PASSED = ("log_q", "log_k", "q", "k", "v", "causal", "window", "sinks", "softcap")
+LOSS_PASSED = ("log_q", "log_k", "q", "k", "v", "causal", "window", "sinks", "softcap", "student", "input_ids")
 DATA_PASSED = ()
 
 _TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "List": list,

@@ -32,15 +32,14 @@ def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     from dofla.precision import PRECISIONS
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES, MEASURED_POLICIES, PER_HEAD_POLICIES
+    from dofla.dof import ALLOCATION_POLICIES
     from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
     from dofla.feature_maps import FEATURE_MAPS
     from dofla.train.losses import LOSSES
 
     _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
-    _one_of("loss.name", cfg.loss.name, [*LOSSES.names(), "direct"])  # direct: end to end, no layer loss
-    _one_of("allocation.policy", cfg.allocation.policy,
-            [*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, *MEASURED_POLICIES])
+    _one_of("loss.name", cfg.loss.name, LOSSES.names())
+    _one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
     _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     _one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
@@ -70,9 +69,10 @@ def validate_config(cfg: RunConfig) -> None:
         _positive(key, value)
     if cfg.train.micro_batch_size is not None:
         from dofla.train.layerwise import mean_over_rows
+        from dofla.train.losses import end_to_end
 
         _positive("train.micro_batch_size", cfg.train.micro_batch_size)
-        require(cfg.loss.name == "direct" or mean_over_rows(cfg.loss.name),
+        require(end_to_end(cfg.loss.name) or mean_over_rows(cfg.loss.name),
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
@@ -201,8 +201,7 @@ def _validate_options(cfg: RunConfig) -> None:
     from dofla.train.losses import LOSSES
 
     fm, loss, data = cfg.feature_map, cfg.loss, cfg.data
-    # direct trains end to end on next-token loss: it is no registered function and takes no options
-    loss_declared = declared_options(LOSSES.get(loss.name), LOSS_PASSED) if loss.name in LOSSES else {}
+    loss_declared = declared_options(LOSSES.get(loss.name), LOSS_PASSED)
     for key, owner, declared, given in [
         ("feature_map.options", f"feature map {fm.name!r}",
          declared_options(FEATURE_MAPS.get(fm.name), FEATURE_MAP_PASSED), fm.options),
@@ -244,7 +243,9 @@ def _validate_eval(cfg: RunConfig) -> None:
 
 def validate_world(cfg: RunConfig, world: int) -> None:
     """Checks for a data-parallel run under torchrun with ``world`` processes."""
-    if world > 1 and cfg.loss.name == "direct" and "train" in cfg.stages:
+    from dofla.train.losses import end_to_end
+
+    if world > 1 and end_to_end(cfg.loss.name) and "train" in cfg.stages:
         require(cfg.train.direct_batch_size % world == 0,
                  f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
                  f"torchrun processes; use a multiple of {world}")

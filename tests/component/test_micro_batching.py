@@ -15,7 +15,7 @@ from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train.direct import train_direct
 from dofla.train.layerwise import LayerTrainConfig, layer_loss, mean_over_rows, train_layer
 from dofla.train.step import Accumulator, micro_batches
-from dofla.train.losses import LOSSES
+from dofla.train.losses import layerwise_losses
 from dofla.train.stream import train_layers_streaming
 
 from .test_stream import heldout, stream
@@ -31,7 +31,7 @@ def gradient(feature_map, q, k, v, cfg):
     return total, torch.cat([p.grad.flatten() for p in feature_map.parameters()])
 
 
-@pytest.mark.parametrize("loss", [name for name in LOSSES.names() if mean_over_rows(name)])
+@pytest.mark.parametrize("loss", [name for name in layerwise_losses() if mean_over_rows(name)])
 @pytest.mark.parametrize("window", [0, 8])
 def test_micro_batch_gradients_equal_the_full_batch_in_fp64(loss, window):
     q, k = (t.double() for t in realistic_qk(seqs=6, length=24))

@@ -16,7 +16,7 @@ from dofla.precision import autocast, teacher_dtype
 from dofla.stages import keys
 from dofla.train.distill import kl_to_teacher
 from dofla.train.layerwise import LayerTrainConfig, layer_loss, train_layer
-from dofla.train.losses import LOSSES
+from dofla.train.losses import layerwise_losses
 
 from .test_train import realistic_qk
 
@@ -30,7 +30,7 @@ def loss_and_gradient(precision, loss):
     return value.detach(), torch.cat([p.grad.flatten() for p in fm.parameters()])
 
 
-@pytest.mark.parametrize("loss", LOSSES.names())
+@pytest.mark.parametrize("loss", layerwise_losses())
 def test_bf16_layer_losses_and_gradients_stay_close_to_fp32(loss):
     value32, grad32 = loss_and_gradient("fp32", loss)
     value16, grad16 = loss_and_gradient("bf16", loss)

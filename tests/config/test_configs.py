@@ -43,11 +43,13 @@ def test_every_option_composes_to_typed_config(group, option):
 
 def test_option_file_names_match_registries():
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES, MEASURED_POLICIES, PER_HEAD_POLICIES
+    from dofla.dof import ALLOCATION_POLICIES
     from dofla.feature_maps import FEATURE_MAPS
+    from dofla.train.losses import LOSSES
 
     assert set(_options("feature_map")) == set(FEATURE_MAPS.names())
-    assert set(_options("allocation")) <= {*ALLOCATION_POLICIES.names(), *PER_HEAD_POLICIES, *MEASURED_POLICIES}
+    assert set(_options("allocation")) == set(ALLOCATION_POLICIES.names())
+    assert set(_options("loss")) == set(LOSSES.names())
     assert set(_options("data")) == set(DATA_SOURCES.names())
 
 

@@ -200,8 +200,28 @@ def test_invalid_head_allocation_inputs_raise(args):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, fix, fix_max"):
+    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, dof_head, fix, fix_max, measured"):
         allocate_dims([1.0], 64, "dof_clp", 64)
+
+
+def test_every_policy_is_chosen_through_the_registry():
+    """One dispatch for all policies: per-layer ones, the per-head one and measured (its hook)."""
+    from dofla.dof import AllocationRequest, choose_dims, reads_dof
+
+    request = AllocationRequest(budget=16, head_dim=16, num_layers=2, layer_dof=[1.0, 3.0],
+                                per_head_dof=[[1.0, 1.0], [3.0, 3.0]], head_quantum=4, head_blocks=1,
+                                measure=lambda budget, dof: {"dims": [4, 28], "sensitivity": [0.1, 0.9]})
+    assert choose_dims("fix", AllocationRequest(budget=16, head_dim=16, num_layers=2)) == ([16, 16], {})
+    assert choose_dims("dof", request) == ([8, 24], {})
+    assert choose_dims("dof_clip", request) == ([8, 16], {})
+    assert choose_dims("dof_head", request) == ([[8, 8], [24, 24]], {})
+    assert choose_dims("measured", request) == ([4, 28], {"dims": [4, 28], "sensitivity": [0.1, 0.9]})
+    assert choose_dims("dof", AllocationRequest(budget=16, head_dim=16, num_layers=0)) == ([], {})
+    assert [p for p in ("fix", "dof", "dof_clip", "dof_head", "fix_max", "measured") if not reads_dof(p)] == ["fix"]
+    with pytest.raises(ValueError, match="per-head DoF"):
+        choose_dims("dof_head", AllocationRequest(budget=16, head_dim=16, num_layers=2, layer_dof=[1.0, 3.0]))
+    with pytest.raises(ValueError, match="no per-layer form"):
+        allocate_dims([1.0], 64, "dof_head", 64)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

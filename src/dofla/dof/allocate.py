@@ -1,26 +1,82 @@
-"""Allocation policies: per-layer feature dimensions under a fixed budget (mean dim = C)."""
+"""Allocation policies: per-layer feature dimensions under a fixed budget (mean dim = C).
+
+Every policy is one :class:`AllocationPolicy` in ``ALLOCATION_POLICIES`` (YAML file name =
+registry key): it maps an :class:`AllocationRequest` to the dims and a record for
+``allocation.json``, and says whether it reads Algorithm 1's DoF (so the stage plan knows whether
+the ``dof`` stage must run).
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from dofla.registry import Registry
 
-Policy = Callable[[list[float], float, int], list[int]]
-ALLOCATION_POLICIES: Registry[Policy] = Registry("allocation policy")
-# Policies that give every (layer, head) its own dim, from Algorithm 1's per-head DoF.
-PER_HEAD_POLICIES = ("dof_head",)
-# Policies that train briefly to measure each layer's loss-vs-M curve (dofla.dof.oracle).
-MEASURED_POLICIES = ("measured",)
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """What a policy may read: the budget C, the head size, and Algorithm 1's DoF of the layers
+    that share the budget (None when the dof stage did not run, i.e. under a policy that reads none).
+
+    ``measure`` is the caller's brief training run for ``measured``: ``measure(budget, layer_dof)``
+    returns a record whose ``dims`` are the allocation (:func:`dofla.dof.oracle.measured_allocation`).
+    """
+    budget: float
+    head_dim: int
+    num_layers: int
+    layer_dof: list[float] | None = None
+    per_head_dof: list[list[float]] | None = None
+    head_quantum: int = 8
+    head_blocks: int = 2
+    measure: Callable[[float, list[float] | None], dict] | None = None
 
 
-@ALLOCATION_POLICIES.register("fix")
+@dataclass(frozen=True)
+class AllocationPolicy:
+    """``choose(request) -> (dims, record)``: one int per layer, or one list of per-head ints per
+    layer (``per_head``); ``record`` goes into allocation.json beside the dims."""
+    name: str
+    choose: Callable[[AllocationRequest], tuple[list, dict]]
+    reads_dof: bool = True
+    per_head: bool = False
+    per_layer: Callable[[list[float], float, int], list[int]] | None = None  # the plain form, when it has one
+
+
+ALLOCATION_POLICIES: Registry[AllocationPolicy] = Registry("allocation policy")
+
+
+def register_per_layer(name: str, reads_dof: bool = True):
+    """Register ``fn(layer_dof, budget, head_dim) -> dims`` (one int per layer) as a policy."""
+    def decorator(fn: Callable[[list[float], float, int], list[int]]):
+        def choose(request: AllocationRequest) -> tuple[list, dict]:
+            layer_dof = request.layer_dof if request.layer_dof is not None else [0.0] * request.num_layers
+            return allocate_dims(layer_dof, request.budget, name, request.head_dim), {}
+
+        ALLOCATION_POLICIES.register(name)(AllocationPolicy(name, choose, reads_dof, per_layer=fn))
+        return fn
+
+    return decorator
+
+
+def choose_dims(policy: str, request: AllocationRequest) -> tuple[list, dict]:
+    """Dims (and a record) of ``policy`` for ``request``; no layers -> no dims."""
+    chosen = ALLOCATION_POLICIES.get(policy)  # an unknown name fails first, listing the valid ones
+    return chosen.choose(request) if request.num_layers else ([], {})
+
+
+def reads_dof(policy: str) -> bool:
+    """Whether ``policy`` needs Algorithm 1's result (an unknown name: assume it does)."""
+    return ALLOCATION_POLICIES.get(policy).reads_dof if policy in ALLOCATION_POLICIES else True
+
+
+@register_per_layer("fix", reads_dof=False)
 def allocate_fix(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
     """The budget in every layer (the paper's baseline: C = head size)."""
     return [max(1, round(budget))] * len(layer_dof)
 
 
-@ALLOCATION_POLICIES.register("dof")
+@register_per_layer("dof")
 def allocate_dof(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
     """Algorithm 1: M_s = round(t⁻¹·N_s) with t⁻¹ = C / mean(N) (plain rounding, mean ≈ C)."""
     mean = sum(layer_dof) / len(layer_dof)
@@ -30,13 +86,13 @@ def allocate_dof(layer_dof: list[float], budget: float, head_dim: int) -> list[i
     return [max(1, round(scale * n)) for n in layer_dof]
 
 
-@ALLOCATION_POLICIES.register("dof_clip")
+@register_per_layer("dof_clip")
 def allocate_dof_clip(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
     """Algorithm 1, then each layer capped at the head size (cheaper than dof)."""
     return [min(m, head_dim) for m in allocate_dof(layer_dof, budget, head_dim)]
 
 
-@ALLOCATION_POLICIES.register("fix_max")
+@register_per_layer("fix_max")
 def allocate_fix_max(layer_dof: list[float], budget: float, head_dim: int) -> list[int]:
     """Every layer at the largest dim ``dof`` gives at this budget: an upper reference that costs
     more than the budget (mean dim = max of the dof dims)."""
@@ -49,7 +105,9 @@ def allocate_dims(layer_dof: list[float], budget: int | float, policy: str, head
     ``budget`` is C, the mean feature dimension per layer (``fix_max`` exceeds it on purpose);
     ``head_dim`` caps ``dof_clip``.
     """
-    policy_fn = ALLOCATION_POLICIES.get(policy)  # unknown names fail first, listing the valid ones
+    policy_fn = ALLOCATION_POLICIES.get(policy).per_layer  # unknown names fail first, listing the valid ones
+    if policy_fn is None:
+        raise ValueError(f"allocation policy {policy!r} has no per-layer form; use choose_dims")
     _check_inputs(layer_dof, budget, "layer_dof")
     if head_dim < 1:
         raise ValueError(f"head_dim={head_dim} is not valid; it must be a positive head size")
@@ -87,6 +145,26 @@ def allocate_head_dims(per_head_dof: list[list[float]], budget: float, head_dim:
                 dims[h] = max(quantum, quantum * round(m / quantum))
         out.append(dims)
     return out
+
+
+def _choose_head_dims(request: AllocationRequest) -> tuple[list, dict]:
+    if request.per_head_dof is None:
+        raise ValueError("dof_head needs Algorithm 1's per-head DoF; run the dof stage first")
+    return allocate_head_dims(request.per_head_dof, request.budget, request.head_dim, request.head_quantum,
+                              request.head_blocks), {}
+
+
+def _choose_measured(request: AllocationRequest) -> tuple[list, dict]:
+    if request.measure is None:
+        raise ValueError("the measured policy trains each layer briefly at a few dims; it needs the allocate "
+                         "stage's measure step (dofla.dof.oracle.measured_allocation)")
+    record = request.measure(request.budget, request.layer_dof)
+    return record["dims"], record
+
+
+ALLOCATION_POLICIES.register("dof_head")(AllocationPolicy("dof_head", _choose_head_dims, per_head=True))
+# reads the DoF only to report its rank correlation with the measured sensitivity
+ALLOCATION_POLICIES.register("measured")(AllocationPolicy("measured", _choose_measured))
 
 
 def _check_inputs(dof: list[float], budget: float, what: str) -> None:

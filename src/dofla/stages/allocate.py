@@ -24,28 +24,26 @@ def allocate(cfg: RunConfig, dof: dict | None, geometry, out_dir: Path, cache=No
     sliding-window layer stays exact and gets 0. ``dof`` is None when Algorithm 1 did not run
     (``fix``); ``measured`` trains briefly at a few dims per layer (:mod:`dofla.dof.oracle`).
     """
-    from dofla.dof import PER_HEAD_POLICIES, allocate_dims, allocate_head_dims
+    from dofla.dof import AllocationRequest, choose_dims
     from dofla.feature_maps import mean_dim
 
     a, head_dim = cfg.allocation, geometry.head_dim
     budget = feature_budget(cfg, head_dim)
     layers = linear_layers(cfg, geometry)
-    pick = (lambda values: [values[i] for i in layers]) if dof is not None else (lambda values: None)
-    layer_dof = pick(dof["layer_dof"]) if dof is not None else None
-    record = {}
-    if not layers:
-        chosen = []
-    elif a.policy in PER_HEAD_POLICIES:
-        chosen = allocate_head_dims(pick(dof["per_head"]), budget, head_dim, a.head_quantum, a.head_blocks)
-    elif a.policy == "measured":
+
+    def pick(values: list | None) -> list | None:  # the DoF of the layers that share the budget
+        return None if values is None else [values[i] for i in layers]
+
+    def measure(budget: float, layer_dof: list[float] | None) -> dict:  # the measured policy's brief training
         from dofla.dof.oracle import measured_allocation
 
         train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
-        record = measured_allocation(cfg, cache, geometry, train_cfg, budget, layer_dof, layers, out_dir)
-        chosen = record["dims"]
-    else:  # fix reads only how many layers there are
-        chosen = allocate_dims(layer_dof if layer_dof is not None else [0.0] * len(layers), budget, a.policy,
-                               head_dim)
+        return measured_allocation(cfg, cache, geometry, train_cfg, budget, layer_dof, layers, out_dir)
+
+    chosen, record = choose_dims(a.policy, AllocationRequest(
+        budget=budget, head_dim=head_dim, num_layers=len(layers), layer_dof=pick(dof and dof["layer_dof"]),
+        per_head_dof=pick(dof and dof.get("per_head")), head_quantum=a.head_quantum, head_blocks=a.head_blocks,
+        measure=measure))
     dims: list = [0] * geometry.num_layers
     for i, m in zip(layers, chosen):
         dims[i] = m

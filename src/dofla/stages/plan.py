@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dofla.config import RunConfig
+from dofla.dof.allocate import reads_dof
 from dofla.errors import require
 
 STAGES = ("cache", "dof", "allocate", "train", "assemble", "distill", "finetune", "eval", "report")
 PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
-POLICIES_WITHOUT_DOF = ("fix",)  # allocation policies that do not read Algorithm 1's result
 TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
 
 
@@ -25,7 +25,7 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
         return {"assemble": (), "distill": ("assemble",), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
-        "allocate": () if cfg.allocation.policy in POLICIES_WITHOUT_DOF else ("dof",),
+        "allocate": ("dof",) if reads_dof(cfg.allocation.policy) else (),
         "train": ("cache", "allocate"),  # direct needs only the cache's key (dofla.stages.train)
         "assemble": ("allocate", "train"),
         "distill": ("assemble",),

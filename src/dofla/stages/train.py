@@ -15,6 +15,7 @@ from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.data import stream_steps, training_stream
 from dofla.stages.keys import layer_meta, layer_settings
+from dofla.train.losses import end_to_end
 
 
 @dataclass
@@ -37,7 +38,7 @@ def run(ctx: RunContext, cache, dims: list, data: RunData) -> TrainResult:
     """Train the features of every layer that has them (or the ``train.layers`` subset)."""
     out = train(ctx.cfg, cache, ctx.geometry, dims, ctx.teacher, data.train_tokens, ctx.out_dir, ctx.tokenizer,
                 ctx.source, capture=ctx.capture, data_source=ctx.data_source)
-    if ctx.cfg.loss.name == "direct":
+    if end_to_end(ctx.cfg.loss.name):
         return TrainResult(direct=out)
     return TrainResult(summaries=out)
 
@@ -106,7 +107,7 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
     directory, *also_read = layer_dirs(cfg, out_dir, settings)
     if distributed.is_main():  # tells a human what the hash directory's name stands for
         write_json(directory / "settings.json", settings)
-    if cfg.loss.name == "direct":
+    if end_to_end(cfg.loss.name):
         stream = (lambda: training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel(),
                                           source=data_source)) \
             if source == "stream" else None

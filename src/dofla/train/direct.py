@@ -20,6 +20,7 @@ from dofla.faults import kill_point
 from dofla.precision import autocast
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.train.layerwise import LayerTrainConfig, param_groups
+from dofla.train.losses import next_token_loss
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
@@ -94,7 +95,7 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
         accumulated = Accumulator(optimizer)
         for part, share in micro_batches(batch, cfg):
             with autocast(cfg.precision, device):
-                loss = student(input_ids=part, labels=part, use_cache=False).loss
+                loss = next_token_loss(student, part)
             accumulated.add(loss, share)
         loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
                                 data_parallel=True)

@@ -1,6 +1,7 @@
-"""Layerwise distillation losses (docs/method.md §3), computed stably in log space.
+"""Distillation losses (docs/method.md §3): the layerwise ones, computed stably in log space, and
+``direct``, the end-to-end next-token loss (its entry has ``end_to_end = True``).
 
-All take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
+The layerwise losses take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
 heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.
 A loss with ``needs_values = True`` (``output``) also takes the teacher's values v (B, H, L, dv).
 ``window > 0`` trains a hybrid layer: keys i−W < j ≤ i are exact softmax, only older keys use K̂
@@ -17,7 +18,7 @@ from dofla.attention.hybrid import exact_logits
 from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser, widened
 from dofla.registry import Registry
 
-LOSSES: Registry = Registry("layerwise loss")
+LOSSES: Registry = Registry("loss")
 
 
 def shifted_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,3 +231,23 @@ output_loss.needs_values = True
 # a ratio of sums over the whole batch, not a mean of per-sequence terms: micro-batches cannot add up
 # to it (train.micro_batch_size is refused with this loss)
 output_loss.mean_over_rows = False
+
+
+@LOSSES.register("direct")
+def next_token_loss(student, input_ids: torch.Tensor) -> torch.Tensor:
+    """``direct``: the whole student's next-token cross-entropy (mean over predicted tokens); every
+    layer's features train through it at once (:func:`dofla.train.direct.train_direct`)."""
+    return student(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+
+next_token_loss.end_to_end = True
+
+
+def end_to_end(loss: str) -> bool:
+    """Whether ``loss`` trains the whole student at once (``direct``) rather than layer by layer."""
+    return getattr(LOSSES.get(loss), "end_to_end", False)
+
+
+def layerwise_losses() -> list[str]:
+    """The registered losses that train one layer at a time (all but the end-to-end ones)."""
+    return [name for name in LOSSES.names() if not end_to_end(name)]
