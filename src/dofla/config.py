@@ -201,6 +201,14 @@ class LoggerConfig:
 
 
 @dataclass
+class PathsConfig:
+    # activation caches, prepared data and teacher scores (None: DOFLA_CACHE_DIR or the user cache)
+    cache_dir: Optional[str] = None
+    outputs_dir: str = "outputs"  # single runs: <outputs_dir>/<date>/<time>
+    sweeps_dir: str = "multirun_sweeps"  # -m sweeps: <sweeps_dir>/<date>/<time>/<job number>
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -215,7 +223,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
-    cache_dir: Optional[str] = None  # activation caches (None: DOFLA_CACHE_DIR or the user cache)
+    paths: PathsConfig = field(default_factory=PathsConfig)
     # where the teacher, student and feature maps run: auto (the GPU when one is visible, under
     # torchrun this rank's), cpu, cuda or cuda:N; data and caches stay in host memory
     device: str = "auto"
@@ -243,4 +251,4 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("eval", "finetune_max_length"): 512,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
-ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig}
+ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

@@ -242,7 +242,7 @@ def test_local_checkpoint_loads_checked_with_the_right_attention(name, tmp_path,
 def test_pipeline_runs_on_tiny_qwen3(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", "model.source=tiny:qwen3",
-                     f"hydra.run.dir={run_dir}", f"cache_dir={tmp_path / 'cache'}")
+                     f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert math.isfinite(metrics["eval/teacher_ppl"]) and math.isfinite(metrics["eval/student_ppl"])

@@ -106,7 +106,7 @@ def tiny(*overrides):
 
 
 def test_a_resumed_prepared_stream_reads_no_document_from_the_source(tmp_path, tokenizer):
-    cfg = tiny(f"cache_dir={tmp_path}", "data.name=counting_test", "data.num_tokens=512", "data.seq_len=32")
+    cfg = tiny(f"paths.cache_dir={tmp_path}", "data.name=counting_test", "data.num_tokens=512", "data.seq_len=32")
     directory, meta = data.prepare(cfg)
     reads_to_prepare = CountingSource.reads
     assert 0 < reads_to_prepare <= 120  # one pass at most (train and held-out once each)
@@ -119,7 +119,7 @@ def test_a_resumed_prepared_stream_reads_no_document_from_the_source(tmp_path, t
     again.restore(state)
     nxt = again.next_batch()
     assert CountingSource.reads == reads_to_prepare  # neither the run nor its resume touched the source
-    off = tiny(f"cache_dir={tmp_path}", "data.name=counting_test", "data.num_tokens=512", "data.seq_len=32",
+    off = tiny(f"paths.cache_dir={tmp_path}", "data.name=counting_test", "data.num_tokens=512", "data.seq_len=32",
                "data.prepared=off")
     text = data.training_stream(off, tokenizer, 2, skip_tokens=64)
     assert all(torch.equal(text.next_batch(), b) for b in [*first, nxt])  # the text path's batches
@@ -129,7 +129,7 @@ def test_a_resumed_prepared_stream_reads_no_document_from_the_source(tmp_path, t
 
 
 def test_num_tokens_all_is_one_pass_over_the_prepared_split_less_the_sample_and_distill(tmp_path):
-    base = [f"cache_dir={tmp_path}", "data.name=counting_test", "data.seq_len=32", "train.source=stream",
+    base = [f"paths.cache_dir={tmp_path}", "data.name=counting_test", "data.seq_len=32", "train.source=stream",
             "data.cache_tokens=256"]
     with pytest.raises(DataError, match="dofla-prepare"):
         data.open_data(tiny(*base, "data.num_tokens=all"))  # nothing prepared yet: one sentence, no model
@@ -176,7 +176,7 @@ def test_bad_num_tokens_are_refused(value, message):
 def test_a_run_on_prepared_tokens_equals_the_run_on_text_and_records_the_resolved_count(tmp_path):
     from dofla import pipeline
 
-    base = [f"cache_dir={tmp_path / 'cache'}", "data.name=counting_test", "data.seq_len=32", "train.source=stream",
+    base = [f"paths.cache_dir={tmp_path / 'cache'}", "data.name=counting_test", "data.seq_len=32", "train.source=stream",
             "data.cache_tokens=128", "data.heldout_tokens=128", "train.batch_size=2", "eval.attention_error=false",
             "stages=[cache,allocate,train,assemble,eval]"]
     text = pipeline.run(tiny(*base, "data.num_tokens=512", "data.prepared=off"), tmp_path / "text")
@@ -196,7 +196,7 @@ def test_the_dofla_prepare_command_prepares_what_the_run_reads_and_says_so(tmp_p
 
     paths = ",".join(str(p) for p in corpus.paths)
     overrides = ["experiment=smoke_tiny", "data=text_files", f"data.options.paths=[{paths}]", "data.seq_len=32",
-                 "data.num_tokens=256", "data.heldout_tokens=64", f"cache_dir={tmp_path / 'cache'}"]
+                 "data.num_tokens=256", "data.heldout_tokens=64", f"paths.cache_dir={tmp_path / 'cache'}"]
     prepare_main(overrides)
     out = capsys.readouterr().out
     assert "train: " in out and "a prefix of the split" in out and "runs of this config read it" in out

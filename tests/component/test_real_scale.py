@@ -90,7 +90,7 @@ def test_the_pipeline_runs_on_real_norms_and_estimates_only_layers_with_features
     build_byte_tokenizer().save_pretrained(source)
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", f"model.source={source}", f"hydra.run.dir={run_dir}",
-                     f"cache_dir={tmp_path / 'cache'}", "budget=head_dim", "train.steps=40",
+                     f"paths.cache_dir={tmp_path / 'cache'}", "budget=head_dim", "train.steps=40",
                      "train.eval_every=10")
     assert result.returncode == 0, result.stderr[-3000:]
     dof = json.loads((run_dir / "dof.json").read_text())

@@ -97,7 +97,7 @@ def tiny(*overrides):
 
 def test_a_shuffled_run_needs_the_whole_split_prepared_and_says_so_before_loading(tmp_path, corpus_path, tokenizer):
     base = ["data=text_files", f"data.options.paths=[{corpus_path}]", f"data.seq_len={L}", "data.num_tokens=256",
-            "data.heldout_tokens=64", f"cache_dir={tmp_path / 'cache'}", "data.shuffle_seed=7"]
+            "data.heldout_tokens=64", f"paths.cache_dir={tmp_path / 'cache'}", "data.shuffle_seed=7"]
     with pytest.raises(DataError, match="data.shuffle_seed reads the prepared tokens.*dofla-prepare"):
         data.open_data(tiny(*base))
     with pytest.raises(ConfigError, match="data.shuffle_seed .*data.prepared=off"):

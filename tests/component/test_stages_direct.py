@@ -30,7 +30,7 @@ def run(tmp_path_factory):
     from dofla.models import get_adapter, load_teacher
 
     root = tmp_path_factory.mktemp("stages")
-    cfg = tiny_config(f"cache_dir={root / 'cache'}", "train.source=cache", "finetune=lora", "finetune.steps=2")
+    cfg = tiny_config(f"paths.cache_dir={root / 'cache'}", "train.source=cache", "finetune=lora", "finetune.steps=2")
     teacher, tokenizer = load_teacher(cfg.model.source, seed=cfg.seed, num_layers=cfg.model.tiny_layers)
     geometry = get_adapter(teacher).geometry(teacher.config)
     ctx = RunContext(cfg, root / "run", tuple(stage_plan(cfg)), teacher, tokenizer, geometry, teacher, "cache")

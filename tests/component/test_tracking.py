@@ -34,7 +34,7 @@ def test_a_real_run_logs_config_dof_dims_curves_metrics_and_plots_to_wandb(tmp_p
 
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", "logger=wandb", f"hydra.run.dir={run_dir}",
-                     f"cache_dir={tmp_path / 'cache'}", env={"WANDB_MODE": "offline"})
+                     f"paths.cache_dir={tmp_path / 'cache'}", env={"WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-3000:]
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     # wandb 0.2x+ keeps history and config in its binary log (protobuf): the keys are in it verbatim
@@ -52,7 +52,7 @@ def test_a_real_run_logs_config_dof_dims_curves_metrics_and_plots_to_wandb(tmp_p
     assert {"perplexity", "dims", "attn_error", "dof_heatmap", "training"} <= images
 
 
-def _wandb_run(tmp_path, sub, seed, policy, group=None, overrides="eval.tasks=[a,b],seed={seed},cache_dir=/c"):
+def _wandb_run(tmp_path, sub, seed, policy, group=None, overrides="eval.tasks=[a,b],seed={seed},paths.cache_dir=/c"):
     """Start and finish an offline wandb run; its (group, job_type) and its binary log."""
     config = {"seed": seed, "allocation": {"policy": policy}, "cache_dir": str(tmp_path / sub), "logger": {}}
     tracker = build_tracker(LoggerConfig(name="wandb", project="dofla-test", group=group), config,

@@ -28,7 +28,7 @@ class Recorder(NullTracker):
 def _cfg(tmp_path, *overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=[
-            "experiment=smoke_tiny", f"cache_dir={tmp_path / 'cache'}", *overrides]))
+            "experiment=smoke_tiny", f"paths.cache_dir={tmp_path / 'cache'}", *overrides]))
 
 
 def test_fix_skips_algorithm1_unless_listed(tmp_path):

@@ -38,7 +38,7 @@ def snapshot(run_dir: Path) -> dict:
 
 def test_a_tiny_run_keeps_its_artifact_keys_allocation_and_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_cli("experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={tmp_path / 'cache'}")
+    result = run_cli("experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     got = snapshot(run_dir)
     if os.environ.get("DOFLA_WRITE_FIXTURE"):

@@ -33,7 +33,7 @@ def _both(tmp_path, *args: str):
     dirs = {}
     for name, launch in (("single", lambda *a: run_cli(*a, env=ENV)), ("ddp", torchrun)):
         run_dir = tmp_path / name
-        result = launch("experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={tmp_path / name}_cache",
+        result = launch("experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / name}_cache",
                         *args)
         assert result.returncode == 0, (name, result.stderr[-3000:])
         dirs[name] = run_dir
@@ -81,7 +81,7 @@ def test_two_processes_equal_one_direct(tmp_path):
 
 def test_direct_batch_that_cannot_be_split_is_one_sentence(tmp_path):
     result = torchrun("experiment=smoke_tiny", "loss=direct", "train.direct_batch_size=1",
-                      f"hydra.run.dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}")
+                      f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode != 0
     assert "train.direct_batch_size=1 cannot be split evenly over 2 torchrun processes" in result.stderr
     assert not (tmp_path / "cache").exists()

@@ -22,7 +22,7 @@ def offline_env(tmp_path, monkeypatch):
 
 
 def _args(tmp_path, *extra: str) -> list[str]:
-    return ["experiment=smoke_tiny", f"hydra.run.dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}",
+    return ["experiment=smoke_tiny", f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}",
             *extra]
 
 
@@ -73,7 +73,7 @@ def test_unknown_task_name_is_one_sentence(tmp_path):
 def test_teacher_scores_are_computed_once_per_teacher(tmp_path):
     (tmp_path / "tasks").mkdir()
     tasks = write_local_tasks(tmp_path / "tasks")
-    common = ["experiment=smoke_tiny", f"cache_dir={tmp_path / 'cache'}", "eval.tasks=[piqa_local,mmlu_dev_offline]",
+    common = ["experiment=smoke_tiny", f"paths.cache_dir={tmp_path / 'cache'}", "eval.tasks=[piqa_local,mmlu_dev_offline]",
               f"eval.task_dirs=[{tasks}]", "eval.task_limit=4"]
     first = run_cli(*common, "allocation=fix", f"hydra.run.dir={tmp_path / 'fix'}")
     second = run_cli(*common, "allocation=dof", f"hydra.run.dir={tmp_path / 'dof'}")

@@ -22,7 +22,7 @@ def _variant(run_dir) -> str:
 def test_paper_grid_smollm2_at_a_very_small_size(tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli("-m", "experiment=paper_grid_smollm2", f"hydra.sweep.dir={sweep}",
-                     f"cache_dir={tmp_path / 'cache'}",
+                     f"paths.cache_dir={tmp_path / 'cache'}",
                      "data.seq_len=128", "data.num_tokens=512", "data.heldout_tokens=256",
                      "train.steps=2", "train.eval_every=1", "allocation.num_samples=64",
                      "eval.tasks=[]", "eval.attn_error_seqs=1", timeout=3000)

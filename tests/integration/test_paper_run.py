@@ -27,7 +27,7 @@ def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
     tiny = ["experiment=paper_gpt2", "model=tiny_gpt2", "data=text_files", f"data.options.paths=[{corpus}]",
             "data.seq_len=32", "data.cache_tokens=1024", "data.heldout_tokens=256", "allocation.num_samples=64",
             "eval.tasks=[piqa_local,arc_local]", f"eval.task_dirs=[{tasks}]", "eval.task_limit=6",
-            "eval.finetune_train_limit=8", "eval.finetune_epochs=1", f"cache_dir={tmp_path / 'cache'}"]
+            "eval.finetune_train_limit=8", "eval.finetune_epochs=1", f"paths.cache_dir={tmp_path / 'cache'}"]
     refused = run_cli(*tiny, f"hydra.run.dir={tmp_path / 'refused'}", "+variant=fix_softmax")
     assert refused.returncode == 2 and "dofla-prepare" in refused.stderr  # nothing prepared: one sentence
     prepare_main(tiny)

@@ -22,7 +22,7 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
 
 def test_full_pipeline_on_tiny_model(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache}"]
+    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     for artifact in ("run.json", "dof.json", "allocation.json", "metrics.json", "report.md", "summary.txt"):
@@ -47,7 +47,7 @@ def test_full_pipeline_on_tiny_model(tmp_path):
 def test_two_job_multirun_shares_one_cache_and_reports(tmp_path):
     sweep, cache = tmp_path / "sweep", tmp_path / "cache"
     result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof",
-                     f"hydra.sweep.dir={sweep}", f"cache_dir={cache}")
+                     f"hydra.sweep.dir={sweep}", f"paths.cache_dir={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
     assert len(runs) == 2
@@ -63,7 +63,7 @@ def test_two_job_multirun_shares_one_cache_and_reports(tmp_path):
 def test_dof_head_run_trains_assembles_and_evaluates_per_head_blocks(tmp_path, loss):
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", "allocation=dof_head", f"loss={loss}", f"hydra.run.dir={run_dir}",
-                     f"cache_dir={tmp_path / 'cache'}")
+                     f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     allocation = json.loads((run_dir / "allocation.json").read_text())
     per_head = json.loads((run_dir / "dof.json").read_text())["per_head"]
@@ -84,7 +84,7 @@ def test_dof_head_run_trains_assembles_and_evaluates_per_head_blocks(tmp_path, l
 
 def test_bad_value_fails_before_compute_in_one_sentence(tmp_path):
     result = run_cli("experiment=smoke_tiny", "allocation.lam=-1", f"hydra.run.dir={tmp_path / 'run'}",
-                     f"cache_dir={tmp_path / 'cache'}")
+                     f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 2
     assert "allocation.lam=-1" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "cache").exists()
@@ -94,7 +94,7 @@ def test_sweep_through_submitit_local_launcher(tmp_path):
     """The same launcher plugin a SLURM user picks (submitit), run locally for real."""
     sweep = tmp_path / "sweep"
     result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof", "hydra/launcher=submitit_local",
-                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", f"cache_dir={tmp_path / 'cache'}")
+                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(sweep.rglob("metrics.json"))) == 2
     assert (sweep / "report.md").exists()
@@ -104,7 +104,7 @@ def test_sweep_through_joblib_launcher_builds_the_shared_cache_once(tmp_path):
     """Two jobs in parallel processes (joblib) need the same cache: one builds it under the lock."""
     sweep, cache = tmp_path / "sweep", tmp_path / "cache"
     result = run_cli("-m", "experiment=smoke_tiny", "allocation=fix,dof", "hydra/launcher=joblib",
-                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}", f"cache_dir={cache}")
+                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
     assert len(runs) == 2 and len([p for p in cache.iterdir() if p.is_dir()]) == 1

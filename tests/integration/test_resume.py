@@ -21,7 +21,7 @@ def _run(run_dir, cache_dir, kill_at=None, extra=()):
     env.pop("DOFLA_KILL_AT", None)
     if kill_at:
         env["DOFLA_KILL_AT"] = kill_at
-    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"cache_dir={cache_dir}", *extra]
+    args = ["experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache_dir}", *extra]
     return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 

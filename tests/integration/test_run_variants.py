@@ -20,7 +20,7 @@ SMOKE = ["experiment=smoke_tiny"]
 
 def _run(tmp_path, *overrides, name="run", env=None):
     run_dir = tmp_path / name
-    result = run_cli(*SMOKE, f"hydra.run.dir={run_dir}", f"cache_dir={tmp_path / 'cache'}", *overrides, env=env)
+    result = run_cli(*SMOKE, f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'cache'}", *overrides, env=env)
     return run_dir, result
 
 

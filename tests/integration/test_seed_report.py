@@ -48,7 +48,7 @@ def sweep(tmp_path_factory):
                      # default gives near-equal layer DoF, so dof (and fix_max) would equal fix
                      "allocation.resamples=1", "allocation.head_aggregate=max",
                      "stages=[cache,dof,allocate,train,assemble,eval]",  # the sweep report only: faster
-                     f"hydra.sweep.dir={root / 'sweep'}", f"cache_dir={root / 'cache'}")
+                     f"hydra.sweep.dir={root / 'sweep'}", f"paths.cache_dir={root / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("report.md", "report.csv"):  # the sweep's own report: make dofla-report write it anew
         (root / "sweep" / name).unlink()

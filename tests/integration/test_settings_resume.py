@@ -17,7 +17,7 @@ from tests.integration.test_pipeline import run_cli
 
 
 def _args(run, cache, *extra):
-    return ["experiment=smoke_tiny", f"hydra.run.dir={run}", f"cache_dir={cache}", *extra]
+    return ["experiment=smoke_tiny", f"hydra.run.dir={run}", f"paths.cache_dir={cache}", *extra]
 
 
 def _metrics(run) -> dict:

@@ -19,7 +19,7 @@ def run(ctx: RunContext, data: RunData):
 
 
 def cache_root(cfg: RunConfig) -> Path:
-    """Where activation caches live: ``cache_dir``, else DOFLA_CACHE_DIR or the user cache."""
+    """Where activation caches live: ``paths.cache_dir``, else DOFLA_CACHE_DIR or the user cache."""
     from dofla.models import cache_root as default_root
 
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root() / "activations"
+    return Path(cfg.paths.cache_dir).expanduser() if cfg.paths.cache_dir else default_root() / "activations"

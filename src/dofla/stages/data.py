@@ -15,6 +15,7 @@ import torch
 from dofla.config import RunConfig
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import cache_fields
+from dofla.train.losses import end_to_end
 
 STREAM_CACHE_TOKENS = 8192  # data.cache_tokens default when training streams
 
@@ -75,7 +76,7 @@ def prepared_path(cfg: RunConfig, text_source):
     from dofla.data.prepared import prepared_dir
     from dofla.models import cache_root as default_root
 
-    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_root()
+    root = Path(cfg.paths.cache_dir).expanduser() if cfg.paths.cache_dir else default_root()
     return prepared_dir(root, text_source.fingerprint(), cfg.model.source, cfg.model.revision)
 
 
@@ -165,13 +166,13 @@ def choose_train_source(cfg: RunConfig, plan: list[str], geometry, teacher) -> s
     rate = teacher_tokens_per_second(teacher, L)
     why = {"auto": f"train.source=auto, limit {cfg.train.cache_limit_gb:g} GB"}.get(cfg.train.source,
                                                                                    f"train.source={source}")
-    what = ("a stream of fresh token batches (end to end)" if cfg.loss.name == "direct" and source == "stream" else
+    what = ("a stream of fresh token batches (end to end)" if end_to_end(cfg.loss.name) and source == "stream" else
             f"{'a stream of fresh' if source == 'stream' else 'cached'} teacher activations")
     print(f"dofla: training reads {what} "
           f"({why}); caching all {cfg.data.num_tokens:,} tokens would take {full / 2**30:.2f} GB, this run caches "
           f"{cached_tokens(cfg, source):,} tokens ({kept / 2**30:.2f} GB); the teacher runs at ≈ {rate:,.0f} tokens/s "
           f"here, so its passes over {cfg.data.num_tokens:,} tokens take ≈ {cfg.data.num_tokens / rate / 60:.1f} min"
-          + (" (plus every layer's loss and update per step)" if source == "stream" and cfg.loss.name != "direct"
+          + (" (plus every layer's loss and update per step)" if source == "stream" and not end_to_end(cfg.loss.name)
              else ""), flush=True)
     hours = cfg.data.num_tokens / rate / 3600
     if cfg.device == "auto" and next(teacher.parameters()).device.type == "cpu" and hours > 1:
