@@ -9,13 +9,12 @@ head of random q, k (heads are independent, so × H). Beside each count is a pla
 reference. Predicted time = FLOPs / (peak × MFU); a calibration row turns this CPU's measured
 streaming rate into the FLOP/s it achieved.
 
-    python benchmarks/cost_model.py [--tokens 362e6] [--mfu 0.4 0.25] [--measured-tps 285] [--out PATH]
+    python -m studies.cost_model [--tokens 362e6] [--mfu 0.4 0.25] [--measured-tps 285] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +25,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig
 
-if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import Row, markdown, matmul_gflops, set_threads  # noqa: E402
-from dofla.feature_maps import build_layer_feature_map  # noqa: E402
-from dofla.models.adapters import get_adapter  # noqa: E402
-from dofla.train.layerwise import LayerTrainConfig, layer_loss  # noqa: E402
-from dofla.train.stream import teacher_qk  # noqa: E402
+from benchmarks.common import Row, markdown, matmul_gflops, set_threads
+from dofla.feature_maps import build_layer_feature_map
+from dofla.models import get_adapter
+from dofla.train import LayerTrainConfig, layer_loss, teacher_qk
 
 PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's GPT-2 run)
 GPUS = {"A100": 312e12, "H100 SXM": 989e12}  # bf16 dense peak FLOP/s
@@ -292,7 +288,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(report)
     if args.out is not None:
         args.out.write_text("# Cost model: distillation at the paper's scale\n\n"
-                            "`python benchmarks/cost_model.py --out benchmarks/results_cost_model.md`\n\n" + report)
+                            "`python -m studies.cost_model --out studies/results/cost_model.md`\n\n" + report)
     return rows
 
 

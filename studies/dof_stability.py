@@ -1,6 +1,6 @@
 """How stable are Algorithm 1's per-layer DoF, and the ``dof`` dims built on them, across J-samples?
 
-``python benchmarks/dof_stability.py --cache CACHE_DIR --out benchmarks/results_dof_stability.md``
+``python -m studies.dof_stability --cache CACHE_DIR --out studies/results/dof_stability.md``
 (or ``--run RUN_DIR`` to find the cache from a finished run's ``run.json``). For every J in
 ``--samples`` it estimates each layer's per-head DoF on R independent J-samples (resample r of
 layer i uses seed ``1000·r + i``; r = 0 is the sample the ``dof`` stage draws at seed 0), then for
@@ -11,15 +11,13 @@ layer's DoF and dim move between resamples. It prints markdown; ``--out`` writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from dofla.dof.algorithm import HEAD_AGGREGATES, aggregate_heads, estimate_layer_dof
-from dofla.dof.allocate import allocate_dims
+from dofla.dof import HEAD_AGGREGATES, aggregate_heads, allocate_dims, estimate_layer_dof
 
 TOLERANCE = 0.10  # a dim is "stable" when every resample lies within ±10 % of its mean
 MOST = 0.8  # "most layers": at least this share of them stable
@@ -138,15 +136,15 @@ def layer_table(row: dict) -> str:
 def _cache_dir(args) -> Path:
     if args.cache:
         return Path(args.cache)
-    record = json.loads((Path(args.run) / "run.json").read_text())
-    from dofla.models.loading import cache_root
+    from dofla.models import cache_root
+    from dofla.report import load_run, run_config
 
-    root = record["config"].get("cache_dir") or cache_root() / "activations"
-    return Path(root) / record["cache_key"]
+    cache_dir = run_config(Path(args.run)).paths.cache_dir
+    return Path(cache_dir or cache_root() / "activations") / load_run(Path(args.run))["record"]["cache_key"]
 
 
 def _layers(cache, indices: list[int], num_tokens: int | None):
-    from dofla.stages.dof import pooled_activations  # exactly the pool the dof stage samples from
+    from dofla.cache import pooled_activations  # exactly the pool the dof stage samples from
 
     for i in indices:
         q, k = pooled_activations(cache, i, num_tokens)
@@ -178,7 +176,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
 
-    from dofla.cache.store import ActivationCache
+    from dofla.cache import ActivationCache
 
     cache = ActivationCache(_cache_dir(args))
     meta = cache.meta

@@ -1,6 +1,6 @@
 """Which layers' linear parts does a hybrid student's loss depend on? One layer's linear part at a time.
 
-``python -m benchmarks.hybrid_layer_gain RUN_DIR [--seqs 4] [--out FILE]``
+``python -m studies.hybrid_layer_gain RUN_DIR [--seqs 4] [--out FILE]``
 
 Loads a finished hybrid run (its ``student/`` and ``run.json``), and on the run's held-out text
 (``--seqs`` sequences of ``data.seq_len``) measures the held-out loss of: the student with every
@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from dofla.config import RunConfig
-from dofla.eval import heldout_loss
-from dofla.eval.probes import without_linear_part
+from dofla.eval import heldout_loss, without_linear_part
 
 
 @contextlib.contextmanager
@@ -71,16 +66,16 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from dofla.models import load_student
-    from dofla.stages.data import load_data
+    from dofla.pipeline import heldout_tokens
+    from dofla.report import run_config
 
     run = Path(args.run)
-    record = json.loads((run / "run.json").read_text())["config"]
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), record))
+    cfg = run_config(run)
     student = load_student(run / "student")
     if not any(a.mode == "hybrid" for a in student.student_attentions()):
         raise SystemExit(f"{run} holds no hybrid student (attention=hybrid); nothing to ablate")
     tokenizer = AutoTokenizer.from_pretrained(run / "student")  # saved with the student: no teacher load
-    heldout = load_data(cfg, tokenizer, train_tokens=cfg.data.seq_len)[1][: args.seqs]
+    heldout = heldout_tokens(cfg, tokenizer)[: args.seqs]
     start = time.perf_counter()
     text = (f"Held-out loss of {run} ({args.seqs} × {cfg.data.seq_len} held-out tokens) with one layer's linear "
             f"part at a time\n\n" + table(layer_gains(student, heldout, cfg.eval.batch_size))

@@ -1,6 +1,6 @@
 """Which layerwise loss trains a hybrid layer's linear part? Per-layer attention error on held-out sequences.
 
-``python benchmarks/hybrid_losses.py --run RUN_DIR --layers 0,7,13,25 --out benchmarks/results_hybrid_losses.md``
+``python -m studies.hybrid_losses --run RUN_DIR --layers 0,7,13,25 --out studies/results/hybrid_losses.md``
 (or ``--cache CACHE_DIR``). For each layer of a finished run's activation cache it trains a fresh
 feature map of ``--features`` per head with each loss in ``--losses`` (the real layerwise trainer,
 :func:`dofla.train.layerwise.train_layer`, default settings, ``--steps`` steps) on all but the last
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.dof_stability import _cache_dir, cache_arguments
-from dofla.attention.hybrid import hybrid_attention_naive
-from dofla.attention.naive import linear_attention_naive, softmax_attention
+from studies.dof_stability import _cache_dir, cache_arguments
+from dofla.attention import hybrid_attention_naive, linear_attention_naive, softmax_attention
 from dofla.feature_maps import build_feature_map
-from dofla.train.layerwise import LayerTrainConfig, train_layer
+from dofla.train import LayerTrainConfig, train_layer
 
 LOSS_SPECS = {"softmax": ("softmax", {}), "output": ("output", {}), "l2rows": ("l2", {"scale": "rows"}),
               "l2": ("l2", {})}
@@ -91,7 +90,7 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown loss {unknown[0]!r}; choose from {', '.join(LOSS_SPECS)}")
 
-    from dofla.cache.store import ActivationCache
+    from dofla.cache import ActivationCache
 
     cache = ActivationCache(_cache_dir(args))
     cfg = LayerTrainConfig(steps=args.steps, window=args.window, sinks=args.sinks if args.window else 0)

@@ -3,10 +3,10 @@
 # every feature map × layerwise loss × allocation at the paper's budget, end-to-end (`direct`)
 # training, hybrid attention and LoRA, all into one sweep directory, then one report.
 #
-#   bash benchmarks/quality.sh [SWEEP_DIR] [extra overrides for every run...]
+#   bash studies/quality.sh [SWEEP_DIR] [extra overrides for every run...]
 #
 # On this project's 2-core CPU machine the whole table takes 6–9 hours (softmax cells ~7 min,
-# l2 25–50 min, direct ~17 min each). `bash benchmarks/quality.sh /tmp/q experiment=smoke_tiny` runs
+# l2 25–50 min, direct ~17 min each). `bash studies/quality.sh /tmp/q experiment=smoke_tiny` runs
 # every cell on a tiny random model in about 3.5 min.
 # Run it again after a kill and it resumes: each cell reuses the stages it finished.
 set -euo pipefail

@@ -76,11 +76,32 @@ def main() -> None:
     distributed.finish()
 
 
-def report_main() -> None:
-    """``dofla-report DIR [DIR ...]``: compare every run found under the given directories."""
+REPORT_TABLES = {  # dofla-report --table NAME: a table module with main(argv)
+    "hybrid": "dofla.report.hybrid_table",  # trained hybrids over seeds against a training-free baseline
+    "tokens": "dofla.report.tokens",  # quality against distillation tokens, over seeds, with plots
+}
+
+
+def report_main(argv: list[str] | None = None) -> None:
+    """``dofla-report DIR [DIR ...]``: compare every run found under the given directories;
+    ``dofla-report --table NAME ...``: one of the study tables (``--table NAME --help``)."""
+    import importlib
+
     from dofla.report import write_report
 
-    paths = [Path(p) for p in sys.argv[1:]] or [Path("multirun_sweeps")]
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"] or (argv and argv[0].startswith("--table=")):
+        name = argv[1] if argv[0] == "--table" and len(argv) > 1 else argv[0].partition("=")[2]
+        if name not in REPORT_TABLES:
+            sys.exit(f"dofla-report: error: --table {name!r} is not a table; choose one of: {', '.join(REPORT_TABLES)}")
+        rest = argv[2:] if argv[0] == "--table" else argv[1:]
+        return importlib.import_module(REPORT_TABLES[name]).main(rest)
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: dofla-report [DIR ...] | dofla-report --table {" + ",".join(REPORT_TABLES) + "} ...\n"
+              "Compare every run under the directories (default: multirun_sweeps/): a table, plots and\n"
+              "report.md in each. --table NAME prints one study table (--table NAME --help).")
+        return None
+    paths = [Path(p) for p in argv] or [Path("multirun_sweeps")]
     for path in paths:
         if not path.exists():
             sys.exit(f"dofla-report: error: {path} does not exist")

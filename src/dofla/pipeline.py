@@ -146,6 +146,11 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> Ru
                       distributed.broadcast(source), data_source)
 
 
+def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
+    """(S', data.seq_len) the held-out tokens every evaluation of ``cfg``'s data measures on."""
+    return data.pack_heldout(cfg, tokenizer, data.open_data(cfg)[1])
+
+
 def data_budget(ctx: RunContext, tokens: RunData, trained: train.TrainResult, activations) -> dict:
     """``train/tokens``: distinct distillation tokens the features saw (the cached tokens, or the
     tokens streamed); ``cache/bytes``: the activation cache's size on disk (0 without a cache)."""

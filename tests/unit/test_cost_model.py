@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from benchmarks.cost_model import (ElementCounter, fake_model, flop_counter, layer_step_count, layer_step_reference,
+from studies.cost_model import (ElementCounter, fake_model, flop_counter, layer_step_count, layer_step_reference,
                                    teacher_config, teacher_flops, teacher_flops_reference)
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.tiny import TINY_ARCHITECTURES, TINY_FAMILIES, TINY_VOCAB

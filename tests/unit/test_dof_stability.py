@@ -1,11 +1,11 @@
-"""benchmarks/dof_stability.py: spread of the layer DoF and of the dims allocated from it."""
+"""studies/dof_stability.py: spread of the layer DoF and of the dims allocated from it."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from benchmarks.dof_stability import average_groups, measure, pick, rel_spread, resample_per_head, stability, within
+from studies.dof_stability import average_groups, measure, pick, rel_spread, resample_per_head, stability, within
 from dofla.dof.algorithm import aggregate_heads
 from dofla.dof.allocate import allocate_dims
 

@@ -1,10 +1,10 @@
-"""benchmarks/hybrid_layer_gain.py: one layer's linear part at a time."""
+"""studies/hybrid_layer_gain.py: one layer's linear part at a time."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.hybrid_layer_gain import layer_gains, only_layer, table
+from studies.hybrid_layer_gain import layer_gains, only_layer, table
 from dofla.eval import heldout_loss
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model

@@ -1,10 +1,10 @@
-"""benchmarks/hybrid_losses.py: per-layer attention error of hybrid layers trained with each loss."""
+"""studies/hybrid_losses.py: per-layer attention error of hybrid layers trained with each loss."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.hybrid_losses import attention_error, expand, main
+from studies.hybrid_losses import attention_error, expand, main
 from dofla.cache import build_or_load_cache
 from dofla.eval.metrics import layer_attention_error
 from dofla.feature_maps import build_feature_map

@@ -1,4 +1,4 @@
-"""benchmarks/hybrid_table.py: rows over seeds against a training-free baseline."""
+"""dofla-report --table hybrid (dofla.report.hybrid_table): rows over seeds against a training-free baseline."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.hybrid_table import gap_closed, load_rows, main, main_table, position_table, probe_table
+from dofla.cli import report_main
+from dofla.report.hybrid_table import load_rows, main, main_table, position_table, probe_table, run_gap_closed
 
 TEACHER, BASE = 2.0, 3.0  # held-out losses
 
@@ -22,6 +23,7 @@ def _write(root, name, loss, ablated=None, probes=False):
         m.update({"passkey/teacher/T64": 1.0, "passkey/student/T64": 0.5, "mqar/teacher/T8": 0.3, "mqar/student/T8": 0.1})
     (root / name).mkdir()
     (root / name / "metrics.json").write_text(json.dumps(m))
+    (root / name / "run.json").write_text(json.dumps({"config": {"seed": 0}}))
 
 
 def test_gap_closed_and_rows_over_seeds(tmp_path, capsys):
@@ -31,7 +33,7 @@ def test_gap_closed_and_rows_over_seeds(tmp_path, capsys):
     (tmp_path / "not_a_run").mkdir()
     rows = load_rows(tmp_path)
     assert sorted(rows) == ["base", "hyb"] and sorted(rows["hyb"]) == [0, 1, 2]
-    assert gap_closed(rows["hyb"][0], BASE) == pytest.approx(0.5)
+    assert run_gap_closed(rows["hyb"][0], BASE) == pytest.approx(0.5)
     table = main_table(rows, "base")
     hyb = next(line for line in table.splitlines() if line.startswith("| hyb |"))
     # gap closed: 50 %, 40 %, 60 % → mean 50 ± t(0.975, 2)·10/√3 = 24.8; the linear part gains 0.5 nats
@@ -43,6 +45,10 @@ def test_gap_closed_and_rows_over_seeds(tmp_path, capsys):
     assert "| passkey T64 | 1.00 | 0.50 | 0.50 |" in probes and "mqar T8" in probes
     main([str(tmp_path), "--baseline", "base"])
     assert "| hyb |" in capsys.readouterr().out
+    report_main(["--table", "hybrid", str(tmp_path), "--baseline", "base"])  # the command line's way in
+    assert "| hyb |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="'hybrd' is not a table; choose one of: hybrid, tokens"):
+        report_main(["--table=hybrd", str(tmp_path)])
     with pytest.raises(SystemExit, match="--baseline"):
         main([str(tmp_path), "--baseline", "sw4"])
     with pytest.raises(SystemExit, match="--teacher"):

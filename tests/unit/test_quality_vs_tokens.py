@@ -1,4 +1,4 @@
-"""benchmarks/quality_vs_tokens.py: seeds grouped per (label, tokens), Student-t intervals, per-layer table."""
+"""dofla-report --table tokens (dofla.report.tokens): seeds grouped per (label, tokens), Student-t intervals, per-layer table."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.quality_vs_tokens import collect, group, layer_table, layers_path, main, short_tokens
+from dofla.report.tokens import collect, group, layer_table, layers_path, main, short_tokens
 
 T_975_1 = 12.706  # Student t, 0.975 quantile, 1 degree of freedom (tables)
 

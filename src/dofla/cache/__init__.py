@@ -5,11 +5,12 @@ from dofla.cache.store import (
     LayerActivations,
     build_or_load_cache,
     cache_key,
+    pooled_activations,
     predict_cache_bytes,
     verify_cache,
 )
 
 __all__ = [
     "FORMAT_VERSION", "ActivationCache", "CacheError", "LayerActivations", "build_or_load_cache",
-    "cache_key", "predict_cache_bytes", "verify_cache",
+    "cache_key", "pooled_activations", "predict_cache_bytes", "verify_cache",
 ]

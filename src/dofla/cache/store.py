@@ -245,3 +245,15 @@ def _fill(model, adapter, tokens: torch.Tensor, arrays: list[dict], batch_size: 
             kill_point(f"cache:batch{start // batch_size}")
             rows = slice(start, start + batch_size)
             model(input_ids=tokens[rows].to(device), use_cache=False)
+
+
+def pooled_activations(cache, layer: int, num_tokens: int | None):
+    """Queries (N, H, d) and keys (N, H_kv, d) of one layer of ``cache``, as float32 tensors: the
+    first ``num_tokens`` tokens (whole sequences; None: all), the pool Algorithm 1 samples from."""
+    acts = cache.layer(layer)
+    seqs = acts.q.shape[0]
+    if num_tokens is not None:
+        seqs = max(1, min(seqs, -(-num_tokens // acts.q.shape[2])))
+    q = torch.from_numpy(acts.q[:seqs].astype("float32"))  # (S, H, L, d)
+    k = torch.from_numpy(acts.k[:seqs].astype("float32"))  # (S, H_kv, L, d)
+    return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)

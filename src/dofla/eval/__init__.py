@@ -5,5 +5,7 @@ from dofla.eval.metrics import (
     perplexity,
     relative_error,
 )
+from dofla.eval.probes import without_linear_part
 
-__all__ = ["attention_errors", "heldout_loss", "layer_attention_error", "perplexity", "relative_error"]
+__all__ = ["attention_errors", "heldout_loss", "layer_attention_error", "perplexity", "relative_error",
+           "without_linear_part"]

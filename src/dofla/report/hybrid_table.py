@@ -1,9 +1,9 @@
-"""The README's trained-hybrid comparison: rows over seeds against a training-free baseline run.
+"""``dofla-report --table hybrid``: trained hybrids over seeds against a training-free baseline run.
 
-``python -m benchmarks.hybrid_table multirun_sweeps/hybrid_seeds --baseline sw4``
+``dofla-report --table hybrid multirun_sweeps/hybrid_seeds --baseline sw4``
 
-Run directories are named ``ROW_sSEED`` (e.g. ``hyb4_out_s1``); each holds a finished run's
-``metrics.json``. For every row it prints the mean over seeds with the half-width of the 95 %
+Run directories are named ``ROW_sSEED`` (e.g. ``hyb4_out_s1``), each a finished run
+(:func:`dofla.report.tables.load_run`). For every row it prints the mean over seeds with the half-width of the 95 %
 Student-t interval (``dofla.report.stats.mean_ci``) of: held-out perplexity, the share of the
 baseline→teacher gap in held-out loss the row closes, (L_base − L) / (L_base − L_teacher) (paired
 by seed; a training-free baseline is deterministic, so its one run serves every seed; ``--teacher
@@ -14,23 +14,24 @@ position bucket (mean over seeds) and the recall probes of the runs that have th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
 
-from dofla.report.stats import mean_ci
+from dofla.report.stats import gap_closed, mean_ci
+from dofla.report.tables import find_runs, load_run
 
 RUN_NAME = re.compile(r"^(?P<row>.+)_s(?P<seed>\d+)$")
 
 
 def load_rows(root: Path) -> dict[str, dict[int, dict]]:
-    """{row: {seed: metrics}} for every ``ROW_sSEED/metrics.json`` under ``root``."""
+    """{row: {seed: metrics}} for every finished run ``ROW_sSEED`` directly under ``root``."""
     rows: dict[str, dict[int, dict]] = {}
-    for path in sorted(root.glob("*/metrics.json")):
-        match = RUN_NAME.match(path.parent.name)
-        if match:
-            rows.setdefault(match["row"], {})[int(match["seed"])] = json.loads(path.read_text())
+    for run_dir in find_runs(root):
+        match = RUN_NAME.match(run_dir.name)
+        metrics = load_run(run_dir)["metrics"]
+        if match and run_dir.parent == Path(root) and metrics:
+            rows.setdefault(match["row"], {})[int(match["seed"])] = metrics
     return rows
 
 
@@ -41,10 +42,10 @@ def fmt(values: list[float], digits: int = 3) -> str:
     return f"{mean:.{digits}g}" if half is None else f"{mean:.{digits}g} ± {half:.2g}"
 
 
-def gap_closed(metrics: dict, base_loss: float, teacher_loss: float | None = None) -> float:
-    """(L_base − L) / (L_base − L_teacher); L_teacher: the run's own teacher unless given."""
+def run_gap_closed(metrics: dict, base_loss: float, teacher_loss: float | None = None) -> float:
+    """(L_base − L) / (L_base − L_teacher) of one run; L_teacher: the run's own teacher unless given."""
     teacher_loss = metrics["eval/teacher_loss"] if teacher_loss is None else teacher_loss
-    return (base_loss - metrics["eval/student_loss"]) / (base_loss - teacher_loss)
+    return gap_closed(base_loss, metrics["eval/student_loss"], teacher_loss)
 
 
 def row_loss(runs: dict[int, dict], seed: int) -> float:
@@ -66,7 +67,7 @@ def main_table(rows: dict[str, dict[int, dict]], baseline: str, teacher: str | N
     for name, runs in rows.items():
         seeds = sorted(runs)
         ms = [runs[s] for s in seeds]
-        gaps = [100 * gap_closed(runs[s], row_loss(rows[baseline], s), None if teacher is None else
+        gaps = [100 * run_gap_closed(runs[s], row_loss(rows[baseline], s), None if teacher is None else
                                  row_loss(rows[teacher], s)) for s in seeds]
         gains = [m["ablate/student_loss"] - m["eval/student_loss"] for m in ms if "ablate/student_loss" in m]
         lines.append(f"| {name} | {','.join(map(str, sorted(runs)))} | {fmt([m['eval/student_ppl'] for m in ms], 4)} "
@@ -111,7 +112,7 @@ def probe_table(rows: dict[str, dict[int, dict]]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="dofla-report --table hybrid", description=__doc__.split("\n")[0])
     parser.add_argument("root", help="directory of ROW_sSEED run directories")
     parser.add_argument("--baseline", default="sw4", help="the row the gap is measured from")
     parser.add_argument("--teacher", default=None,
@@ -120,13 +121,10 @@ def main(argv=None) -> None:
     rows = load_rows(Path(args.root))
     for option, row in (("--baseline", args.baseline), ("--teacher", args.teacher)):
         if row is not None and row not in rows:
-            raise SystemExit(f"no run {row}_s0 (or other seed) with metrics.json under {args.root}; "
+            raise SystemExit(f"no finished run {row}_s0 (or other seed) under {args.root}; "
                              f"name the row with {option}")
     print(main_table(rows, args.baseline, args.teacher))
     for text in (position_table(rows), probe_table(rows)):
         if text:
             print("\n" + text)
 
-
-if __name__ == "__main__":
-    main()

@@ -47,6 +47,21 @@ def load_run(run_dir: Path) -> dict:
     }
 
 
+def run_config(run_dir: Path):
+    """The typed :class:`~dofla.config.RunConfig` a finished run ran with (its run.json); a run
+    recorded before ``cache_dir`` moved into ``paths`` is read as such."""
+    from omegaconf import OmegaConf
+
+    from dofla.config import RunConfig
+
+    config = dict((read_json(Path(run_dir) / "run.json") or {}).get("config") or {})
+    if not config:
+        raise FileNotFoundError(f"{run_dir} holds no run.json with a config; point at a finished run's directory")
+    if "cache_dir" in config:  # recorded before the paths group
+        config.setdefault("paths", {})["cache_dir"] = config.pop("cache_dir")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
+
+
 def distinguishing_overrides(runs: list[dict]) -> list[str]:
     """Override keys whose value differs between runs (what a reader needs to tell them apart)."""
     values: dict[str, set] = {}

@@ -1,8 +1,9 @@
-"""Student held-out perplexity and per-layer attention error against distillation tokens, over seeds.
+"""``dofla-report --table tokens``: student held-out perplexity and per-layer attention error
+against distillation tokens, over seeds.
 
-``python benchmarks/quality_vs_tokens.py RUN_OR_SWEEP_DIR... --out docs/quality_vs_tokens.png``
-reads every finished run below the given directories (``metrics.json`` with ``train/tokens`` > 0,
-``run.json`` with ``config``), labels it by feature map and allocation policy (plus the attention,
+``dofla-report --table tokens RUN_OR_SWEEP_DIR... --out docs/quality_vs_tokens.png``
+reads every finished run below the given directories (:func:`dofla.report.tables.load_run`; runs
+whose ``metrics.json`` has ``train/tokens`` > 0), labels it by feature map and allocation policy (plus the attention,
 the loss and "streamed" where they differ from a cached linear student with the softmax loss),
 and groups the runs by (label, tokens): the runs of one point are its seeds. It prints a table
 (mean over seeds with the half-width of the 95 % Student-t interval) and plots student perplexity
@@ -14,12 +15,12 @@ label, one line per token count; a second table lists the same values, rows = la
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from dofla.report.stats import mean_ci
+from dofla.report.tables import find_runs, load_run
 
 LAYER_PREFIX = "eval/attn_error/layer_"
 
@@ -45,12 +46,11 @@ def collect(roots: list[Path]) -> list[dict]:
     error (``layers``: list indexed by layer). Runs without ``train/tokens`` > 0 are skipped."""
     rows = []
     for root in roots:
-        for metrics_path in sorted(root.rglob("metrics.json")):
-            run = metrics_path.parent
-            metrics = json.loads(metrics_path.read_text())
-            if not metrics.get("train/tokens") or not (run / "run.json").exists():
+        for run in find_runs(root):
+            loaded = load_run(run)
+            metrics, config = loaded["metrics"], loaded["record"].get("config")
+            if not metrics.get("train/tokens") or not config:
                 continue
-            config = json.loads((run / "run.json").read_text())["config"]
             layer_keys = sorted((k for k in metrics if k.startswith(LAYER_PREFIX)),
                                 key=lambda k: int(k[len(LAYER_PREFIX):]))
             rows.append({"run": str(run), "label": run_label(config), "tokens": int(metrics["train/tokens"]),
@@ -210,7 +210,7 @@ def plot_layers(points: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dofla-report --table tokens", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("quality_vs_tokens.png"))
     parser.add_argument("--layers-out", type=Path, default=None,
@@ -229,6 +229,3 @@ def main(argv: list[str] | None = None) -> None:
     plot_layers(points, layers_out)
     print(f"wrote {args.out} and {layers_out}")
 
-
-if __name__ == "__main__":
-    main()

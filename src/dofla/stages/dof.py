@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dofla.cache import pooled_activations
 from dofla.config import RunConfig
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext
@@ -77,14 +78,3 @@ def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -
     if a.spread_samples:
         result["spread"] = [layer["spread"] for layer in layers]
     return result
-
-
-def pooled_activations(cache, layer: int, num_tokens: int | None):
-    """Queries (N, H, d) and keys (N, H_kv, d) of one layer, as float32 tensors."""
-    acts = cache.layer(layer)
-    seqs = acts.q.shape[0]
-    if num_tokens is not None:
-        seqs = max(1, min(seqs, -(-num_tokens // acts.q.shape[2])))
-    q = torch.from_numpy(acts.q[:seqs].astype("float32"))  # (S, H, L, d)
-    k = torch.from_numpy(acts.k[:seqs].astype("float32"))  # (S, H_kv, L, d)
-    return q.transpose(1, 2).flatten(0, 1), k.transpose(1, 2).flatten(0, 1)
