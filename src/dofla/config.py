@@ -180,6 +180,10 @@ class EvalConfig:
     finetune_batch_size: Any = 4
     finetune_max_length: int = 512  # tokens per fine-tune example (the oldest context is cut first)
     finetune_train_limit: Optional[int] = None  # first N training documents per task
+    # training data for tasks lm-eval defines no training split for, per task: a hub dataset
+    # ({path, name, split}) or local JSON lines ({files: [...]}), rows shaped like the task's docs;
+    # eval=downstream7 sets MMLU's: cais/mmlu auxiliary_train, as the paper fine-tunes it
+    finetune_train_data: Any = None
     mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
     mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])
     mqar_examples: int = 16
@@ -241,6 +245,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("data", "shuffle_seed"): None,
     ("eval", "finetune_batch_size"): 4,
     ("eval", "finetune_max_length"): 512,
+    ("eval", "finetune_train_data"): None,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig}
