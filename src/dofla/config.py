@@ -28,6 +28,9 @@ class DataConfig:
     # tokens whose activations are cached when training streams: Algorithm 1's sample and the
     # held-out set of the layerwise trainer (None: min(num_tokens, 8192)); the cache path caches all
     cache_tokens: Optional[int] = None
+    # batches a worker thread reads (and tokenises) ahead of the training step (0: none); the
+    # batches and the resume point are the same either way (dofla.data.prefetch)
+    prefetch: int = 2
     heldout_tokens: int = 4096  # for held-out perplexity and attention error
     # read the tokens dofla-prepare wrote for this data and tokenizer: auto (when they exist), require
     # (fail before loading when they do not), off (always tokenise the source's text)

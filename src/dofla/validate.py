@@ -76,7 +76,8 @@ def validate_config(cfg: RunConfig) -> None:
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
-    require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
+    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch)]:
+        require(value >= 0, f"{key}={value!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,
