@@ -28,6 +28,9 @@ class DataConfig:
     # tokens whose activations are cached when training streams: Algorithm 1's sample and the
     # held-out set of the layerwise trainer (None: min(num_tokens, 8192)); the cache path caches all
     cache_tokens: Optional[int] = None
+    # batches a worker thread reads (and tokenises) ahead of the training step (0: none); the
+    # batches and the resume point are the same either way (dofla.data.prefetch)
+    prefetch: int = 2
     heldout_tokens: int = 4096  # for held-out perplexity and attention error
     # read the tokens dofla-prepare wrote for this data and tokenizer: auto (when they exist), require
     # (fail before loading when they do not), off (always tokenise the source's text)
@@ -180,6 +183,10 @@ class EvalConfig:
     finetune_batch_size: Any = 4
     finetune_max_length: int = 512  # tokens per fine-tune example (the oldest context is cut first)
     finetune_train_limit: Optional[int] = None  # first N training documents per task
+    # training data for tasks lm-eval defines no training split for, per task: a hub dataset
+    # ({path, name, split}) or local JSON lines ({files: [...]}), rows shaped like the task's docs;
+    # eval=downstream7 sets MMLU's: cais/mmlu auxiliary_train, as the paper fine-tunes it
+    finetune_train_data: Any = None
     mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
     mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])
     mqar_examples: int = 16
@@ -249,6 +256,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("data", "shuffle_seed"): None,
     ("eval", "finetune_batch_size"): 4,
     ("eval", "finetune_max_length"): 512,
+    ("eval", "finetune_train_data"): None,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

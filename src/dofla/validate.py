@@ -76,7 +76,8 @@ def validate_config(cfg: RunConfig) -> None:
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
-    require(cfg.train.steps >= 0, f"train.steps={cfg.train.steps!r} must be 0 or more")
+    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch)]:
+        require(value >= 0, f"{key}={value!r} must be 0 or more")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,
@@ -214,7 +215,7 @@ def _validate_options(cfg: RunConfig) -> None:
 
 
 def _validate_eval(cfg: RunConfig) -> None:
-    from dofla.eval.suite import finetune_batch_sizes
+    from dofla.eval.suite import finetune_batch_sizes, train_data_problem
 
     ev = cfg.eval
     _one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
@@ -232,6 +233,7 @@ def _validate_eval(cfg: RunConfig) -> None:
                        *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
                        *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
         _positive(key, value)
+    require((problem := train_data_problem(ev.finetune_train_data)) is None, problem or "")
     for folder in ev.task_dirs:
         require(Path(folder).expanduser().is_dir(),
                  f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")

@@ -132,6 +132,7 @@ def test_the_paper_experiments_compose_the_papers_settings(experiment):
         ev = cfg.eval
         assert (ev.tasks, ev.protocol, ev.finetune_epochs) == (["downstream7"], "finetune", 3)
         assert ev.finetune_lr_grid == pytest.approx(paper["lr_grid"])
+        assert ev.finetune_train_data == {"mmlu": {"path": "cais/mmlu", "name": "auxiliary_train", "split": "train"}}
         assert all(32 <= n <= 128 for n in finetune_batch_sizes(ev).values())
 
 

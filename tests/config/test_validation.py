@@ -33,6 +33,7 @@ BAD_BEFORE_MODEL = [
     ({"data__seq_len": 0}, "data.seq_len"),
     ({"data__num_tokens": -5}, "data.num_tokens"),
     ({"data__heldout_tokens": 0}, "data.heldout_tokens"),
+    ({"data__prefetch": -1}, "data.prefetch"),
     ({"budget__multiple": 0.0}, "budget.multiple"),
     ({"budget__value": -64}, "budget.value"),
     ({"train__batch_size": 0}, "train.batch_size"),

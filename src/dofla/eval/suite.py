@@ -130,6 +130,21 @@ def finetune_batch_sizes(ev: EvalConfig) -> dict:
     return {"default": EvalConfig.finetune_batch_size, **sizes} if isinstance(sizes, dict) else {"default": sizes}
 
 
+def train_data_problem(data, task: str | None = None) -> str | None:
+    """What is wrong with ``eval.finetune_train_data`` (or, given ``task``, with its entry ``data``
+    for that task), in one sentence, or None."""
+    if task is None:
+        if data is not None and not isinstance(data, dict):
+            return f"eval.finetune_train_data={data!r} must map task names to training data, e.g. {{mmlu: {{files: [...]}}}}"
+        return next(filter(None, (train_data_problem(spec, t) for t, spec in (data or {}).items())), None)
+    spec, key = data, f"eval.finetune_train_data.{task}"
+    if (not isinstance(spec, dict) or set(spec) - {"path", "name", "split", "files"}
+            or ("path" in spec) == ("files" in spec)):
+        return f"{key}={spec} must be {{path, name, split}} (a hub dataset) or {{files: [...]}} (local JSON lines)"
+    missing = [str(f) for f in spec.get("files", []) if not Path(f).expanduser().is_file()]
+    return f"{key} names files that do not exist: {', '.join(missing)}" if missing else None
+
+
 def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
     """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune)."""
     from dofla.eval.task_finetune import FinetuneProtocolConfig
@@ -140,7 +155,8 @@ def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
                                   batch_size=default, task_batch_sizes=tuple(sorted(sizes.items())),
                                   max_length=ev.finetune_max_length,
                                   train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
-                                  eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs)
+                                  eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs,
+                                  train_data={task: dict(spec) for task, spec in (ev.finetune_train_data or {}).items()})
 
 
 def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, directory: Path | None = None
@@ -153,7 +169,8 @@ def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, director
     from dofla.eval.task_finetune import TeacherProtocol, run_finetune_protocol, run_teacher_protocol
 
     pcfg = protocol_config(plan, cfg.eval, cfg.seed)
-    settings = {k: v for k, v in asdict(pcfg).items() if k not in ("task_dirs", "eval_batch_size")}
+    settings = {k: v for k, v in asdict(pcfg).items() if k not in ("task_dirs", "eval_batch_size")
+                and not (k == "train_data" and not v)}  # added later: keyed only when set
     path = None if directory is None else teacher_file(directory, plan, cfg, "teacher_finetuned", settings)
     teacher_half = TeacherProtocol.from_json(kept(
         path, lambda: run_teacher_protocol(teacher, tokenizer, plan.runnable, pcfg).to_json(),

@@ -4,7 +4,9 @@ Per task (METHOD §5): the learning rate is picked on the teacher from ``lr_grid
 every student; each model trains for ``epochs`` epochs on the task's training split and keeps its
 best epoch by eval accuracy (``last_checkpoint_tasks``, e.g. MMLU: ``single_epoch_epochs`` epoch,
 last checkpoint). Training examples are lm-eval's own (context, correct continuation) pairs,
-tokenised by lm-eval, with next-token loss on the continuation only; scoring is the same lm-eval
+tokenised by lm-eval, with next-token loss on the continuation only. A task lm-eval defines no
+training split for (MMLU) trains on ``train_data[task]`` instead (the paper: MMLU's
+auxiliary_train), its rows formatted by the task's own prompt (:func:`extra_training_docs`); scoring is the same lm-eval
 multiple-choice run as ``evaluate_tasks``. Selecting the epoch on the eval split is the paper's
 (optimistic) choice, applied identically to teacher and students.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dofla.eval.downstream import availability, evaluate_tasks, manager_for
+from dofla.eval.downstream import DownstreamUnavailable, availability, evaluate_tasks, manager_for
 
 
 @dataclass
@@ -34,6 +36,8 @@ class FinetuneProtocolConfig:
     eval_batch_size: int = 1
     seed: int = 0
     task_dirs: tuple[str, ...] = ()  # lm-eval task YAML folders (kept as absolute paths)
+    # task -> training data where lm-eval has no training split: {path, name, split} or {files: [...]}
+    train_data: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         self.task_dirs = tuple(str(Path(d).resolve()) for d in self.task_dirs)
@@ -85,12 +89,17 @@ class FinetuneProtocolResult:
 
 
 def training_pairs(task: str, model, tokenizer, task_dirs: tuple[str, ...] = (),
-                   limit: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """[(context ids, continuation ids)] of the correct answers in the task's training split(s)."""
+                   limit: int | None = None, train_data: dict | None = None) -> list[tuple[list[int], list[int]]]:
+    """[(context ids, continuation ids)] of the correct answers in the task's training split(s), or,
+    when ``train_data`` is given, in those rows (formatted by the task's first subtask)."""
     from lm_eval.models.huggingface import HFLM
 
-    leaves = manager_for(task, task_dirs).load([task])["tasks"].values()
+    leaves = list(manager_for(task, task_dirs).load([task])["tasks"].values())
     encoder = HFLM(pretrained=model, tokenizer=tokenizer)  # lm-eval's own pair tokenisation
+    if train_data:
+        leaf = leaves[0]  # a group's subtasks (MMLU's 57 subjects) share one prompt format
+        return [encoder._encode_pair(*gold_text(leaf, doc, description=False))
+                for doc in extra_training_docs(task, train_data, limit)]
     pairs = []
     for leaf in leaves:
         if leaf.has_training_docs():
@@ -99,8 +108,38 @@ def training_pairs(task: str, model, tokenizer, task_dirs: tuple[str, ...] = (),
     return pairs
 
 
-def gold_text(task, doc) -> tuple[str, str]:
-    """The (context, delimiter + correct choice) pair that lm-eval scores as the right answer."""
+def extra_training_docs(task: str, spec: dict, limit: int | None = None) -> list[dict]:
+    """The rows of ``spec`` (``{path, name, split}`` on the hub or ``{files: [...]}`` of JSON lines),
+    the first ``limit`` of them; one sentence naming the setting when they cannot be read."""
+    import datasets
+
+    from dofla.eval.suite import train_data_problem
+
+    problem = train_data_problem(spec, task)
+    if problem:
+        raise ValueError(problem)
+    split = spec.get("split", "train")
+    if limit is not None:
+        split = f"{split}[:{limit}]"
+    try:
+        if "files" in spec:
+            rows = datasets.load_dataset("json", data_files=[str(Path(p).expanduser()) for p in spec["files"]],
+                                         split=split)
+        else:
+            rows = datasets.load_dataset(spec["path"], spec.get("name"), split=split)
+    except Exception as err:  # noqa: BLE001 - offline, missing files, bad names: one sentence
+        raise DownstreamUnavailable(
+            f"the fine-tune training data of {task} (eval.finetune_train_data.{task}={spec}) cannot be "
+            f"read: {str(err).splitlines()[0]}; run once with hub access to cache it, or point it at local files"
+        ) from err
+    # cais/mmlu's auxiliary_train once nested each row under "train"
+    return [row["train"] if set(row) == {"train"} else dict(row) for row in rows]
+
+
+def gold_text(task, doc, description: bool = True) -> tuple[str, str]:
+    """The (context, delimiter + correct choice) pair that lm-eval scores as the right answer;
+    ``description=False`` leaves out the task's description (an MMLU subject's "about <subject>"
+    line, wrong for rows from other sources)."""
     delimiter = task.config.target_delimiter
     if task.multiple_input:  # winogrande: choices are contexts, doc_to_text is the gold index
         return task.doc_to_choice(doc)[task.doc_to_text(doc)], f"{delimiter}{task.doc_to_target(doc)}"
@@ -109,7 +148,8 @@ def gold_text(task, doc) -> tuple[str, str]:
     if isinstance(target, str) and target not in choices and target.isdigit():
         target = int(target)
     gold = choices[target] if isinstance(target, int) else target
-    return task.fewshot_context(doc, num_fewshot=0), f"{delimiter}{gold}"
+    context = task.fewshot_context(doc, num_fewshot=0) if description else task.doc_to_text(doc)
+    return context, f"{delimiter}{gold}"
 
 
 def pad_batch(pairs, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,9 +215,16 @@ def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProt
     for reason in skipped.values():
         print(reason, flush=True)
     for task in runnable:
-        pairs = pairs_by_task[task] = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
+        try:
+            pairs = pairs_by_task[task] = training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit,
+                                                         cfg.train_data.get(task))
+        except DownstreamUnavailable as err:
+            result.skipped[task] = f"fine-tune protocol skipped {task}: {err}"
+            print(result.skipped[task], flush=True)
+            continue
         if not pairs:
-            result.skipped[task] = f"fine-tune protocol skipped {task}: lm-eval defines no training split for it"
+            result.skipped[task] = (f"fine-tune protocol skipped {task}: lm-eval defines no training split for it; "
+                                    f"give one with eval.finetune_train_data.{task}")
             print(result.skipped[task], flush=True)
             continue
         trials = [finetune_and_score(teacher, tokenizer, task, pairs, lr, cfg) for lr in cfg.lr_grid]
@@ -201,7 +248,8 @@ def run_finetune_protocol(teacher, students: dict, tokenizer, tasks: list[str],
     result = FinetuneProtocolResult(lrs=dict(teacher_result.lrs), skipped=dict(teacher_result.skipped))
     result.scores = {"teacher": dict(teacher_result.scores), **{name: {} for name in students}}
     for task, lr in teacher_result.lrs.items():
-        pairs = pairs_by_task.get(task) or training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit)
+        pairs = pairs_by_task.get(task) or training_pairs(task, teacher, tokenizer, cfg.task_dirs, cfg.train_limit,
+                                                          cfg.train_data.get(task))
         for name, student in students.items():
             result.scores[name][task] = finetune_and_score(student, tokenizer, task, pairs, lr, cfg)
     return result

@@ -186,12 +186,13 @@ def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int
                     source=None):
     """The training split of ``source`` (default: opened from ``cfg``) as (batch_size, seq_len or
     data.seq_len) batches, after skipping the first ``skip_tokens`` (e.g. the activation cache's
-    sample, which so stays held out)."""
+    sample, which so stays held out). A worker thread reads ``data.prefetch`` batches ahead."""
+    from dofla.data.prefetch import prefetched
     from dofla.data.prepared import train_stream
 
     batches = train_stream(source or open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len)
     batches.discard(skip_tokens)
-    return batches
+    return prefetched(batches, cfg.data.prefetch)
 
 
 def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:

@@ -182,7 +182,7 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
                     "train_limit": ev.finetune_train_limit, "seed": cfg.seed}
         # added later: in the key only when not the value every earlier measurement used
         settings.update({name.removeprefix("finetune_"): getattr(ev, name)
-                         for name in ("finetune_batch_size", "finetune_max_length")
+                         for name in ("finetune_batch_size", "finetune_max_length", "finetune_train_data")
                          if getattr(ev, name) != LEGACY_VALUES[("eval", name)]})
         metrics.update(store.get("finetuned", settings, lambda: suite.finetune_protocol(
             teacher, student, tokenizer, plan, cfg, teacher_scores), plan))

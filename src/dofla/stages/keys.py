@@ -41,7 +41,7 @@ OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     "train": ("layers", "layer_dir", "checkpoint_every", "cache_limit_gb", "micro_batch_size"),
     # micro-batching changes the peak memory, not the gradient
     # prepared tokens are the text path's tokens, read faster
-    "data": ("prepared",),
+    "data": ("prepared", "prefetch"),
     "distill": ("micro_batch_size", "checkpoint_every", "log_every"),
 }
 
