@@ -32,8 +32,7 @@ def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     from dofla.precision import PRECISIONS
     from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES
-    from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
+    from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
     from dofla.feature_maps import FEATURE_MAPS
     from dofla.train.losses import LOSSES
 
@@ -180,7 +179,6 @@ def _validate_scale(cfg: RunConfig) -> None:
         require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
                  f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
                  f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
-    _one_of("allocation.head_aggregate", a.head_aggregate, ("max", "mean", "median"))
     require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
     require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
     if a.policy == "measured":
@@ -202,11 +200,10 @@ def _validate_options(cfg: RunConfig) -> None:
     from dofla.train.losses import LOSSES
 
     fm, loss, data = cfg.feature_map, cfg.loss, cfg.data
-    loss_declared = declared_options(LOSSES.get(loss.name), LOSS_PASSED)
     for key, owner, declared, given in [
         ("feature_map.options", f"feature map {fm.name!r}",
          declared_options(FEATURE_MAPS.get(fm.name), FEATURE_MAP_PASSED), fm.options),
-        ("loss.options", f"loss {loss.name!r}", loss_declared, loss.options),
+        ("loss.options", f"loss {loss.name!r}", declared_options(LOSSES.get(loss.name), LOSS_PASSED), loss.options),
         ("data.options", f"data source {data.name!r}", declared_options(DATA_SOURCES.get(data.name), DATA_PASSED),
          data.options),
     ]:

@@ -123,6 +123,7 @@ def test_a_resumed_prepared_stream_reads_no_document_from_the_source(tmp_path, t
                "data.prepared=off")
     text = data.training_stream(off, tokenizer, 2, skip_tokens=64)
     assert all(torch.equal(text.next_batch(), b) for b in [*first, nxt])  # the text path's batches
+    text.close()  # its worker (data.prefetch) would go on reading ahead
     before = CountingSource.reads
     data.prepare(cfg)  # prepared again with the same needs: kept, the source is not read
     assert CountingSource.reads == before

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from dofla.config import EvalConfig
 from dofla.errors import DoflaError
+from dofla.eval.downstream import DOWNSTREAM7
 
 # `eval.tasks=[downstream7]` stands for the paper's seven tasks.
-ALIASES = {"downstream7": ("piqa", "logiqa", "arc_easy", "arc_challenge", "winogrande", "mmlu", "wsc")}
+ALIASES = {"downstream7": DOWNSTREAM7}
 
 
 class TaskPlanError(DoflaError, ValueError):
