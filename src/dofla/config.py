@@ -103,8 +103,9 @@ class StepConfig:
     skip_nonfinite: bool = False
     # sequences per forward/backward; the gradients of batch_size / micro_batch_size micro-batches
     # are accumulated into one step of the full batch (None: the whole batch at once). Lowers the
-    # peak memory, not the result (equal up to float rounding)
-    micro_batch_size: Optional[int] = None
+    # peak memory, not the result (equal up to float rounding). auto: the largest that fits the
+    # device, from the memory preflight (dofla.train.capacity)
+    micro_batch_size: Any = None
 
 
 @dataclass
@@ -122,6 +123,11 @@ class TrainConfig(StepConfig):
     # dtype of the teacher forwards that produce distillation activations (the cache and the stream):
     # bfloat16 / float16 halve a GPU's teacher time; evaluation always runs the fp32 teacher
     teacher_dtype: str = "float32"
+    # before training: predict the stage's peak memory from a trace of its step, print it, refuse a
+    # micro-batch that cannot fit (micro_batch_size=auto always runs it); memory_limit_gb: plan
+    # against this many GiB instead of the device's own
+    preflight: bool = True
+    memory_limit_gb: Optional[float] = None
 
 
 @dataclass

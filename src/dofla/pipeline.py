@@ -15,7 +15,7 @@ import torch
 from dofla import distributed
 from dofla.config import RunConfig
 from dofla.record import build_record, write_json
-from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, report, train
+from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir, validate_world
@@ -60,9 +60,11 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         report.log_allocation(tracker, estimate, dims)
     if "train" not in plan and "assemble" not in plan:
         return {}
-    # Each layer's features, layerwise (cache or stream) or end to end (direct).
+    # Each layer's features, layerwise (cache or stream) or end to end (direct), after the memory
+    # preflight: the stage's peak on this device from a trace of its step (micro_batch_size=auto).
     trained = train.TrainResult()
     if "train" in plan:
+        ctx = preflight.run(ctx, dims)
         with timer("train"):
             trained = train.run(ctx, activations, dims, tokens)
         if trained.direct is None and main:

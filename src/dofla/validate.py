@@ -45,8 +45,6 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     _validate_device(cfg.device)
     _one_of("precision", cfg.precision, PRECISIONS)
-    require(cfg.allocation.head_blocks >= 0,
-             f"allocation.head_blocks={cfg.allocation.head_blocks} must be ≥ 0 (0: no limit on blocks per layer)")
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
         ("allocation.num_samples", cfg.allocation.num_samples),
@@ -70,13 +68,17 @@ def validate_config(cfg: RunConfig) -> None:
         from dofla.train.layerwise import mean_over_rows
         from dofla.train.losses import end_to_end
 
-        _positive("train.micro_batch_size", cfg.train.micro_batch_size)
+        if cfg.train.micro_batch_size != "auto":
+            _positive("train.micro_batch_size", cfg.train.micro_batch_size)
         require(end_to_end(cfg.loss.name) or mean_over_rows(cfg.loss.name),
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
-    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch)]:
+    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch),
+                       ("allocation.head_blocks", cfg.allocation.head_blocks)]:
         require(value >= 0, f"{key}={value!r} must be 0 or more")
+    require(cfg.train.memory_limit_gb is None or cfg.train.memory_limit_gb > 0,
+            f"train.memory_limit_gb={cfg.train.memory_limit_gb} must be a positive number of GiB (or null: the device's)")
     if cfg.budget.value is not None:
         _positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,

@@ -17,7 +17,7 @@ from dofla.report.stats import gap_closed, mean_ci, paired_differences
 # Config keys that name, place, log or measure a run, or read its data ahead, but do not change the
 # student it trains: a seed run with other evaluation settings (say, MMLU left out) still counts as
 # a seed; each metric's statistics are over the runs that measured it.
-UNMEASURED = ("experiment", "logger", "eval", "stages", "prefetch")
+UNMEASURED = ("experiment", "logger", "eval", "stages", "prefetch", "preflight", "memory_limit_gb")
 # How a budget is spread over layers (not what the budget is), the DoF estimate included, which
 # `fix` ignores: dropped to find a run's fix twin.
 SPREAD_KEYS = ("policy", "head_quantum", "head_blocks", "lam", "num_samples", "gram_norm", "num_tokens",

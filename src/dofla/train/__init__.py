@@ -1,3 +1,4 @@
+from dofla.train import capacity
 from dofla.train.direct import train_direct
 from dofla.train.layerwise import LayerTrainConfig, LayerTrainResult, layer_loss, run_layerwise, train_layer
 from dofla.train.losses import LOSSES
@@ -6,5 +7,5 @@ from dofla.train.stream import teacher_qk
 
 __all__ = [
     "train_direct", "LayerTrainConfig", "LayerTrainResult", "NonFiniteLossError",
-    "layer_loss", "run_layerwise", "train_layer", "LOSSES", "teacher_qk",
+    "layer_loss", "run_layerwise", "train_layer", "LOSSES", "teacher_qk", "capacity",
 ]

@@ -1,0 +1,211 @@
+"""Peak memory of the training stage, predicted before it runs, from a trace of its own step.
+
+The stage's real step code runs twice (the second step holds the optimiser's state) on the CPU, on
+copies of the teacher cut to 1 and to 2 layers (random weights, the run's sequence length and
+precision), at micro-batches of 1 and 2 sequences, under :class:`PeakTracker`, a dispatch mode
+that adds up the bytes of every tensor storage alive and keeps the peak. A stack of identical
+layers needs memory affine in the number of layers, and a step's memory is affine in the
+micro-batch, so the four traces fix
+
+    peak(layers, micro) = weights + a + b·layers + micro·(c + d·layers)
+
+where the weights (every parameter and buffer alive before the step: teacher, capture copy,
+student, features) are counted from the full models. What is counted is tensor storage: what a CUDA caching allocator must
+hold at least; its fragmentation and the CUDA context are not modelled (the preflight keeps 10 %
+and 1 GiB of the device free for them). ``tests/component/test_capacity.py`` checks the
+extrapolation against the traced peak of the full step at its real micro-batch.
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+class PeakTracker(TorchDispatchMode):
+    """Bytes of every tensor storage created under it and still alive (``live``), and the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self.live -= size
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                self._track(leaf)
+        return out
+
+
+def traced_peak(step) -> int:
+    """Peak live tensor bytes created while ``step()`` runs."""
+    with PeakTracker() as tracker:
+        step()
+    return tracker.peak
+
+
+def module_bytes(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad or not trainable_only) \
+        + (0 if trainable_only else sum(b.numel() * b.element_size() for b in module.buffers()))
+
+
+def cut_to(model, layers: int):
+    """A fresh, randomly initialised copy of ``model``'s architecture with ``layers`` layers (CPU, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "sliding_window_pattern_list"):
+        if isinstance(getattr(config, name, None), list):
+            setattr(config, name, getattr(config, name)[:layers])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@dataclass
+class Peak:
+    """A stage's predicted peak at ``micro_batch``: ``fixed`` (weights and optimiser state) plus
+    ``micro_batch × per_sample``."""
+    stage: str
+    fixed: int
+    per_sample: int
+    micro_batch: int
+
+    @property
+    def bytes(self) -> int:
+        return self.fixed + self.micro_batch * self.per_sample
+
+    def at(self, micro_batch: int) -> "Peak":
+        return replace(self, micro_batch=micro_batch)
+
+
+def _fit(stage: str, trace, layers: int, weights: int, micro_batch: int) -> Peak:
+    """``trace(depth, micro)``: the traced peak of the step of a ``depth``-layer cut at ``micro`` rows.
+    Four traces fix T(n, m) = a + b·n + m·(c + d·n), evaluated at ``layers``; ``weights`` (alive
+    before the step: the models' parameters and buffers) is added."""
+    t = {(n, m): trace(n, m) for n in (1, 2) for m in (1, 2)}
+    per_sample = {n: max(0, t[n, 2] - t[n, 1]) for n in (1, 2)}
+    fixed = {n: max(0, t[n, 1] - per_sample[n]) for n in (1, 2)}
+
+    def at(values: dict) -> int:
+        return max(0, values[1] + (layers - 1) * (values[2] - values[1]))
+
+    return Peak(stage, weights + at(fixed), at(per_sample), micro_batch)
+
+
+def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, capture_bytes: int = 0) -> Peak:
+    """The streamed layerwise step (``dofla.train.stream``) of ``layers`` at ``cfg.micro_batch_size``:
+    the teacher's weights (and its half-precision capture copy, ``capture_bytes``), every trained
+    layer's features and their Adam state, one teacher forward's captured q, k (v) and one layer's loss."""
+    from dofla.train.layerwise import param_groups
+    from dofla.train.stream import _train_step
+
+    widest = max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
+    models = {n: cut_to(teacher, n) for n in (1, 2)}
+
+    def trace(depth: int, micro: int) -> int:
+        model = models[depth]
+        maps = [copy.deepcopy(feature_maps[widest]) for _ in range(depth)]
+        optimizers = {i: torch.optim.Adam(param_groups(maps[i], cfg)) for i in range(depth) if list(maps[i].parameters())}
+        state = {"step": 0, "teacher_seconds": 0.0,
+                 "layers": {i: {"stopped": i not in optimizers, "seconds": 0.0, "curve": []} for i in range(depth)}}
+        ids = torch.randint(0, model.config.vocab_size, (micro, seq_len))
+        whole = replace(cfg, micro_batch_size=None, skip_nonfinite=True)
+        lrs = {i: [g["lr"] for g in opt.param_groups] for i, opt in optimizers.items()}
+        return traced_peak(lambda: [_train_step(model, _attention_modules(model), ids, maps, optimizers, lrs, state,
+                                                whole) for _ in range(2)])
+
+    weights = module_bytes(teacher) + capture_bytes + sum(module_bytes(feature_maps[i]) for i in layers)
+    return _fit("train", trace, len(layers), weights, cfg.micro_batch_size or cfg.batch_size)
+
+
+def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, geometry) -> Peak:
+    """The layerwise step on cached activations (``dofla.train.layerwise``, one layer at a time) at
+    ``cfg.micro_batch_size``: the teacher's weights (it stays loaded), every layer's features, and
+    one layer's batch of q, k (v) and its loss with the Adam state of the widest layer."""
+    from dofla.train.layerwise import layer_loss, needs_values, param_groups
+
+    widest = max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
+    heads, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+
+    def trace(depth: int, micro: int) -> int:  # layers train one after another: depth does not matter
+        feature_map = copy.deepcopy(feature_maps[widest])
+        optimizer = torch.optim.Adam(param_groups(feature_map, cfg)) if list(feature_map.parameters()) else None
+
+        def steps():
+            for _ in range(2):
+                q, k = torch.randn(micro, heads, seq_len, d), torch.randn(micro, kv, seq_len, d)
+                v = torch.randn(micro, kv, seq_len, d) if needs_values(cfg.loss) else None
+                loss = layer_loss(feature_map, q, k, cfg, v)
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+
+        return traced_peak(steps)
+
+    weights = module_bytes(teacher) + sum(module_bytes(feature_maps[i]) for i in layers)
+    return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size)
+
+
+def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weights: int) -> Peak:
+    """End-to-end (``direct``) training at ``cfg.micro_batch_size``; ``student_of(model)`` converts a
+    cut teacher into its student; ``weights``: the teacher's and the student's bytes (both stay loaded)."""
+    from dofla.train import train_direct
+
+    students = {n: student_of(cut_to(teacher, n)) for n in (1, 2)}
+
+    def trace(depth: int, micro: int) -> int:
+        student = copy.deepcopy(students[depth])
+        tokens = torch.randint(0, student.config.vocab_size, (micro, seq_len))
+        return traced_peak(lambda: train_direct(student, tokens, replace(cfg, steps=2, batch_size=micro,
+                                                                         micro_batch_size=None)))
+
+    return _fit("train", trace, layers, weights, cfg.micro_batch_size or cfg.batch_size)
+
+
+def _attention_modules(model):
+    from dofla.models.adapters import get_adapter
+
+    return get_adapter(model).attention_modules(model)
+
+
+def largest_fitting(peak: Peak, batch_size: int, limit: int) -> int | None:
+    """The largest micro-batch dividing ``batch_size`` whose peak is under ``limit`` (None: not even 1)."""
+    fitting = [m for m in range(1, batch_size + 1) if batch_size % m == 0 and peak.at(m).bytes <= limit]
+    return max(fitting) if fitting else None
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes the preflight plans against: a CUDA device's total memory less 10 % and 1 GiB (the CUDA
+    context, cuBLAS workspaces and the allocator's fragmentation), or the host's available memory."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * 0.9) - 2**30
+    try:
+        with open("/proc/meminfo") as handle:
+            info = dict(line.split(":", 1) for line in handle)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

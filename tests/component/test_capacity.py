@@ -1,0 +1,152 @@
+"""The memory preflight (dofla.train.capacity): the peak predicted from 1- and 2-layer traces at
+micro-batch 1 against the traced peak of the real step of the whole model at its real micro-batch."""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dofla.feature_maps import build_feature_map
+from dofla.models import convert, get_adapter
+from dofla.models.tiny import build_tiny_model
+from dofla.train import LayerTrainConfig, capacity, train_direct
+from dofla.train.layerwise import layer_loss, param_groups
+from dofla.train.stream import _train_step
+
+
+def test_the_tracker_counts_live_storage_and_its_peak():
+    def step():
+        a = torch.zeros(1024)  # 4 KiB
+        b = torch.zeros(2048)  # 8 KiB: 12 KiB together
+        del a
+        c = b.view(2, 1024)  # a view: no new storage
+        d = torch.zeros(256)  # 1 KiB, after a was freed
+        return c, d
+
+    with capacity.PeakTracker() as tracker:
+        kept = step()
+    assert tracker.peak == 12 * 1024 and tracker.live == 9 * 1024
+    del kept
+
+
+def full_stream_peak(teacher, maps, layers, cfg, batch: int, seq_len: int) -> int:
+    modules = get_adapter(teacher).attention_modules(teacher)
+    optimizers = {i: torch.optim.Adam(param_groups(maps[i], cfg)) for i in layers}
+    lrs = {i: [g["lr"] for g in o.param_groups] for i, o in optimizers.items()}
+    state = {"step": 0, "teacher_seconds": 0.0, "layers": {i: {"stopped": False, "seconds": 0.0, "curve": []}
+                                                            for i in layers}}
+    ids = torch.randint(0, teacher.config.vocab_size, (batch, seq_len))
+    traced = capacity.traced_peak(lambda: [_train_step(teacher, modules, ids, maps, optimizers, lrs, state, cfg)
+                                           for _ in range(2)])
+    return traced + capacity.module_bytes(teacher) + sum(capacity.module_bytes(maps[i]) for i in layers)
+
+
+@pytest.mark.parametrize("loss", ["softmax", "l2", "output"])
+@pytest.mark.parametrize("micro", [None, 2])
+def test_the_streamed_step_peak_extrapolates_from_one_and_two_layers(loss, micro):
+    teacher = build_tiny_model("llama", seed=0, num_layers=4)
+    heads, d = teacher.config.num_attention_heads, teacher.config.hidden_size // teacher.config.num_attention_heads
+    maps = [build_feature_map("learned_prf", heads, d, 16, seed=i) for i in range(4)]
+    cfg = LayerTrainConfig(loss=loss, batch_size=4, micro_batch_size=micro)
+    predicted = capacity.stream_step_peak(teacher, maps, [0, 1, 2, 3], cfg, seq_len=48)
+    measured = full_stream_peak(teacher, [copy.deepcopy(m) for m in maps], [0, 1, 2, 3], cfg, 4, 48)
+    assert predicted.micro_batch == (micro or 4)
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+
+
+def test_the_direct_step_peak_extrapolates_from_one_and_two_layers():
+    teacher = build_tiny_model("llama", seed=0, num_layers=4)
+
+    def student_of(model):
+        return convert(copy.deepcopy(model), feature_map="learned_prf", dims=[16] * model.config.num_hidden_layers)
+
+    student = student_of(teacher)
+    cfg = LayerTrainConfig(steps=2, batch_size=4, micro_batch_size=2)
+    predicted = capacity.direct_step_peak(student_of, teacher, 4, cfg, 40, capacity.module_bytes(student))
+    tokens = torch.randint(0, teacher.config.vocab_size, (8, 40))
+    measured = capacity.traced_peak(lambda: train_direct(student, tokens, cfg)) + capacity.module_bytes(student)
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+
+
+def test_the_largest_micro_batch_that_fits_divides_the_batch():
+    peak = capacity.Peak("train", fixed=100, per_sample=10, micro_batch=8)
+    assert peak.bytes == 180 and peak.at(2).bytes == 120
+    assert capacity.largest_fitting(peak, 8, 150) == 4  # 5 would fit too, but does not divide 8
+    assert capacity.largest_fitting(peak, 8, 105) is None
+
+
+def smollm2_shaped(layers: int = 4):
+    """SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, hidden 576, MLP 1536, vocab 49,152),
+    random weights, ``layers`` layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                         num_hidden_layers=layers, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_at_smollm2_size_the_prediction_is_within_ten_percent_of_the_traced_step():
+    teacher = smollm2_shaped()
+    maps = [build_feature_map("learned_prf", 9, 64, 64, seed=i) for i in range(4)]
+    cfg = LayerTrainConfig(loss="softmax", batch_size=4, micro_batch_size=2)
+    predicted = capacity.stream_step_peak(teacher, maps, [0, 1, 2, 3], cfg, seq_len=256)
+    measured = full_stream_peak(teacher, [copy.deepcopy(m) for m in maps], [0, 1, 2, 3], cfg, 4, 256)
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+    assert predicted.per_sample > 10 * 2**20  # the L² loss terms dominate what a sequence costs
+
+
+def test_the_cached_step_peak_is_one_layers_batch_and_loss():
+    teacher = build_tiny_model("llama", seed=0, num_layers=2)
+    geometry = get_adapter(teacher).geometry(teacher.config)
+    maps = [build_feature_map("learned_prf", geometry.num_heads, geometry.head_dim, 16, seed=i) for i in range(2)]
+    cfg = LayerTrainConfig(loss="l2", batch_size=4, micro_batch_size=4)
+    predicted = capacity.cached_step_peak(teacher, maps, [0, 1], cfg, 48, geometry)
+    fm = copy.deepcopy(maps[0])
+    optimizer = torch.optim.Adam(param_groups(fm, cfg))
+
+    def steps():
+        for _ in range(2):
+            q = torch.randn(4, geometry.num_heads, 48, geometry.head_dim)
+            k = torch.randn(4, geometry.num_kv_heads, 48, geometry.head_dim)
+            optimizer.zero_grad(set_to_none=True)
+            layer_loss(fm, q, k, cfg).backward()
+            optimizer.step()
+
+    measured = capacity.traced_peak(steps) + capacity.module_bytes(teacher) + sum(map(capacity.module_bytes, maps))
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+
+
+def tiny_run(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from dofla.cli import CONF_DIR, to_run_config
+    from dofla.pipeline import run
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_run_config(compose(config_name="config", overrides=[
+            "experiment=smoke_tiny", f"paths.cache_dir={tmp_path / 'cache'}", "train.source=stream",
+            "data.num_tokens=1024", "train.batch_size=8", "stages=[cache,allocate,train]", *overrides]))
+    return run(cfg, tmp_path / "run")
+
+
+def test_the_preflight_refuses_a_micro_batch_that_cannot_fit_and_names_one_that_does(tmp_path, capsys):
+    from dofla.stages.preflight import DoesNotFitError
+
+    tiny_run(tmp_path, "train.memory_limit_gb=1")  # fits: the prediction is printed, training runs
+    out = capsys.readouterr().out
+    assert "memory preflight" in out and "at micro-batch 8" in out and (tmp_path / "run" / "layers").exists()
+    # a limit between the fixed part and the whole batch: refused before any training step, naming the fix
+    record = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    assert record["predicted"] == record["fixed"] + 8 * record["per_sample"] and record["fits"] == 8
+    limit = (record["fixed"] + 3 * record["per_sample"]) / 2**30  # micro-batch 2 fits, 4 does not
+    with pytest.raises(DoesNotFitError, match=r"train.micro_batch_size=8 needs .* train.micro_batch_size=2 fits"):
+        tiny_run(tmp_path / "refused", f"train.micro_batch_size=8", f"train.memory_limit_gb={limit}")
+    tiny_run(tmp_path / "auto", "train.micro_batch_size=auto", f"train.memory_limit_gb={limit}")
+    assert "train.micro_batch_size=auto: 2 (of batch 8)" in capsys.readouterr().out
+    with pytest.raises(DoesNotFitError, match="even at micro-batch 1"):
+        tiny_run(tmp_path / "tiny", "train.memory_limit_gb=1e-6")
