@@ -30,10 +30,11 @@ RUN_BY = {
 
 
 def readme_commands() -> list[str]:
-    """Each line of README.md's ```bash blocks, without its comment."""
+    """Each command of README.md's ```bash blocks (a line, or each part of a line joined by &&),
+    without its comment."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
-    return [line for line in lines if line]
+    lines = [line.split("#")[0] for block in blocks for line in block.splitlines()]
+    return [part.strip() for line in lines for part in line.split("&&") if part.strip()]
 
 
 def sweep_cells(overrides: list[str], multirun: bool) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""`experiment=paper_gpt2` as shipped (batch 128 in micro-batches of 16, one pass over the prepared data,
+"""`experiment=paper_gpt2` as shipped (batch 128 in the micro-batches the memory preflight picks, one pass over the prepared data,
 the paper's 11 cells, the fine-tune protocol), offline at tiny scale: a tiny random GPT-2, a local JSONL
 and two local lm-eval tasks standing in for GPT-2, Wikipedia and the seven tasks, `dofla-prepare`, then
 the whole grid through the real CLI and its report."""
@@ -43,7 +43,9 @@ def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
         config = json.loads((run / "run.json").read_text())["config"]
         # one pass over the prepared split, less the cached sample, in whole sequences
         assert config["data"]["num_tokens"] == (total - 1024) // 32 * 32
-        assert (config["train"]["batch_size"], config["train"]["micro_batch_size"]) == (128, 16)
+        assert (config["train"]["batch_size"], config["train"]["micro_batch_size"]) == (128, "auto")
+        preflight = json.loads((run / "preflight.json").read_text())  # a tiny model: the whole batch fits
+        assert preflight["micro_batch"] == preflight["fits"] == 128 and preflight["predicted"] < preflight["limit"]
         metrics = json.loads((run / "metrics.json").read_text())
         assert metrics["eval/student_ppl"] > 0
         # the fine-tune protocol: the teacher's learning rates and scores are the same in every cell

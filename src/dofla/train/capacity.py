@@ -18,6 +18,7 @@ extrapolation against the traced peak of the full step at its real micro-batch.
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 from dataclasses import dataclass, replace
 
@@ -57,9 +58,17 @@ class PeakTracker(TorchDispatchMode):
 
 
 def traced_peak(step) -> int:
-    """Peak live tensor bytes created while ``step()`` runs."""
-    with PeakTracker() as tracker:
-        step()
+    """Peak live tensor bytes created while ``step()`` runs (its progress bars hidden)."""
+    hidden = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with PeakTracker() as tracker:
+            step()
+    finally:
+        if hidden is None:
+            os.environ.pop("TQDM_DISABLE")
+        else:
+            os.environ["TQDM_DISABLE"] = hidden
     return tracker.peak
 
 
