@@ -18,6 +18,7 @@ A single process (no torchrun) takes none of these paths: every helper here is t
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import Any, Iterable, TypeVar
 
@@ -46,6 +47,21 @@ def device(spec: str = "auto") -> torch.device:
     if spec == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(spec)
+
+
+def check_device(spec: str) -> None:
+    """``spec`` is auto, cpu, cuda or cuda:N; a GPU only if visible; and ``auto`` does not quietly run
+    on the CPU in a SLURM job that was given GPUs (a CPU-only torch build on a GPU node)."""
+    from dofla.errors import require
+
+    require(spec in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(spec)) is not None,
+            f"device={spec!r} must be auto, cpu, cuda or cuda:N")
+    count = torch.cuda.device_count()
+    slurm = os.environ.get("SLURM_GPUS_ON_NODE") or os.environ.get("SLURM_JOB_GPUS")
+    require(not spec.startswith("cuda") or int(spec.partition(":")[2] or 0) < count,
+            f"device={spec} but this machine sees {count} CUDA GPU(s); use device=auto or device=cpu")
+    require(spec != "auto" or count > 0 or not slurm, f"this SLURM job was given GPUs ({slurm}) but torch sees none "
+            "(a CPU-only torch build?); install your CUDA's torch wheel (docs/install.md) or set device=cpu")
 
 
 def world() -> int:
