@@ -17,6 +17,7 @@ A single process (no torchrun) takes none of these paths: every helper here is t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from datetime import timedelta
@@ -64,12 +65,27 @@ def check_device(spec: str) -> None:
             "(a CPU-only torch build?); install your CUDA's torch wheel (docs/install.md) or set device=cpu")
 
 
+_ALONE = False
+
+
+@contextlib.contextmanager
+def alone():
+    """Within it this process acts as if it ran alone (world 1, rank 0): no collective is called, so
+    each rank may run work the others do not (the memory preflight's trace) without waiting on them."""
+    global _ALONE
+    before, _ALONE = _ALONE, True
+    try:
+        yield
+    finally:
+        _ALONE = before
+
+
 def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return 1 if _ALONE or not dist.is_initialized() else dist.get_world_size()
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return 0 if _ALONE or not dist.is_initialized() else dist.get_rank()
 
 
 def is_main() -> bool:
