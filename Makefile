@@ -10,7 +10,7 @@ EXTRAS := eval,wandb,launchers,lora,test
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 # The compatibility check: the tests that meet transformers, lm-eval and peft most directly.
-COMPAT_TESTS := tests/component/test_student.py tests/component/test_padding.py \
+COMPAT_TESTS := tests/component/test_student.py tests/component/test_student_attention_forms.py tests/component/test_padding.py \
 	tests/component/test_families.py tests/component/test_export.py tests/component/test_downstream.py \
 	tests/integration/test_pipeline.py
 COMPAT_VENV ?= .venv-compat

@@ -17,7 +17,9 @@ A single process (no torchrun) takes none of these paths: every helper here is t
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from datetime import timedelta
 from typing import Any, Iterable, TypeVar
 
@@ -48,12 +50,42 @@ def device(spec: str = "auto") -> torch.device:
     return torch.device(spec)
 
 
+def check_device(spec: str) -> None:
+    """``spec`` is auto, cpu, cuda or cuda:N; a GPU only if visible; and ``auto`` does not quietly run
+    on the CPU in a SLURM job that was given GPUs (a CPU-only torch build on a GPU node)."""
+    from dofla.errors import require
+
+    require(spec in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(spec)) is not None,
+            f"device={spec!r} must be auto, cpu, cuda or cuda:N")
+    count = torch.cuda.device_count()
+    slurm = os.environ.get("SLURM_GPUS_ON_NODE") or os.environ.get("SLURM_JOB_GPUS")
+    require(not spec.startswith("cuda") or int(spec.partition(":")[2] or 0) < count,
+            f"device={spec} but this machine sees {count} CUDA GPU(s); use device=auto or device=cpu")
+    require(spec != "auto" or count > 0 or not slurm, f"this SLURM job was given GPUs ({slurm}) but torch sees none "
+            "(a CPU-only torch build?); install your CUDA's torch wheel (docs/install.md) or set device=cpu")
+
+
+_ALONE = False
+
+
+@contextlib.contextmanager
+def alone():
+    """Within it this process acts as if it ran alone (world 1, rank 0): no collective is called, so
+    each rank may run work the others do not (the memory preflight's trace) without waiting on them."""
+    global _ALONE
+    before, _ALONE = _ALONE, True
+    try:
+        yield
+    finally:
+        _ALONE = before
+
+
 def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return 1 if _ALONE or not dist.is_initialized() else dist.get_world_size()
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return 0 if _ALONE or not dist.is_initialized() else dist.get_rank()
 
 
 def is_main() -> bool:

@@ -6,11 +6,11 @@ fails in a second instead of after an hour of caching.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from dofla.attention import ATTENTION_FORMS
 from dofla.config import RunConfig
+from dofla.distributed import check_device
 from dofla.errors import ConfigError, require
 from dofla.stages.plan import stage_plan
 
@@ -43,7 +43,7 @@ def validate_config(cfg: RunConfig) -> None:
     _one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
     _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
-    _validate_device(cfg.device)
+    check_device(cfg.device)
     _one_of("precision", cfg.precision, PRECISIONS)
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
@@ -122,19 +122,6 @@ def _validate_distill(cfg: RunConfig) -> None:
             "layerwise stage's tokens)")
     require(d.grad_clip >= 0 and d.warmup_steps >= 0,
             "distill.grad_clip and distill.warmup_steps must be ≥ 0")
-
-
-def _validate_device(device: str) -> None:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``, and a GPU only where one is visible."""
-    import torch
-
-    require(device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(device)) is not None,
-             f"device={device!r} must be auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda"):
-        count = torch.cuda.device_count()
-        index = int(device.partition(":")[2] or 0)
-        require(index < count, f"device={device} but this machine sees {count} CUDA GPU(s); "
-                 "use device=auto or device=cpu")
 
 
 def _validate_num_tokens(cfg: RunConfig) -> None:

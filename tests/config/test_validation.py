@@ -225,3 +225,27 @@ def test_a_gpu_the_machine_lacks_is_refused_before_loading():
         validate_config(_cfg(device=missing))
     validate_config(_cfg(device="cpu"))
     validate_config(_cfg(device="auto"))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() > 0, reason="needs a machine whose torch sees no GPU")
+def test_a_slurm_job_given_gpus_that_torch_cannot_see_is_refused(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "1")
+    with pytest.raises(ConfigError, match=r"SLURM job was given GPUs \(1\) but torch sees none .* or set device=cpu"):
+        validate_config(_cfg(device="auto"))
+    validate_config(_cfg(device="cpu"))  # asked for on purpose
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    validate_config(_cfg(device="auto"))  # a CPU job
+
+
+def test_the_slurm_gpu_launcher_asks_for_a_gpu_a_day_and_requeues():
+    from hydra import compose, initialize_config_dir
+
+    from dofla.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert (launcher.gpus_per_node, launcher.timeout_min, launcher.max_num_timeout) == (1, 1440, 3)

@@ -65,3 +65,28 @@ def test_a_run_killed_inside_distillation_resumes_from_its_checkpoint(tmp_path):
     assert _outputs(run_dir) == _outputs(base / "run")
     summary = json.loads((run_dir / "distill_summary.json").read_text())
     assert summary["tokens"] == 1024 and [c["step"] for c in summary["curve"]] == list(range(8))
+
+
+def _sweep(sweep_dir, cache_dir, kill_at=None):
+    env = {k: v for k, v in os.environ.items() if k != "DOFLA_KILL_AT"}
+    if kill_at:
+        env["DOFLA_KILL_AT"] = kill_at
+    args = ["-m", "allocation=fix,dof", "experiment=smoke_tiny", f"hydra.sweep.dir={sweep_dir}",
+            f"paths.cache_dir={cache_dir}"]
+    return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_a_killed_sweep_relaunched_into_its_directory_resumes_every_cell(tmp_path):
+    """The cluster recipe (docs/guide/sweeps_and_clusters.md): the same -m command with the same
+    hydra.sweep.dir, after the sweep died inside its first cell, resumes that cell and runs the
+    rest; every cell ends where an uninterrupted sweep's does."""
+    killed = _sweep(tmp_path / "sweep", tmp_path / "cache", kill_at="train:layer1:step4")
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "sweep" / "0").is_dir() and not (tmp_path / "sweep" / "0" / "metrics.json").exists()
+    resumed = _sweep(tmp_path / "sweep", tmp_path / "cache")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    clean = _sweep(tmp_path / "clean", tmp_path / "cache")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    for cell in ("0", "1"):
+        assert _outputs(tmp_path / "sweep" / cell) == _outputs(tmp_path / "clean" / cell)
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.name.isdigit()) == ["0", "1"]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
-
 from dofla import distributed
 from dofla.errors import DoflaError
 from dofla.record import write_json
@@ -58,14 +56,16 @@ def run(ctx: RunContext, dims: list) -> RunContext:
     auto = cfg.train.micro_batch_size == "auto"
     if not (cfg.train.preflight or auto) or not any(dims):
         return ctx
-    batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
+    # under torchrun direct splits every batch over the processes; each process traces on its own
+    batch = cfg.train.direct_batch_size // distributed.world() if end_to_end(cfg.loss.name) else cfg.train.batch_size
     device = next(ctx.teacher.parameters()).device
     limit = int(cfg.train.memory_limit_gb * GIB) if cfg.train.memory_limit_gb else capacity.device_memory(device)
     where = f"{cfg.train.memory_limit_gb:g} GiB (train.memory_limit_gb)" if cfg.train.memory_limit_gb else \
         f"{size(limit)} usable on {device}"
     started = time.perf_counter()
     try:
-        peak = predict(ctx, dims, 1)
+        with distributed.alone():
+            peak = predict(ctx, dims, 1)
     except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, train anyway
         if auto:
             raise DoesNotFitError(f"train.micro_batch_size=auto needs the memory preflight, which failed here "
