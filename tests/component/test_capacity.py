@@ -14,6 +14,7 @@ from dofla.models import convert, get_adapter
 from dofla.models.tiny import build_tiny_model
 from dofla.train import LayerTrainConfig, capacity, train_direct
 from dofla.train.layerwise import layer_loss, param_groups
+from dofla.train.live import Live
 from dofla.train.stream import _train_step
 
 
@@ -39,7 +40,8 @@ def full_stream_peak(teacher, maps, layers, cfg, batch: int, seq_len: int) -> in
     state = {"step": 0, "teacher_seconds": 0.0, "layers": {i: {"stopped": False, "seconds": 0.0, "curve": []}
                                                             for i in layers}}
     ids = torch.randint(0, teacher.config.vocab_size, (batch, seq_len))
-    traced = capacity.traced_peak(lambda: [_train_step(teacher, modules, ids, maps, optimizers, lrs, state, cfg)
+    live = Live(None, 1, 0)
+    traced = capacity.traced_peak(lambda: [_train_step(teacher, modules, ids, maps, optimizers, lrs, state, cfg, live)
                                            for _ in range(2)])
     return traced + capacity.module_bytes(teacher) + sum(capacity.module_bytes(maps[i]) for i in layers)
 
