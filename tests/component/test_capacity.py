@@ -152,3 +152,10 @@ def test_the_preflight_refuses_a_micro_batch_that_cannot_fit_and_names_one_that_
     assert "train.micro_batch_size=auto: 2 (of batch 8)" in capsys.readouterr().out
     with pytest.raises(DoesNotFitError, match="even at micro-batch 1"):
         tiny_run(tmp_path / "tiny", "train.memory_limit_gb=1e-6")
+
+
+def test_untrained_features_need_no_preflight_and_auto_trains_nothing(tmp_path, capsys):
+    """Performer's features are random and fixed: there is no step to size, so auto is not an error."""
+    tiny_run(tmp_path, "train.micro_batch_size=auto", "+variant=performer")
+    out = capsys.readouterr().out
+    assert "memory preflight" not in out and not (tmp_path / "run" / "preflight.json").exists()

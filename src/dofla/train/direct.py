@@ -102,7 +102,7 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
             accumulated.add(loss, share)
         loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
                                 data_parallel=True)
-        curve.append({"step": step, "loss": None} if loss is not None else {"step": step, "loss": None, "skipped": True})
+        curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
         if loss is not None:  # the whole batch's loss: the mean over the ranks, at the next flush
             live.hold(curve[-1], "loss", loss)
         if live.due(step + 1, last=step + 1 == cfg.steps) or (step + 1) % cfg.checkpoint_every == 0:
