@@ -11,6 +11,7 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,7 +46,7 @@ def to_run_config(dcfg: DictConfig) -> RunConfig:
 def main_hydra(dcfg: DictConfig) -> None:
     from dofla import distributed
     from dofla.pipeline import run
-    from dofla.tracking import NullTracker, build_tracker
+    from dofla.tracking import NullTracker, build_tracker, run_tags
 
     cfg = to_run_config(dcfg)
     hydra_cfg = HydraConfig.get()
@@ -55,8 +56,10 @@ def main_hydra(dcfg: DictConfig) -> None:
     try:
         tracker = NullTracker()
         if distributed.is_main():
-            tracker = build_tracker(cfg.logger, OmegaConf.to_container(dcfg, resolve=True), out_dir,
-                                    name=",".join(overrides) or "default")
+            config = OmegaConf.to_container(dcfg, resolve=True)
+            sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
+            tracker = build_tracker(cfg.logger, config, out_dir, name=",".join(overrides) or "default",
+                                    tags=run_tags(config, hydra_cfg.runtime.choices.get("experiment"), sweep))
         try:
             run(cfg, out_dir, overrides, tracker)
         finally:

@@ -100,6 +100,7 @@ class StepConfig:
     eval_every: int = 25
     patience: int = 0  # evaluations without improvement before stopping; 0 = never stop early
     checkpoint_every: int = 50
+    log_every: int = 10  # live curves: losses, tokens/s and ETA to the tracker (one host sync) this often
     skip_nonfinite: bool = False
     # sequences per forward/backward; the gradients of batch_size / micro_batch_size micro-batches
     # are accumulated into one step of the full batch (None: the whole batch at once). Lowers the

@@ -66,7 +66,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "train" in plan:
         ctx = preflight.run(ctx, dims)
         with timer("train"):
-            trained = train.run(ctx, activations, dims, tokens)
+            trained = train.run(ctx, activations, dims, tokens, tracker if main else None)
         if trained.direct is None and main:
             write_json(out_dir / "train_summary.json",
                        {f"layer_{i:02d}": v for i, v in sorted(trained.summaries.items())})

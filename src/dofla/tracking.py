@@ -50,7 +50,7 @@ class NullTracker:
 class WandbTracker(NullTracker):
     """Weights & Biases: online when logged in (WANDB_API_KEY or `wandb login`), else offline, said on one line."""
 
-    def __init__(self, cfg: LoggerConfig, config: dict, out_dir: Path, name: str):
+    def __init__(self, cfg: LoggerConfig, config: dict, out_dir: Path, name: str, tags: list[str] = ()):
         import wandb
 
         mode = wandb_mode(cfg)
@@ -60,7 +60,8 @@ class WandbTracker(NullTracker):
         self._wandb = wandb
         self.run = wandb.init(
             project=cfg.project, group=cfg.group or seed_group(config, name), config=config, dir=str(out_dir),
-            name=name, job_type=config.get("allocation", {}).get("policy"), mode=mode, reinit="finish_previous",
+            name=name, job_type=config.get("allocation", {}).get("policy"), tags=list(tags) or None, mode=mode,
+            reinit="finish_previous",
             settings=wandb.Settings(init_timeout=60, silent=True),
         )
 
@@ -103,7 +104,19 @@ def offline_reason(cfg: LoggerConfig) -> str:
     return "no WANDB_API_KEY and no `wandb login`"
 
 
-def build_tracker(cfg: LoggerConfig, config: dict, out_dir: Path, name: str) -> NullTracker:
+def run_tags(config: dict, experiment: str | None = None, sweep_dir: str | None = None) -> list[str]:
+    """Tags a run is found by in wandb: its experiment, its sweep (the sweep directory's last two
+    parts, e.g. ``sweep:2026-11-25/14-02-11``), its policy, loss, feature map and attention."""
+    tags = [f"experiment:{experiment}" if experiment else None,
+            f"sweep:{'/'.join(Path(sweep_dir).parts[-2:])}" if sweep_dir else None]
+    for key, section in (("policy", "allocation"), ("loss", "loss"), ("features", "feature_map"),
+                         ("attention", "attention")):
+        value = (config.get(section) or {}).get("policy" if key == "policy" else "name")
+        tags.append(f"{key}:{value}" if value else None)
+    return [tag[:64] for tag in tags if tag]  # wandb's limit per tag
+
+
+def build_tracker(cfg: LoggerConfig, config: dict, out_dir: Path, name: str, tags: list[str] = ()) -> NullTracker:
     if cfg.name == "wandb":
-        return WandbTracker(cfg, config, out_dir, name)
+        return WandbTracker(cfg, config, out_dir, name, tags)
     return NullTracker()

@@ -14,6 +14,7 @@ from dofla.models import convert, get_adapter
 from dofla.models.tiny import build_tiny_model
 from dofla.train import LayerTrainConfig, capacity, train_direct
 from dofla.train.layerwise import layer_loss, param_groups
+from dofla.train.live import Live
 from dofla.train.stream import _train_step
 
 
@@ -39,7 +40,8 @@ def full_stream_peak(teacher, maps, layers, cfg, batch: int, seq_len: int) -> in
     state = {"step": 0, "teacher_seconds": 0.0, "layers": {i: {"stopped": False, "seconds": 0.0, "curve": []}
                                                             for i in layers}}
     ids = torch.randint(0, teacher.config.vocab_size, (batch, seq_len))
-    traced = capacity.traced_peak(lambda: [_train_step(teacher, modules, ids, maps, optimizers, lrs, state, cfg)
+    live = Live(None, 1, 0)
+    traced = capacity.traced_peak(lambda: [_train_step(teacher, modules, ids, maps, optimizers, lrs, state, cfg, live)
                                            for _ in range(2)])
     return traced + capacity.module_bytes(teacher) + sum(capacity.module_bytes(maps[i]) for i in layers)
 
@@ -150,3 +152,10 @@ def test_the_preflight_refuses_a_micro_batch_that_cannot_fit_and_names_one_that_
     assert "train.micro_batch_size=auto: 2 (of batch 8)" in capsys.readouterr().out
     with pytest.raises(DoesNotFitError, match="even at micro-batch 1"):
         tiny_run(tmp_path / "tiny", "train.memory_limit_gb=1e-6")
+
+
+def test_untrained_features_need_no_preflight_and_auto_trains_nothing(tmp_path, capsys):
+    """Performer's features are random and fixed: there is no step to size, so auto is not an error."""
+    tiny_run(tmp_path, "train.micro_batch_size=auto", "+variant=performer")
+    out = capsys.readouterr().out
+    assert "memory preflight" not in out and not (tmp_path / "run" / "preflight.json").exists()

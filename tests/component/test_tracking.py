@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dofla.config import LoggerConfig
-from dofla.tracking import NullTracker, build_tracker, split_overrides
+from dofla.tracking import NullTracker, build_tracker, run_tags, split_overrides
 
 
 def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
@@ -40,7 +40,10 @@ def test_a_real_run_logs_config_dof_dims_curves_metrics_and_plots_to_wandb(tmp_p
     # wandb 0.2x+ keeps history and config in its binary log (protobuf): the keys are in it verbatim
     log = next(offline.glob("*.wandb")).read_bytes()
     for key in ("eval/student_ppl", "eval/attn_error/layer_01", "allocation/mean_dim", "allocation/dim/layer_01",
-                "dof/layer_00", "train/layer_01/final_heldout_loss", "time/train", "tiny:llama"):
+                "dof/layer_00", "train/layer_01/final_heldout_loss", "time/train", "tiny:llama",
+                # live curves while training, and the tags a run is found by
+                "train/layer_01/loss", "train/tokens_per_s", "train/eta_min", "experiment:smoke_tiny",
+                "policy:dof"):
         assert key.encode() in log, key
     tables = {p.name.split("_")[0] + "_" + p.name.split("_")[1]: json.loads(p.read_text())
               for p in (offline / "files" / "media" / "table").glob("*.table.json")}
@@ -101,3 +104,16 @@ def test_a_wandb_login_counts_as_logged_in_and_offline_is_said(tmp_path, monkeyp
     tracker.finish()
     out = capsys.readouterr().out
     assert "wandb logs offline" in out and "no WANDB_API_KEY and no `wandb login`" in out and "wandb sync" in out
+
+
+def test_tags_name_the_experiment_the_sweep_and_the_methods_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = {"allocation": {"policy": "dof"}, "loss": {"name": "softmax"}, "feature_map": {"name": "hedgehog"},
+              "attention": {"name": "linear"}, "seed": 0}
+    tags = run_tags(config, "paper_gpt2", "multirun_sweeps/paper_gpt2/2026-11-25/14-02-11")
+    assert tags == ["experiment:paper_gpt2", "sweep:2026-11-25/14-02-11", "policy:dof", "loss:softmax",
+                    "features:hedgehog", "attention:linear"]
+    assert run_tags({"loss": {"name": "direct"}}) == ["loss:direct"]  # a single run outside any sweep
+    tracker = build_tracker(LoggerConfig(name="wandb", project="dofla-test"), config, tmp_path, "x", tags)
+    assert list(tracker.run.tags) == tags
+    tracker.finish()

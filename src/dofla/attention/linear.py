@@ -102,14 +102,14 @@ def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(size, size, dtype=like.dtype, device=like.device).tril_()
 
 
-def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None):
+def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None, first_sees=None):
     """One chunk against a carried state: (total, row_scale, kv1', offset').
 
     log_q (B, H, C, M); log_k (B, H, n, M) and vals (B, H, n, e) the chunk's keys; kv1 (B, H, M, e)
     the state at ``offset`` (B, H, M); row i also sees the chunk keys j < limit[i]. total
     (B, H, C, e) = Σ_visible K̂_ij vals_j · e^{−r_i}; kv1', offset' include all n chunk keys.
     """
-    blk = stable_block(log_q, log_k, limit, offset, mask)
+    blk = stable_block(log_q, log_k, limit, offset, mask, first_sees)
     rescaled = kv1 * torch.exp(offset - blk.offset)[..., None]
     if blk.direct:
         total = blk.query @ rescaled + blk.scores @ vals
@@ -149,7 +149,7 @@ def linear_attention_chunked(
         if mask is None or mask.shape[0] != lk.shape[2]:
             mask = _causal_mask(lk.shape[2], v)
             limit = torch.arange(1, lk.shape[2] + 1, device=v.device)
-        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask)
+        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True)
         outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))
     final = LinearState(kv1[..., :dv].contiguous(), kv1[..., dv].contiguous(), offset, state.length + length)
     return torch.cat(outs, dim=2).to(out_dtype), final

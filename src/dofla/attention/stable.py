@@ -58,13 +58,14 @@ class Block:
 
 def stable_block(
     log_q: torch.Tensor, log_k: torch.Tensor, limit: torch.Tensor, floor: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None, first_sees: bool | None = None,
 ) -> Block:
     """Causally stabilised scores of a block of rows against a block of keys.
 
     limit (C,) long, non-decreasing: row i sees keys j < limit[i] of this block. floor (B, H, M):
     the per-feature key maximum of everything every row sees besides (a carried state's offset;
     the dtype's most negative value if none). mask: prefix_mask(limit, n, log_q), if cached.
+    first_sees: whether limit[0] > 0, when the caller knows (saves a host synchronisation).
     """
     g, e = guard(log_q.dtype)
     fmin = torch.finfo(log_q.dtype).min
@@ -76,7 +77,7 @@ def stable_block(
     # Lower bound of the causal row scale: every row with limit ≥ 1 sees the block's first key.
     base = torch.maximum(floor, lk[:, :, 0]) if n else floor
     r = (lq + base[:, :, None]).amax(-1, keepdim=True)
-    if n and not bool(limit[0] > 0):
+    if n and not (bool(limit[0] > 0) if first_sees is None else first_sees):
         alone = (lq + floor[:, :, None]).amax(-1, keepdim=True)
         r = torch.where((limit > 0)[:, None], r, alone)
     r = r.clamp_min(fmin)
@@ -139,7 +140,8 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
             return
         lk = log_k[:, :, start:start + block]
         diag = min(lk.shape[2], length - first)
-        blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor)
+        blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor,
+                           first_sees=True)
         yield first, start, blk.scores, blk.row_scale, True
         later = log_q[:, :, first + diag:]
         if later.shape[2]:

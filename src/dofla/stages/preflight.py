@@ -24,7 +24,8 @@ class DoesNotFitError(DoflaError):
 
 
 def predict(ctx: RunContext, dims: list, micro_batch: int | None):
-    """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)."""
+    """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch);
+    None when no layer has features to train (Performer's are random and fixed)."""
     from dofla.precision import teacher_dtype
     from dofla.stages.train import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import capacity
@@ -38,8 +39,11 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
             lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher,
             ctx.geometry.num_layers, replace(train_cfg, batch_size=cfg.train.direct_batch_size), cfg.data.seq_len,
             capacity.module_bytes(teacher) + capacity.module_bytes(student))
-    layers = [i for i in linear_layers(cfg, ctx.geometry) if dims[i]]
     maps = build_feature_maps(cfg, ctx.geometry, dims)
+    layers = [i for i in linear_layers(cfg, ctx.geometry)
+              if dims[i] and any(p.requires_grad for p in maps[i].parameters())]
+    if not layers:
+        return None
     half = teacher_dtype(cfg.precision, cfg.train.teacher_dtype) != "float32"
     capture = sum(p.numel() for p in teacher.parameters()) * 2 if half else 0
     if ctx.source == "stream":
@@ -72,6 +76,8 @@ def run(ctx: RunContext, dims: list) -> RunContext:
                                f"({type(err).__name__}: {err}); set train.micro_batch_size to a number") from err
         print(f"dofla: memory preflight skipped ({type(err).__name__}: {err})", flush=True)
         return ctx
+    if peak is None:  # nothing trains: no step to size
+        return replace(ctx, cfg=replace(cfg, train=replace(cfg.train, micro_batch_size=None))) if auto else ctx
     fitting = capacity.largest_fitting(peak, batch, limit)
     micro = fitting if auto else (cfg.train.micro_batch_size or batch)
     need = peak.at(micro or 1)

@@ -34,10 +34,12 @@ class TrainResult:
         return max(streamed) if streamed else None
 
 
-def run(ctx: RunContext, cache, dims: list, data: RunData) -> TrainResult:
-    """Train the features of every layer that has them (or the ``train.layers`` subset)."""
+def run(ctx: RunContext, cache, dims: list, data: RunData, tracker=None) -> TrainResult:
+    """Train the features of every layer that has them (or the ``train.layers`` subset); ``tracker``
+    gets the live curves (every ``train.log_every`` steps)."""
     out = train(ctx.cfg, cache, ctx.geometry, dims, ctx.teacher, data.train_tokens, ctx.out_dir, ctx.tokenizer,
-                ctx.source, capture=ctx.capture, data_source=ctx.data_source)
+                ctx.source, capture=ctx.capture, data_source=ctx.data_source,
+                on_log=None if tracker is None else tracker.log)
     if end_to_end(ctx.cfg.loss.name):
         return TrainResult(direct=out)
     return TrainResult(summaries=out)
@@ -96,11 +98,11 @@ def layer_dirs(cfg: RunConfig, out_dir: Path, settings: dict) -> list[Path]:
 
 
 def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir: Path,
-                tokenizer=None, source: str = "cache", capture=None, data_source=None) -> dict:
+                tokenizer=None, source: str = "cache", capture=None, data_source=None, on_log=None) -> dict:
     """Layerwise (l2 / softmax; from the cache or streamed) or end-to-end (direct) feature training
     of the layers that have feature maps (:func:`linear_layers`). ``capture``: the teacher whose
     forwards a stream reads (``train.teacher_dtype``; default ``teacher``); ``data_source``: the opened
-    data a stream reads (default: opened from ``cfg``)."""
+    data a stream reads (default: opened from ``cfg``); ``on_log``: the live curves' callback."""
     requested = range(len(dims)) if cfg.train.layers is None else cfg.train.layers
     layers = [i for i in requested if i in set(linear_layers(cfg, geometry))]
     meta, settings = layer_meta(cfg, cache.key), layer_settings(cfg, cache.key, dims)
@@ -111,7 +113,7 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
         stream = (lambda: training_stream(cfg, tokenizer, cfg.train.direct_batch_size, train_tokens.numel(),
                                           source=data_source)) \
             if source == "stream" else None
-        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings, stream)
+        return _train_direct(cfg, dims, teacher, train_tokens, directory, meta, settings, stream, on_log)
     if not layers:
         return {}
     device = next(teacher.parameters()).device  # layers train where the teacher runs
@@ -119,7 +121,7 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
     train_cfg = replace(layer_train_config(cfg), softcap=geometry.softcap)
     if source == "stream":
         return _train_streaming(cfg, cache, capture or teacher, tokenizer, feature_maps, layers, train_cfg,
-                                directory, meta, data_source)
+                                directory, meta, data_source, on_log)
     from dofla.train import run_layerwise
     from dofla.train.layerwise import needs_values
 
@@ -129,15 +131,16 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
         return cache.layer(i).torch(values=values)
 
     if distributed.world() == 1:
-        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
+        return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read, on_log)
     # torchrun: layer i on rank i mod N, then every rank reads all the artifacts
-    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta, also_read)
+    run_layerwise(feature_maps, activations, distributed.mine(layers), train_cfg, directory, meta, also_read,
+                  on_log)
     distributed.barrier()
     return run_layerwise(feature_maps, activations, layers, train_cfg, directory, meta, also_read)
 
 
 def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta,
-                     data_source=None) -> dict:
+                     data_source=None, on_log=None) -> dict:
     """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
     from dofla.train.stream import cache_heldout, run_streaming
 
@@ -146,7 +149,7 @@ def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train
                               source=data_source)
     held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
     heldout = cache_heldout(cache, num_seqs=held)
-    kwargs = dict(num_tokens=cfg.data.num_tokens, steps=stream_steps(cfg, batches.batch_tokens))
+    kwargs = dict(num_tokens=cfg.data.num_tokens, steps=stream_steps(cfg, batches.batch_tokens), on_log=on_log)
     if distributed.world() > 1:
         run_streaming(teacher, batches, feature_maps, distributed.mine(layers), train_cfg, heldout, directory,
                       meta, **kwargs)
@@ -163,7 +166,7 @@ def trainable(attn) -> bool:
 
 
 def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict, settings: dict,
-                  stream=None) -> dict:
+                  stream=None, on_log=None) -> dict:
     """End-to-end training, skipped when ``direct_done.json`` has our settings and every layer verifies.
 
     Trains on ``train_tokens`` (S, L) (``train.steps`` steps of random rows), or, when ``stream``
@@ -183,7 +186,8 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict,
     data = train_tokens if stream is None else stream()
     if stream is not None:
         dcfg = replace(dcfg, steps=stream_steps(cfg, data.batch_tokens))
-    curve = train_direct(student, data, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings)
+    curve = train_direct(student, data, dcfg, checkpoint_path=directory / "direct_ckpt.pt", meta=settings,
+                         on_log=on_log)
     tokens = train_tokens.numel() if stream is None else len(curve) * data.batch_tokens
     if distributed.is_main():  # under torchrun every rank holds the same features
         for i, attn in enumerate(student.student_attentions()):

@@ -126,6 +126,7 @@ def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     the teacher's weights (and its half-precision capture copy, ``capture_bytes``), every trained
     layer's features and their Adam state, one teacher forward's captured q, k (v) and one layer's loss."""
     from dofla.train.layerwise import param_groups
+    from dofla.train.live import Live
     from dofla.train.stream import _train_step
 
     widest = max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
@@ -141,7 +142,7 @@ def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
         whole = replace(cfg, micro_batch_size=None, skip_nonfinite=True)
         lrs = {i: [g["lr"] for g in opt.param_groups] for i, opt in optimizers.items()}
         return traced_peak(lambda: [_train_step(model, _attention_modules(model), ids, maps, optimizers, lrs, state,
-                                                whole) for _ in range(2)])
+                                                whole, Live(None, 1, 0)) for _ in range(2)])
 
     weights = module_bytes(teacher) + capture_bytes + sum(module_bytes(feature_maps[i]) for i in layers)
     return _fit("train", trace, len(layers), weights, cfg.micro_batch_size or cfg.batch_size)

@@ -21,6 +21,7 @@ from dofla.precision import autocast
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.train.layerwise import LayerTrainConfig, param_groups
 from dofla.train.losses import next_token_loss
+from dofla.train.live import Live, Log
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
@@ -58,14 +59,14 @@ class RandomRows:
 
 
 def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path | None = None,
-                 meta: dict | None = None) -> list[dict]:
+                 meta: dict | None = None, on_log: Log | None = None) -> list[dict]:
     """Next-token training of the student's feature maps; returns the curve.
 
     ``tokens``: a (S, L) tensor (``cfg.steps`` steps of ``cfg.batch_size`` random rows), or a batch
     source like ``RandomRows`` (``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``) such
     as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint
     records ``meta`` (the settings) and the source's position; one written with other settings is
-    ignored.
+    ignored. ``on_log`` gets the loss, tokens/s and ETA every ``cfg.log_every`` steps.
     """
     groups = feature_param_groups(student, cfg)
     if not groups or cfg.steps == 0:
@@ -86,6 +87,8 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
     # counted in tokens, so the bar shows tokens done, tokens/s and the ETA
     bar = tqdm(total=cfg.steps * batches.batch_tokens, initial=step * batches.batch_tokens, desc="train (direct)",
                unit="tok", unit_scale=True, disable=not distributed.is_main())
+    live = Live(on_log, cfg.log_every, cfg.steps * batches.batch_tokens, step * batches.batch_tokens,
+                reduce=lambda values: [v / distributed.world() for v in distributed.sum_across(values)])
     for step in range(step, cfg.steps):
         kill_point(f"train:direct:step{step}")
         for group, lr in zip(optimizer.param_groups, base_lrs):
@@ -99,12 +102,14 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
             accumulated.add(loss, share)
         loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
                                 data_parallel=True)
-        if loss is not None:
-            value = distributed.sum_across([loss.item()])[0] / distributed.world()  # the whole batch's loss
-            curve.append({"step": step, "loss": value})
-            bar.set_postfix(step=step + 1, loss=f"{value:.4f}")
-        else:
-            curve.append({"step": step, "loss": None, "skipped": True})
+        curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
+        if loss is not None:  # the whole batch's loss: the mean over the ranks, at the next flush
+            live.hold(curve[-1], "loss", loss)
+        if live.due(step + 1, last=step + 1 == cfg.steps) or (step + 1) % cfg.checkpoint_every == 0:
+            live.flush()  # every rank: the flush is a collective under torchrun
+        if live.due(step + 1, last=step + 1 == cfg.steps):
+            live.log(step + 1, (step + 1) * batches.batch_tokens, {"loss": curve[-1]["loss"]})
+            bar.set_postfix(step=step + 1, loss=curve[-1]["loss"])
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():
             features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
             torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
@@ -112,4 +117,5 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
                                "meta": meta}, checkpoint_path)
         bar.update(batches.batch_tokens)
     bar.close()
+    live.flush()
     return curve

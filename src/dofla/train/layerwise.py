@@ -21,6 +21,7 @@ from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.attention.stable import widened
 from dofla.precision import autocast
+from dofla.train.live import Live, Log, latest
 from dofla.train.losses import LOSSES
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
@@ -126,11 +127,13 @@ def mean_over_rows(loss: str) -> bool:
 
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                 checkpoint_path: Path | None = None, desc: str = "layer",
-                meta: dict | None = None, v: torch.Tensor | None = None) -> LayerTrainResult:
-    """Train ``feature_map`` on q (S, H, L, d), k (S, H_kv, L, d) (and values v (S, H_kv, L, d)
-    for a loss that needs them); returns the best-held-out state.
+                meta: dict | None = None, v: torch.Tensor | None = None, layer: int = 0,
+                on_log: Log | None = None) -> LayerTrainResult:
+    """Train ``feature_map`` (the features of layer ``layer``) on q (S, H, L, d), k (S, H_kv, L, d)
+    (and values v (S, H_kv, L, d) for a loss that needs them); returns the best-held-out state.
 
     The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
+    ``on_log`` gets the latest losses every ``cfg.log_every`` steps (:mod:`dofla.train.live`).
     """
     start_time = time.perf_counter()
     train_idx, held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
@@ -149,6 +152,8 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
         generator.set_state(ckpt["generator"])
         state = ckpt["state"]
     base_lrs = [g["lr"] for g in groups]
+    step_tokens = cfg.batch_size * q.shape[2]
+    live = Live(on_log, cfg.log_every, cfg.steps * step_tokens, state["step"] * step_tokens)
     bar = tqdm(range(state["step"], cfg.steps), desc=desc, unit="step", leave=False)
     for step in bar:
         kill_point(f"train:{desc}:step{step}")
@@ -159,19 +164,26 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
         for part, share in micro_batches(batch, cfg):
             accumulated.add(layer_loss(feature_map, q[part], k[part], cfg, None if v is None else v[part]), share)
         loss = accumulated.step(f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite)
+        state["curve"].append({"step": step, "loss": None} if loss is not None else
+                              {"step": step, "loss": None, "skipped": True})
         if loss is not None:
-            state["curve"].append({"step": step, "loss": loss.item()})
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-        else:
-            state["curve"].append({"step": step, "loss": None, "skipped": True})
+            live.hold(state["curve"][-1], "loss", loss)
         state["step"] = step + 1
+        if live.due(state["step"], last=state["step"] == cfg.steps):
+            live.flush()
+            values = latest({layer: state["curve"]})
+            live.log(state["step"], state["step"] * step_tokens, values)
+            bar.set_postfix(loss=f"{values.get('loss_mean', float('nan')):.4f}")
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+            live.flush()
             if _evaluate(feature_map, q, k, v, held_idx, cfg, state):
                 break
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
+            live.flush()
             torch_save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
                                "generator": generator.get_state(), "state": state, "meta": meta}, checkpoint_path)
     bar.close()
+    live.flush()
     return _result(feature_map, state, initial, start_time)
 
 
@@ -201,7 +213,7 @@ def _result(feature_map, state, initial: float, start_time: float) -> LayerTrain
 
 def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, ...]],
                   layers: list[int], cfg: LayerTrainConfig, out_dir: Path, meta: dict | None = None,
-                  also_read: Sequence[Path] = ()) -> dict[int, dict]:
+                  also_read: Sequence[Path] = (), on_log: Log | None = None) -> dict[int, dict]:
     """Train each requested layer independently; one verified artifact ``layer_XX.pt`` per layer.
 
     ``activations(i)`` gives layer i's (q, k) or (q, k, v); values are needed by the ``output`` loss.
@@ -222,7 +234,7 @@ def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.T
         q, k, *v = activations(i)
         ckpt = out_dir / f"layer_{i:02d}.ckpt"
         result = train_layer(feature_maps[i], q, k, cfg, ckpt, desc=f"layer{i}", meta=layer_meta,
-                             v=v[0] if v else None)
+                             v=v[0] if v else None, layer=i, on_log=on_log)
         summary = {"layer": i, "initial_heldout_loss": result.initial_heldout_loss,
                    "final_heldout_loss": result.final_heldout_loss, "best_step": result.best_step,
                    "steps_run": result.steps_run, "seconds": result.seconds, "curve": result.curve}

@@ -35,38 +35,40 @@ class Accumulator:
     """One optimiser step of a batch given in micro-batches: :meth:`add` each micro-batch's loss with
     its weight (its share of the batch: the batch's loss is Σ weight · loss), then :meth:`step`.
 
-    A non-finite loss is not back-propagated; the step then fails (or is skipped) as a whole.
+    A non-finite loss fails (or skips) the step as a whole. Nothing here waits for the device until
+    :meth:`step`, which makes one host synchronisation for every finiteness check together.
     """
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
         optimizer.zero_grad(set_to_none=True)
         self.total: torch.Tensor | float = 0.0
-        self.finite = True
 
     def add(self, loss: torch.Tensor, weight: float = 1.0) -> None:
-        if not self.finite:
-            return
-        if not bool(torch.isfinite(loss)):
-            self.finite = False
-            return
-        (loss * weight).backward()
+        (loss * weight).backward()  # a non-finite loss poisons the gradients; step() then skips them
         self.total = self.total + loss.detach() * weight
 
+    def finite(self) -> bool:
+        """The batch's loss and every gradient are finite (one synchronisation)."""
+        checks = [torch.isfinite(p.grad).all() for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None]
+        if isinstance(self.total, torch.Tensor):
+            checks.append(torch.isfinite(self.total).to(checks[0].device if checks else self.total.device))
+        return bool(torch.stack(checks).all()) if checks else True
+
     def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
-        """The Adam step; returns the batch's loss, or None when skipped (NonFiniteLossError unless
-        ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss with ``scale=none`` can be
-        finite while its gradient overflows the fp32 features, and one inf gradient would turn every
-        parameter NaN. ``data_parallel``: under torchrun, gradients are averaged across the ranks
-        before the step and all ranks agree on skipping (every rank must call it)."""
-        optimizer, finite = self.optimizer, self.finite
+        """The Adam step; returns the batch's loss (on the device), or None when skipped
+        (NonFiniteLossError unless ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss
+        with ``scale=none`` can be finite while its gradient overflows the fp32 features, and one inf
+        gradient would turn every parameter NaN. ``data_parallel``: under torchrun, gradients are
+        averaged across the ranks before the step and all ranks agree on skipping (every rank must
+        call it)."""
+        optimizer = self.optimizer
+        if data_parallel:
+            distributed.average_gradients([p for g in optimizer.param_groups for p in g["params"]])
+        finite = self.finite()
         if data_parallel:
             finite = distributed.all_true(finite)
-        if finite:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            if data_parallel:
-                distributed.average_gradients(params)
-            finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
         if finite:
             optimizer.step()
             return self.total if isinstance(self.total, torch.Tensor) else torch.tensor(self.total)

@@ -29,6 +29,7 @@ from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
 from dofla.models.capture import capturing
 from dofla.train.layerwise import LayerTrainConfig, cpu_state, heldout_loss, layer_loss, needs_values, param_groups
+from dofla.train.live import Live, Log, latest
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
@@ -83,12 +84,14 @@ def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int], val
 def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int],
                            cfg: LayerTrainConfig, heldout: HeldOut, checkpoint_path: Path | None = None,
                            num_tokens: int = 0, steps: int | None = None, progress: bool = True,
-                           meta: dict | None = None) -> StreamResult:
+                           meta: dict | None = None, on_log: Log | None = None) -> StreamResult:
     """Train ``feature_maps[i]`` for every i in ``layers`` on fresh teacher activations.
 
     Runs ``total_steps(num_tokens, steps, B·L)`` steps (cfg.steps is ignored; the warm-up and
     cosine schedule span this count). Feature maps move to the teacher's device. Returns per-layer
-    summaries; each feature map ends holding its best held-out state. A checkpoint of a finished
+    summaries; each feature map ends holding its best held-out state. ``on_log`` gets each layer's
+    latest loss, tokens/s and the ETA every ``cfg.log_every`` steps (:mod:`dofla.train.live`;
+    losses reach the host only then). A checkpoint of a finished
     run makes a second call return at once with the same result. The checkpoint records ``meta``
     (the settings); one written with other settings is never resumed: training starts over.
     """
@@ -103,7 +106,8 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
         if groups:
             optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
             base_lrs[i] = [g["lr"] for g in groups]
-    meta = {"settings": meta, "train": asdict(cfg), "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
+    train = {k: v for k, v in asdict(cfg).items() if k != "log_every"}  # logging: not what is learnt
+    meta = {"settings": meta, "train": train, "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
         state = _resume(ckpt, feature_maps, optimizers, batches)
@@ -112,22 +116,30 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     bar = tqdm(total=total * batches.batch_tokens, initial=state["tokens"], desc="stream", unit="tok",
                unit_scale=True, disable=not progress)
     start = time.perf_counter() - state["seconds"]
+    live = Live(on_log, cfg.log_every, total * batches.batch_tokens, state["tokens"])
     while state["step"] < total and _active(state):
         kill_point(f"stream:step{state['step']}")
         ids = _next_batch(batches, total)
-        losses = _train_step(teacher, modules, ids.to(device), feature_maps, optimizers, base_lrs, state, cfg)
+        _train_step(teacher, modules, ids.to(device), feature_maps, optimizers, base_lrs, state, cfg, live)
         state["step"] += 1
         state["tokens"] += ids.numel()
         state["data"] = batches.state()
         if state["step"] % cfg.eval_every == 0 or state["step"] == total:
+            live.flush()
             for i in _active(state):
                 _evaluate(feature_maps[i], i, heldout, cfg, device, state)
         state["seconds"] = time.perf_counter() - start
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
+            live.flush()
             _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
         bar.update(ids.numel())
-        bar.set_postfix(step=state["step"], loss=f"{sum(losses) / max(1, len(losses)):.4f}")
+        if live.due(state["step"], last=state["step"] == total):
+            live.flush()
+            values = latest({i: layer["curve"] for i, layer in state["layers"].items()})
+            live.log(state["step"], state["tokens"], values)
+            bar.set_postfix(step=state["step"], loss=f"{values.get('loss_mean', float('nan')):.4f}")
     bar.close()
+    live.flush()
     if checkpoint_path is not None:
         _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
     return _result(feature_maps, state)
@@ -165,9 +177,9 @@ def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
             "lower data.num_tokens (or set train.max_steps) or use a larger data source") from None
 
 
-def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg) -> list[float]:
+def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg, live: Live) -> None:
     """Per micro-batch one teacher forward and every active layer's loss and backward; then one Adam
-    step per layer on the accumulated gradients. Returns the finite losses."""
+    step per layer on the accumulated gradients. The losses join the curves at ``live``'s next flush."""
     step, active = state["step"], _active(state)
     steps = {i: Accumulator(optimizers[i]) for i in active}
     for part, share in micro_batches(ids, cfg):
@@ -179,7 +191,6 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
             q, k, v = acts.pop(i)  # frees this layer's activations before the next layer's step
             steps[i].add(layer_loss(feature_maps[i], q, k, cfg, v), share)
             state["layers"][i]["seconds"] += time.perf_counter() - started
-    losses = []
     for i in active:
         started = time.perf_counter()
         for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
@@ -187,12 +198,11 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
         loss = steps[i].step(f"layer{i}: non-finite training loss at streaming step {step}", cfg.skip_nonfinite)
         curve = state["layers"][i]["curve"]
         if loss is not None:
-            losses.append(loss.item())
-            curve.append({"step": step, "loss": losses[-1]})
+            curve.append({"step": step, "loss": None})
+            live.hold(curve[-1], "loss", loss)
         else:
             curve.append({"step": step, "loss": None, "skipped": True})
         state["layers"][i]["seconds"] += time.perf_counter() - started
-    return losses
 
 
 def _heldout_value(feature_map, i: int, heldout: HeldOut, cfg, device) -> float:
@@ -241,7 +251,7 @@ def _result(feature_maps, state) -> StreamResult:
 
 def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int], cfg: LayerTrainConfig,
                   heldout: HeldOut, out_dir: Path, meta: dict | None = None, num_tokens: int = 0,
-                  steps: int | None = None) -> dict[int, dict]:
+                  steps: int | None = None, on_log: Log | None = None) -> dict[int, dict]:
     """``train_layers_streaming`` written as run_layerwise's verified ``layer_XX.pt`` artifacts.
 
     Layers whose artifact exists and verifies (same ``meta``) are loaded; the others train
@@ -262,7 +272,7 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
         return summaries
     checkpoint = out_dir / f"stream_{zlib.crc32(repr(sorted(missing)).encode()):08x}.ckpt"
     result = train_layers_streaming(teacher, batches, feature_maps, missing, cfg, heldout, checkpoint,
-                                    num_tokens=num_tokens, steps=steps,
+                                    num_tokens=num_tokens, steps=steps, on_log=on_log,
                                     meta={i: metas[i] for i in missing} if meta is not None else None)
     for i, summary in result.summaries.items():
         summary["tokens"] = result.tokens
@@ -274,10 +284,8 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
 
 
 def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
-    """Held-out q (S, H, L, d), k and v (S, H_kv, L, d) per layer from held-out token rows (S, L), on CPU.
-
-    Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``.
-    """
+    """Held-out q (S, H, L, d), k and v (S, H_kv, L, d) per layer from held-out token rows (S, L), on
+    CPU. Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``."""
     device = next(teacher.parameters()).device
     modules = get_adapter(teacher).attention_modules(teacher)
     parts = [teacher_qk(teacher, modules, rows.to(device), layers, values=True) for rows in tokens.split(batch_size)]
@@ -285,10 +293,8 @@ def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size
 
 
 def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, ...]]:
-    """Held-out q, k, v per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32).
-
-    Only held out when the stream skips the cached tokens first (``BatchStream.discard``).
-    """
+    """Held-out q, k, v per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32);
+    only held out when the stream skips the cached tokens first (``BatchStream.discard``)."""
     def layer(i: int) -> tuple[torch.Tensor, ...]:
         return cache.layer(i).torch(slice(-num_seqs, None))
     return layer
