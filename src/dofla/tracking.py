@@ -109,10 +109,10 @@ def run_tags(config: dict, experiment: str | None = None, sweep_dir: str | None 
     parts, e.g. ``sweep:2026-11-25/14-02-11``), its policy, loss, feature map and attention."""
     tags = [f"experiment:{experiment}" if experiment else None,
             f"sweep:{'/'.join(Path(sweep_dir).parts[-2:])}" if sweep_dir else None]
-    for key, section in (("policy", "allocation"), ("loss", "loss"), ("features", "feature_map"),
-                         ("attention", "attention")):
-        value = (config.get(section) or {}).get("policy" if key == "policy" else "name")
-        tags.append(f"{key}:{value}" if value else None)
+    for tag, section, field in (("policy", "allocation", "policy"), ("loss", "loss", "name"),
+                                ("features", "feature_map", "name"), ("attention", "attention", "name")):
+        value = (config.get(section) or {}).get(field)
+        tags.append(f"{tag}:{value}" if value else None)
     return [tag[:64] for tag in tags if tag]  # wandb's limit per tag
 
 

@@ -129,7 +129,7 @@ def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     from dofla.train.live import Live
     from dofla.train.stream import _train_step
 
-    widest = max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
+    widest = _widest(feature_maps, layers)
     models = {n: cut_to(teacher, n) for n in (1, 2)}
 
     def trace(depth: int, micro: int) -> int:
@@ -154,7 +154,7 @@ def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     one layer's batch of q, k (v) and its loss with the Adam state of the widest layer."""
     from dofla.train.layerwise import layer_loss, needs_values, param_groups
 
-    widest = max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
+    widest = _widest(feature_maps, layers)
     heads, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
 
     def trace(depth: int, micro: int) -> int:  # layers train one after another: depth does not matter
@@ -193,6 +193,11 @@ def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weight
     return _fit("train", trace, layers, weights, cfg.micro_batch_size or cfg.batch_size)
 
 
+def _widest(feature_maps: list, layers: list[int]) -> int:
+    """The layer whose features have the most parameters (the one a per-layer trace sizes)."""
+    return max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
+
+
 def _attention_modules(model):
     from dofla.models.adapters import get_adapter
 
@@ -216,6 +221,4 @@ def device_memory(device: torch.device) -> int:
             info = dict(line.split(":", 1) for line in handle)
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -105,9 +105,10 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
         curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
         if loss is not None:  # the whole batch's loss: the mean over the ranks, at the next flush
             live.hold(curve[-1], "loss", loss)
-        if live.due(step + 1, last=step + 1 == cfg.steps) or (step + 1) % cfg.checkpoint_every == 0:
+        log = live.due(step + 1, last=step + 1 == cfg.steps)
+        if log or (step + 1) % cfg.checkpoint_every == 0:
             live.flush()  # every rank: the flush is a collective under torchrun
-        if live.due(step + 1, last=step + 1 == cfg.steps):
+        if log:
             live.log(step + 1, (step + 1) * batches.batch_tokens, {"loss": curve[-1]["loss"]})
             bar.set_postfix(step=step + 1, loss=curve[-1]["loss"])
         if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():

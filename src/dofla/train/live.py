@@ -7,6 +7,7 @@ Losses stay on the device between log points (:meth:`Live.hold`) and reach the h
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -38,7 +39,7 @@ class Live:
         if self.reduce is not None:
             values = self.reduce(values)
         for (entry, key, _), value in zip(self.pending, values):
-            entry[key] = value if value == value and abs(value) != float("inf") else None
+            entry[key] = value if math.isfinite(value) else None
         self.pending.clear()
 
     def due(self, step: int, last: bool = False) -> bool:

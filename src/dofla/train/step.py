@@ -52,8 +52,8 @@ class Accumulator:
         """The batch's loss and every gradient are finite (one synchronisation)."""
         checks = [torch.isfinite(p.grad).all() for g in self.optimizer.param_groups for p in g["params"]
                   if p.grad is not None]
-        if isinstance(self.total, torch.Tensor):
-            checks.append(torch.isfinite(self.total).to(checks[0].device if checks else self.total.device))
+        if isinstance(self.total, torch.Tensor):  # on the parameters' device, like the gradients
+            checks.append(torch.isfinite(self.total))
         return bool(torch.stack(checks).all()) if checks else True
 
     def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
