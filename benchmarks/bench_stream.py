@@ -26,7 +26,8 @@ from dofla.data.stream import BatchStream
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models import EMBEDDED, get_adapter, load_teacher
 from dofla.train.layerwise import LayerTrainConfig, run_layerwise
-from dofla.train.stream import teacher_heldout, train_layers_streaming
+from dofla.train.stream import train_layers_streaming
+from dofla.train.teacher_acts import teacher_heldout
 
 
 def corpus_stream(tokenizer, batch_size: int, seq_len: int) -> BatchStream:

@@ -129,6 +129,11 @@ class TrainConfig(StepConfig):
     # against this many GiB instead of the device's own
     preflight: bool = True
     memory_limit_gb: Optional[float] = None
+    # under torchrun, how the ranks share layerwise training: data (every rank runs the teacher and
+    # the losses on its share of each batch, gradients averaged: N GPUs take 1/N of a step's work
+    # each, train.batch_size is the batch over all of them), layers (layer i on rank i mod N: each
+    # rank holds only its layers), auto (data when streaming, layers when reading the cache)
+    parallel: str = "auto"
 
 
 @dataclass

@@ -6,7 +6,10 @@ GPUs, gloo on CPUs). Then:
 
 - the activation cache is built once: rank 0 creates the files, every rank runs the teacher on
   its share of the batches and writes its rows, rank 0 seals the manifest;
-- layerwise training spreads the layers over the ranks (layer i on rank i mod N);
+- layerwise training from a stream splits every batch over the ranks and averages each layer's
+  gradients (``train.parallel=data``, the default for a stream): N ranks, 1/N of a step's teacher and
+  loss work each; from the cache (or with ``train.parallel=layers``) it spreads the layers over the
+  ranks instead (layer i on rank i mod N);
 - ``direct`` training splits every batch across the ranks and averages the gradients, so each step
   is the single-process step on the same batch;
 - perplexity and attention error sum their per-batch terms across ranks;
@@ -95,6 +98,12 @@ def is_main() -> bool:
 def barrier() -> None:
     if world() > 1:
         dist.barrier()
+
+
+def splits_batches(parallel: str, source: str) -> bool:
+    """Whether layerwise training splits each batch over the ranks (``train.parallel=data``, or auto on a
+    stream) rather than the layers (``layers``, or auto on the cache); ``source`` may still be ``auto``."""
+    return parallel == "data" or (parallel == "auto" and source == "stream")
 
 
 def mine(items: Iterable[T]) -> list[T]:

@@ -40,7 +40,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if main:
         write_json(out_dir / "run.json", {**build_record(cfg, overrides), "cache_key": tokens.cache_key,
                                           "world_size": distributed.world(), "stages": list(plan),
-                                          "train_source": ctx.source})
+                                          "train_source": ctx.source, "train_parallel": split(cfg, ctx.source)})
     # The teacher's q, k, v over the training tokens (shared by every run with the same data).
     activations = None
     if "cache" in plan:
@@ -143,9 +143,20 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> Ru
     needs_capture = "cache" in plan or "train" in plan
     capture = data.capture_teacher(teacher, teacher_dtype(cfg.precision, cfg.train.teacher_dtype)) \
         if needs_capture else teacher
-    source = data.choose_train_source(cfg, plan, geometry, capture) if distributed.is_main() else None
-    return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture,
-                      distributed.broadcast(source), data_source)
+    source = distributed.broadcast(data.choose_train_source(cfg, plan, geometry, capture) if distributed.is_main()
+                                   else None)
+    validate_world(cfg, distributed.world(), source)  # torchrun's split, now that the source is known
+    return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture, source, data_source)
+
+
+def split(cfg: RunConfig, source: str) -> str | None:
+    """How torchrun's ranks share the train stage: ``data`` (each rank a share of every batch) or
+    ``layers`` (each rank its layers); None for one process."""
+    from dofla.train.losses import end_to_end
+
+    if distributed.world() == 1:
+        return None
+    return "data" if end_to_end(cfg.loss.name) or distributed.splits_batches(cfg.train.parallel, source) else "layers"
 
 
 def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:

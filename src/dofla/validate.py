@@ -160,6 +160,10 @@ def _validate_scale(cfg: RunConfig) -> None:
     """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
     t, a = cfg.train, cfg.allocation
     _one_of("train.source", t.source, TRAIN_SOURCES)
+    _one_of("train.parallel", t.parallel, ("auto", "data", "layers"))
+    require(t.parallel != "data" or t.source != "cache",
+            "train.parallel=data splits a stream's batches over torchrun's ranks, and train.source=cache has no "
+            "stream; use train.source=stream, or train.parallel=layers (or auto) for the cache")
     _one_of("train.teacher_dtype", t.teacher_dtype, TEACHER_DTYPES)
     _positive("train.cache_limit_gb", t.cache_limit_gb)
     if t.max_steps is not None:
@@ -229,14 +233,25 @@ def _validate_eval(cfg: RunConfig) -> None:
                  f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 
 
-def validate_world(cfg: RunConfig, world: int) -> None:
-    """Checks for a data-parallel run under torchrun with ``world`` processes."""
+def validate_world(cfg: RunConfig, world: int, source: str | None = None) -> None:
+    """Checks for a data-parallel run under torchrun with ``world`` processes; ``source``: where training
+    reads (``cache`` or ``stream``), once the run chose it (before, ``train.source``)."""
+    from dofla.distributed import splits_batches
     from dofla.train.losses import end_to_end
 
-    if world > 1 and end_to_end(cfg.loss.name) and "train" in cfg.stages:
+    if world <= 1 or "train" not in cfg.stages:
+        return
+    if end_to_end(cfg.loss.name):
         require(cfg.train.direct_batch_size % world == 0,
                  f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
                  f"torchrun processes; use a multiple of {world}")
+    elif splits_batches(cfg.train.parallel, source or cfg.train.source):
+        require(source != "cache", "train.parallel=data splits a stream's batches, but this run reads the activation "
+                "cache (train.source=auto chose it); set train.source=stream, or train.parallel=layers (or auto)")
+        require(cfg.train.batch_size % world == 0,
+                f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {world} torchrun processes "
+                f"(train.parallel={cfg.train.parallel} splits every streamed batch); use a multiple of {world}, "
+                "or train.parallel=layers")
 
 
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:

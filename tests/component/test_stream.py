@@ -15,7 +15,8 @@ from dofla.feature_maps import build_feature_map
 from dofla.models.capture import capture_qkv
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train.layerwise import LayerTrainConfig, train_layer
-from dofla.train.stream import cache_heldout, run_streaming, teacher_heldout, total_steps, train_layers_streaming
+from dofla.train.stream import run_streaming, total_steps, train_layers_streaming
+from dofla.train.teacher_acts import cache_heldout, teacher_heldout
 
 WORDS = "the lord said unto moses and aaron go forth into land of light water day night".split()
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from dofla.config import RunConfig
-from dofla.validate import ConfigError, validate_against_model, validate_config, validate_output_dir
+from dofla.validate import ConfigError, validate_against_model, validate_config, validate_output_dir, validate_world
 
 
 def _cfg(**changes) -> RunConfig:
@@ -62,6 +62,8 @@ BAD_BEFORE_MODEL = [
     ({"device": "gpu"}, "device"),
     ({"train__teacher_dtype": "fp16"}, "train.teacher_dtype"),
     ({"device": "cuda:x"}, "device"),
+    ({"train__parallel": "tensor"}, "train.parallel"),
+    ({"train__parallel": "data", "train__source": "cache"}, "train.parallel"),
 ]
 
 
@@ -249,3 +251,24 @@ def test_the_slurm_gpu_launcher_asks_for_a_gpu_a_day_and_requeues():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
     assert (launcher.gpus_per_node, launcher.timeout_min, launcher.max_num_timeout) == (1, 1440, 3)
+
+
+@pytest.mark.parametrize("changes,source,needle", [
+    ({"train__source": "stream", "train__batch_size": 3}, None, "train.batch_size=3 cannot be split evenly over 2"),
+    ({"train__parallel": "data", "train__batch_size": 3}, "stream", "train.batch_size=3 cannot be split evenly"),
+    ({"train__parallel": "data"}, "cache", "train.source=auto chose it"),
+    ({"loss__name": "direct", "train__direct_batch_size": 3}, None, "train.direct_batch_size=3"),
+])
+def test_a_torchrun_split_that_cannot_work_is_one_sentence(changes, source, needle):
+    with pytest.raises(ConfigError, match=needle) as err:
+        validate_world(_cfg(**changes), 2, source)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("changes,source", [
+    ({"train__source": "stream", "train__batch_size": 4}, None),
+    ({"train__batch_size": 3}, "cache"),  # auto on the cache splits the layers: any batch
+    ({"train__source": "stream", "train__parallel": "layers", "train__batch_size": 3}, "stream"),
+])
+def test_a_torchrun_split_that_works_passes(changes, source):
+    validate_world(_cfg(**changes), 2, source)

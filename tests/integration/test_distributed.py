@@ -2,8 +2,8 @@
 
 Both sides run with one thread per process, so every matmul is computed the same way and the
 cache, the layerwise-trained features and the evaluation agree (sums across ranks only reorder
-float64 additions). ``direct`` splits each batch over the ranks and averages gradients: the same
-steps up to float rounding.
+float64 additions). ``direct``, and layerwise training from a stream, split each batch over the ranks
+and average gradients: the same steps up to float rounding.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_two_processes_equal_one_layerwise(tmp_path):
     single, ddp = _both(tmp_path, "data.num_tokens=1536")  # 24 sequences: 6 batches, 3 per rank
     one, two = _cache_arrays(tmp_path / "single_cache"), _cache_arrays(tmp_path / "ddp_cache")
     assert one.keys() == two.keys() and all(np.array_equal(one[k], two[k]) for k in one)
-    assert json.loads((ddp / "run.json").read_text())["world_size"] == 2
+    run = json.loads((ddp / "run.json").read_text())
+    assert run["world_size"] == 2 and run["train_parallel"] == "layers"  # the cache: layer i on rank i mod 2
     for name in ("dof.json", "allocation.json"):
         assert json.loads((single / name).read_text()) == json.loads((ddp / name).read_text())
     for layer in ("layer_00.pt", "layer_01.pt"):  # layer 0 trained on rank 0, layer 1 on rank 1
@@ -77,6 +78,50 @@ def test_two_processes_equal_one_direct(tmp_path):
     assert [p["loss"] for p in curve2] == pytest.approx([p["loss"] for p in curve1], rel=1e-4)
     m1, m2 = _metrics(single), _metrics(ddp)
     assert all(m2[k] == pytest.approx(m1[k], rel=1e-4) for k in m1)
+
+
+STREAM = ["train.source=stream", "data.num_tokens=2048", "data.cache_tokens=256", "train.batch_size=4",
+          "train.micro_batch_size=1"]
+
+
+def _layer_states(run_dir):
+    return {layer: torch.load(run_dir / "layers" / layer, weights_only=False)["state_dict"]
+            for layer in ("layer_00.pt", "layer_01.pt")}
+
+
+def test_two_processes_split_every_streamed_batch(tmp_path):
+    """train.parallel=auto on a stream: each rank runs the teacher on 2 of the 4 rows (one micro-batch at a
+    time), the layers' gradients are averaged; the one-process run at batch 4 takes the same steps."""
+    single, ddp = _both(tmp_path, *STREAM)
+    assert json.loads((ddp / "run.json").read_text())["train_parallel"] == "data"
+    one, two = _layer_states(single), _layer_states(ddp)
+    for layer in one:
+        assert all(torch.allclose(one[layer][k], two[layer][k], rtol=1e-4, atol=1e-6) for k in one[layer])
+    s1 = json.loads((single / "train_summary.json").read_text())
+    s2 = json.loads((ddp / "train_summary.json").read_text())
+    for layer in s1:
+        assert s2[layer]["tokens"] == s1[layer]["tokens"] == 2048  # 8 steps of 4 × 64
+        assert [p["loss"] for p in s2[layer]["curve"]] == pytest.approx([p["loss"] for p in s1[layer]["curve"]],
+                                                                        rel=1e-4)
+        assert s2[layer]["final_heldout_loss"] == pytest.approx(s1[layer]["final_heldout_loss"], rel=1e-4)
+    m1, m2 = _metrics(single), _metrics(ddp)
+    assert all(m2[k] == pytest.approx(m1[k], rel=1e-4) for k in m1)
+
+
+def test_two_processes_can_still_split_the_layers_of_a_stream(tmp_path):
+    """train.parallel=layers: each rank streams the whole batch for its own layers (exactly one process's result)."""
+    single, ddp = _both(tmp_path, *STREAM, "train.parallel=layers")
+    assert json.loads((ddp / "run.json").read_text())["train_parallel"] == "layers"
+    one, two = _layer_states(single), _layer_states(ddp)
+    assert all(torch.equal(one[layer][k], two[layer][k]) for layer in one for k in one[layer])
+
+
+def test_streamed_batch_that_cannot_be_split_is_one_sentence(tmp_path):
+    result = torchrun("experiment=smoke_tiny", *STREAM[:3], "train.batch_size=3",
+                      f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}")
+    assert result.returncode != 0
+    assert "train.batch_size=3 cannot be split evenly over 2 torchrun processes" in result.stderr
+    assert not (tmp_path / "cache").exists()
 
 
 def test_direct_batch_that_cannot_be_split_is_one_sentence(tmp_path):

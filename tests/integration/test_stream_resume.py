@@ -23,7 +23,8 @@ from dofla.data import pack_tokens
 from dofla.feature_maps import build_feature_map
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 from dofla.train.layerwise import LayerTrainConfig
-from dofla.train.stream import teacher_heldout, train_layers_streaming
+from dofla.train.stream import train_layers_streaming
+from dofla.train.teacher_acts import teacher_heldout
 
 torch.set_num_threads(1)
 data, ckpt, out = sys.argv[1:4]

@@ -60,8 +60,11 @@ def run(ctx: RunContext, dims: list) -> RunContext:
     auto = cfg.train.micro_batch_size == "auto"
     if not (cfg.train.preflight or auto) or not any(dims):
         return ctx
-    # under torchrun direct splits every batch over the processes; each process traces on its own
-    batch = cfg.train.direct_batch_size // distributed.world() if end_to_end(cfg.loss.name) else cfg.train.batch_size
+    # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
+    # process traces its own share
+    batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
+    if end_to_end(cfg.loss.name) or distributed.splits_batches(cfg.train.parallel, ctx.source):
+        batch //= distributed.world()
     device = next(ctx.teacher.parameters()).device
     limit = int(cfg.train.memory_limit_gb * GIB) if cfg.train.memory_limit_gb else capacity.device_memory(device)
     where = f"{cfg.train.memory_limit_gb:g} GiB (train.memory_limit_gb)" if cfg.train.memory_limit_gb else \

@@ -142,7 +142,8 @@ def train(cfg: RunConfig, cache, geometry, dims, teacher, train_tokens, out_dir:
 def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train_cfg, directory, meta,
                      data_source=None, on_log=None) -> dict:
     """One pass over ``data.num_tokens`` fresh tokens (the cached sample is skipped and held out)."""
-    from dofla.train.stream import cache_heldout, run_streaming
+    from dofla.train.stream import run_streaming
+    from dofla.train.teacher_acts import cache_heldout
 
     cached_seqs = cache.layer(0).q.shape[0]
     batches = training_stream(cfg, tokenizer, cfg.train.batch_size, cached_seqs * cfg.data.seq_len,
@@ -150,11 +151,13 @@ def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train
     held = max(1, round(cfg.train.heldout_fraction * cached_seqs))
     heldout = cache_heldout(cache, num_seqs=held)
     kwargs = dict(num_tokens=cfg.data.num_tokens, steps=stream_steps(cfg, batches.batch_tokens), on_log=on_log)
-    if distributed.world() > 1:
+    split_batches = distributed.splits_batches(cfg.train.parallel, "stream")
+    if distributed.world() > 1 and not split_batches:  # layer i on rank i mod N, then every rank reads them all
         run_streaming(teacher, batches, feature_maps, distributed.mine(layers), train_cfg, heldout, directory,
                       meta, **kwargs)
         distributed.barrier()
-    return run_streaming(teacher, batches, feature_maps, layers, train_cfg, heldout, directory, meta, **kwargs)
+    return run_streaming(teacher, batches, feature_maps, layers, train_cfg, heldout, directory, meta,
+                         data_parallel=split_batches and distributed.world() > 1, **kwargs)
 
 
 def per_layer_meta(meta: dict, i: int, attn) -> dict:

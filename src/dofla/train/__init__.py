@@ -3,7 +3,7 @@ from dofla.train.direct import train_direct
 from dofla.train.layerwise import LayerTrainConfig, LayerTrainResult, layer_loss, run_layerwise, train_layer
 from dofla.train.losses import LOSSES
 from dofla.train.step import NonFiniteLossError
-from dofla.train.stream import teacher_qk
+from dofla.train.teacher_acts import teacher_qk
 
 __all__ = [
     "train_direct", "LayerTrainConfig", "LayerTrainResult", "NonFiniteLossError",

@@ -7,8 +7,13 @@ layer's teacher q, k. The q, k are teacher activations, so no gradient crosses l
 the paper's layerwise training, with data bounded by time instead of disk. Memory holds one batch.
 
 Held-out loss on fixed held-out q, k every ``eval_every`` steps keeps each layer's best state (as
-``train_layer`` does). A checkpoint every ``checkpoint_every`` steps holds every layer's features,
-optimizer and best state plus the data position, so a killed run resumes to the same bits on CPU.
+``train_layer`` does). Under torchrun with ``data_parallel``, every rank reads the same batches and
+runs the teacher and the losses on its own rows of each (rank r takes rows r, r + N, ...), the
+layers' gradients are averaged across the ranks, and rank 0's held-out values decide for all: N
+processes give one process's steps at the same batch, with 1/N of its teacher and loss work each.
+
+A checkpoint every ``checkpoint_every`` steps holds every layer's features, optimizer and best state
+plus the data position, so a killed run resumes to the same bits on CPU.
 """
 from __future__ import annotations
 
@@ -21,23 +26,20 @@ from typing import Callable, Union
 import torch
 from tqdm.auto import tqdm
 
+from dofla import distributed
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
 from dofla.data.sources import DataError
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
-from dofla.models.capture import capturing
 from dofla.train.layerwise import LayerTrainConfig, cpu_state, heldout_loss, layer_loss, needs_values, param_groups
 from dofla.train.live import Live, Log, latest
 from dofla.train.step import Accumulator, lr_factor, micro_batches
+from dofla.train.teacher_acts import teacher_qk
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
 HeldOut = Union[dict, Callable[[int], tuple]]
-
-
-class _Captured(Exception):
-    """Raised from the capture callback once the deepest needed layer is captured: ends the forward."""
 
 
 @dataclass
@@ -61,30 +63,11 @@ def total_steps(num_tokens: int, steps: int | None, batch_tokens: int) -> int:
     return num_tokens // batch_tokens
 
 
-@torch.no_grad()
-def teacher_qk(teacher, modules, input_ids: torch.Tensor, layers: list[int], values: bool = False) -> dict[int, tuple]:
-    """{layer: (q (B, H, L, d), k (B, H_kv, L, d), v (B, H_kv, L, d) or None unless ``values``)} in
-    fp32 for ``layers``; the forward stops right after the deepest of them."""
-    wanted, deepest, captured = set(layers), max(layers), {}
-
-    def grab(i, q, k, v):
-        if i in wanted:
-            captured[i] = (q.float(), k.float(), v.float() if values else None)
-        if i == deepest:
-            raise _Captured
-
-    with capturing(teacher, modules, grab):
-        try:
-            teacher(input_ids=input_ids, use_cache=False)
-        except _Captured:
-            pass
-    return captured
-
-
 def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int],
                            cfg: LayerTrainConfig, heldout: HeldOut, checkpoint_path: Path | None = None,
                            num_tokens: int = 0, steps: int | None = None, progress: bool = True,
-                           meta: dict | None = None, on_log: Log | None = None) -> StreamResult:
+                           meta: dict | None = None, on_log: Log | None = None,
+                           data_parallel: bool = False) -> StreamResult:
     """Train ``feature_maps[i]`` for every i in ``layers`` on fresh teacher activations.
 
     Runs ``total_steps(num_tokens, steps, B·L)`` steps (cfg.steps is ignored; the warm-up and
@@ -94,7 +77,10 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     losses reach the host only then). A checkpoint of a finished
     run makes a second call return at once with the same result. The checkpoint records ``meta``
     (the settings); one written with other settings is never resumed: training starts over.
+    ``data_parallel``: under torchrun, split every batch over the ranks (every rank must call this
+    with the same arguments; rank 0 writes the checkpoint).
     """
+    dp = DataParallel(data_parallel)
     modules = get_adapter(teacher).attention_modules(teacher)
     layers = _checked_layers(layers, len(modules))
     total = total_steps(num_tokens, steps, batches.batch_tokens)
@@ -112,26 +98,28 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     if ckpt is not None:
         state = _resume(ckpt, feature_maps, optimizers, batches)
     else:
-        state = _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches)
+        state = _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches, dp)
     bar = tqdm(total=total * batches.batch_tokens, initial=state["tokens"], desc="stream", unit="tok",
-               unit_scale=True, disable=not progress)
+               unit_scale=True, disable=not progress or not distributed.is_main())
     start = time.perf_counter() - state["seconds"]
-    live = Live(on_log, cfg.log_every, total * batches.batch_tokens, state["tokens"])
+    live = Live(on_log, cfg.log_every, total * batches.batch_tokens, state["tokens"], reduce=dp.mean)
     while state["step"] < total and _active(state):
         kill_point(f"stream:step{state['step']}")
         ids = _next_batch(batches, total)
-        _train_step(teacher, modules, ids.to(device), feature_maps, optimizers, base_lrs, state, cfg, live)
+        _train_step(teacher, modules, dp.rows(ids).to(device), feature_maps, optimizers, base_lrs, state, cfg, live,
+                    dp.on)
         state["step"] += 1
         state["tokens"] += ids.numel()
         state["data"] = batches.state()
         if state["step"] % cfg.eval_every == 0 or state["step"] == total:
             live.flush()
             for i in _active(state):
-                _evaluate(feature_maps[i], i, heldout, cfg, device, state)
+                _evaluate(feature_maps[i], i, heldout, cfg, device, state, dp)
         state["seconds"] = time.perf_counter() - start
         if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
             live.flush()
-            _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
+            if dp.main:
+                _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
         bar.update(ids.numel())
         if live.due(state["step"], last=state["step"] == total):
             live.flush()
@@ -140,7 +128,7 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
             bar.set_postfix(step=state["step"], loss=f"{values.get('loss_mean', float('nan')):.4f}")
     bar.close()
     live.flush()
-    if checkpoint_path is not None:
+    if checkpoint_path is not None and dp.main:
         _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
     return _result(feature_maps, state)
 
@@ -153,10 +141,28 @@ def _checked_layers(layers: list[int], num_layers: int) -> list[int]:
     return layers
 
 
-def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches) -> dict:
+class DataParallel:
+    """A streamed run's share of torchrun's work: each rank's rows of a batch, the mean of logged
+    values over the ranks, rank 0's held-out values; all no-ops when ``on`` is false or alone."""
+
+    def __init__(self, on: bool):
+        self.on = on and distributed.world() > 1
+        self.main = distributed.is_main() if self.on else True
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch[distributed.rank()::distributed.world()] if self.on else batch
+
+    def mean(self, values: list[float]) -> list[float]:
+        return [v / distributed.world() for v in distributed.sum_across(values)] if self.on else values
+
+    def agreed(self, value: float) -> float:
+        return distributed.broadcast(value) if self.on else value
+
+
+def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches, dp: DataParallel) -> dict:
     per_layer = {}
     for i in layers:
-        initial = _heldout_value(feature_maps[i], i, heldout, cfg, device)
+        initial = dp.agreed(_heldout_value(feature_maps[i], i, heldout, cfg, device))
         per_layer[i] = {"curve": [], "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
                         "stopped": i not in optimizers, "seconds": 0.0, "best_state": cpu_state(feature_maps[i])}
     return {"step": 0, "tokens": 0, "seconds": 0.0, "teacher_seconds": 0.0, "data": batches.state(),
@@ -177,9 +183,11 @@ def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
             "lower data.num_tokens (or set train.max_steps) or use a larger data source") from None
 
 
-def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg, live: Live) -> None:
+def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg, live: Live,
+                data_parallel: bool = False) -> None:
     """Per micro-batch one teacher forward and every active layer's loss and backward; then one Adam
-    step per layer on the accumulated gradients. The losses join the curves at ``live``'s next flush."""
+    step per layer on the accumulated gradients (averaged over torchrun's ranks with ``data_parallel``;
+    ``ids`` is then this rank's rows). The losses join the curves at ``live``'s next flush."""
     step, active = state["step"], _active(state)
     steps = {i: Accumulator(optimizers[i]) for i in active}
     for part, share in micro_batches(ids, cfg):
@@ -195,7 +203,8 @@ def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state
         started = time.perf_counter()
         for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
             group["lr"] = lr * lr_factor(step, cfg)
-        loss = steps[i].step(f"layer{i}: non-finite training loss at streaming step {step}", cfg.skip_nonfinite)
+        loss = steps[i].step(f"layer{i}: non-finite training loss at streaming step {step}", cfg.skip_nonfinite,
+                             data_parallel)
         curve = state["layers"][i]["curve"]
         if loss is not None:
             curve.append({"step": step, "loss": None})
@@ -210,10 +219,11 @@ def _heldout_value(feature_map, i: int, heldout: HeldOut, cfg, device) -> float:
     return heldout_loss(feature_map, q, k, torch.arange(q.shape[0]), cfg, v[0] if v else None)
 
 
-def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state) -> None:
-    """Record layer i's held-out loss, keep its best state, stop it when patience runs out."""
+def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state, dp: DataParallel) -> None:
+    """Record layer i's held-out loss, keep its best state, stop it when patience runs out (rank 0's
+    value decides on every rank)."""
     layer = state["layers"][i]
-    value = _heldout_value(feature_map, i, heldout, cfg, device)
+    value = dp.agreed(_heldout_value(feature_map, i, heldout, cfg, device))
     layer["curve"][-1]["heldout_loss"] = value
     if value < layer["best"]:
         layer.update(best=value, best_step=state["step"], bad_evals=0, best_state=cpu_state(feature_map))
@@ -251,12 +261,13 @@ def _result(feature_maps, state) -> StreamResult:
 
 def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int], cfg: LayerTrainConfig,
                   heldout: HeldOut, out_dir: Path, meta: dict | None = None, num_tokens: int = 0,
-                  steps: int | None = None, on_log: Log | None = None) -> dict[int, dict]:
+                  steps: int | None = None, on_log: Log | None = None, data_parallel: bool = False) -> dict[int, dict]:
     """``train_layers_streaming`` written as run_layerwise's verified ``layer_XX.pt`` artifacts.
 
     Layers whose artifact exists and verifies (same ``meta``) are loaded; the others train
     together from a checkpoint named after their set (so jobs on disjoint layers can share
-    ``out_dir``). When all exist nothing runs.
+    ``out_dir``). When all exist nothing runs. ``data_parallel``: torchrun's ranks share every
+    batch (see :func:`train_layers_streaming`) and rank 0 writes the artifacts.
     """
     out_dir = Path(out_dir)
     metas = {i: {**(meta or {}), "layer": i, "num_features": feature_dims(feature_maps[i])} for i in layers}
@@ -272,29 +283,17 @@ def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: lis
         return summaries
     checkpoint = out_dir / f"stream_{zlib.crc32(repr(sorted(missing)).encode()):08x}.ckpt"
     result = train_layers_streaming(teacher, batches, feature_maps, missing, cfg, heldout, checkpoint,
-                                    num_tokens=num_tokens, steps=steps, on_log=on_log,
+                                    num_tokens=num_tokens, steps=steps, on_log=on_log, data_parallel=data_parallel,
                                     meta={i: metas[i] for i in missing} if meta is not None else None)
+    writes = not data_parallel or distributed.is_main()  # data parallel: every rank holds the same features
     for i, summary in result.summaries.items():
         summary["tokens"] = result.tokens
-        save_artifact(out_dir / f"layer_{i:02d}.pt", {"state_dict": feature_maps[i].state_dict(),
-                                                      "curve": summary["curve"], "summary": summary}, metas[i])
+        if writes:
+            save_artifact(out_dir / f"layer_{i:02d}.pt", {"state_dict": feature_maps[i].state_dict(),
+                                                          "curve": summary["curve"], "summary": summary}, metas[i])
         summaries[i] = summary
-    checkpoint.unlink(missing_ok=True)
+    if writes:
+        checkpoint.unlink(missing_ok=True)
+    if data_parallel:
+        distributed.barrier()
     return {i: summaries[i] for i in layers}
-
-
-def teacher_heldout(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 4) -> dict[int, tuple]:
-    """Held-out q (S, H, L, d), k and v (S, H_kv, L, d) per layer from held-out token rows (S, L), on
-    CPU. Use text the stream never serves: the source's "heldout" split, or see ``cache_heldout``."""
-    device = next(teacher.parameters()).device
-    modules = get_adapter(teacher).attention_modules(teacher)
-    parts = [teacher_qk(teacher, modules, rows.to(device), layers, values=True) for rows in tokens.split(batch_size)]
-    return {i: tuple(torch.cat([p[i][j].cpu() for p in parts]) for j in range(3)) for i in layers}
-
-
-def cache_heldout(cache, num_seqs: int = 4) -> Callable[[int], tuple[torch.Tensor, ...]]:
-    """Held-out q, k, v per layer: the last ``num_seqs`` sequences of an activation cache (fp16 → fp32);
-    only held out when the stream skips the cached tokens first (``BatchStream.discard``)."""
-    def layer(i: int) -> tuple[torch.Tensor, ...]:
-        return cache.layer(i).torch(slice(-num_seqs, None))
-    return layer
