@@ -81,11 +81,12 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     # The student as a Hugging Face model directory.
     with timer("assemble"):
         student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key)
-    # Optional model-level distillation: KL to the teacher's next-token distributions on fresh text.
+    # Optional model-level distillation: KL to the teacher's next-token distributions on fresh text
+    # (under torchrun every rank trains on its share of each batch).
     distilled = cfg.distill.name != "none" and "distill" in plan
     if distilled:
         with timer("distill"):
-            result = distributed.main_first(distill.run, ctx, student, tokens, tracker if main else None)
+            result = distill.run(ctx, student, tokens, tracker if main else None)
         student = result.student
     # Optional LoRA fine-tune of the (distilled) student.
     finetuned = cfg.finetune.name == "lora" and "finetune" in plan

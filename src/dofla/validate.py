@@ -239,7 +239,13 @@ def validate_world(cfg: RunConfig, world: int, source: str | None = None) -> Non
     from dofla.distributed import splits_batches
     from dofla.train.losses import end_to_end
 
-    if world <= 1 or "train" not in cfg.stages:
+    if world <= 1:
+        return
+    if cfg.distill.name != "none" and "distill" in cfg.stages:
+        require(cfg.distill.batch_size % world == 0,
+                f"distill.batch_size={cfg.distill.batch_size} cannot be split evenly over {world} torchrun processes; "
+                f"use a multiple of {world}")
+    if "train" not in cfg.stages:
         return
     if end_to_end(cfg.loss.name):
         require(cfg.train.direct_batch_size % world == 0,

@@ -258,6 +258,7 @@ def test_the_slurm_gpu_launcher_asks_for_a_gpu_a_day_and_requeues():
     ({"train__parallel": "data", "train__batch_size": 3}, "stream", "train.batch_size=3 cannot be split evenly"),
     ({"train__parallel": "data"}, "cache", "train.source=auto chose it"),
     ({"loss__name": "direct", "train__direct_batch_size": 3}, None, "train.direct_batch_size=3"),
+    ({"distill__name": "kl", "distill__batch_size": 3}, "cache", "distill.batch_size=3 cannot be split evenly"),
 ])
 def test_a_torchrun_split_that_cannot_work_is_one_sentence(changes, source, needle):
     with pytest.raises(ConfigError, match=needle) as err:

@@ -1,11 +1,13 @@
 """The distill stage (``distill=kl``): the assembled student trained on KL(teacher ‖ student) over
 fresh streamed text -> ``student_distilled/``, reused only for the same settings; checkpointed
-(``distill_ckpt.pt``), so a killed run resumes where it stopped."""
+(``distill_ckpt.pt``), so a killed run resumes where it stopped. Under torchrun every rank trains on
+its share of each batch (:func:`dofla.train.distill.train_kl`) and rank 0 writes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from dofla import distributed
 from dofla.artifacts import canonical
 from dofla.record import read_json, write_json
 from dofla.stages.assemble import with_settings
@@ -43,10 +45,12 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     log = None if tracker is None else (lambda values: tracker.log(values))
     student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, schedule(ctx, stream.batch_tokens),
                                       checkpoint_path=ctx.out_dir / "distill_ckpt.pt", meta=settings,
-                                      lora=(d.lora_rank, d.lora_alpha), on_log=log)
-    write_json(ctx.out_dir / "distill_summary.json", {"tokens": tokens, "curve": curve, "settings": settings})
-    save_model_dir(student, ctx.tokenizer, target, settings)
-    (ctx.out_dir / "distill_ckpt.pt").unlink(missing_ok=True)  # the student directory supersedes it
+                                      lora=(d.lora_rank, d.lora_alpha), on_log=log, data_parallel=True)
+    if distributed.is_main():  # every rank holds the same student
+        write_json(ctx.out_dir / "distill_summary.json", {"tokens": tokens, "curve": curve, "settings": settings})
+        save_model_dir(student, ctx.tokenizer, target, settings)
+        (ctx.out_dir / "distill_ckpt.pt").unlink(missing_ok=True)  # the student directory supersedes it
+    distributed.barrier()
     return Distilled(with_settings(student, settings), tokens)
 
 

@@ -8,7 +8,9 @@ the strongest published conversions: short attention alignment, then most tokens
 What trains is named by the config: ``features`` (every layer's feature map), ``attention`` (the
 attention projections, fully), ``lora`` (low-rank adapters on them, merged on return). Everything
 else is frozen. The teacher's logits are computed on the fly, never stored. Batches are micro-batched
-(gradient accumulation), so the effective batch does not set the peak memory.
+(gradient accumulation), so the effective batch does not set the peak memory. Under torchrun
+(``data_parallel``) every rank reads the same batches, runs teacher and student on its own rows of
+each, and the gradients are averaged before clipping: the single-process step at the same batch.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dofla import distributed
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
@@ -148,14 +151,17 @@ def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch
 
 def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,
              meta: dict | None = None, lora: tuple[int, int] = (8, 16),
-             on_log: Callable[[dict], None] | None = None):
+             on_log: Callable[[dict], None] | None = None, data_parallel: bool = False):
     """Distil ``teacher`` into ``student`` for ``s.steps`` batches of ``batches`` (a ``BatchStream``-like
     source: ``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``).
 
     Returns (the trained student, the curve, the tokens trained on). Resumes from ``checkpoint_path``
     when it was written with ``meta``. A source that runs out ends the stage early, saying so; the
-    tokens returned are the ones actually used.
+    tokens returned are the ones actually used. ``data_parallel``: torchrun's ranks share every batch
+    (each its rows ``rank::world``; every rank must call this alike; rank 0 writes the checkpoint and
+    the KL logged is the batch's, the mean over the ranks).
     """
+    split = data_parallel and distributed.world() > 1
     model, named = prepare_trainable(student, train, *lora)
     rates = {"features": s.feature_lr, "attention": s.lr, "lora": s.lr}
     optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
@@ -172,11 +178,14 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     base = [rates[g["name"]] for g in optimizer.param_groups]  # not the loaded groups' (scheduled) rates
     model.eval()  # dropout off: the target is the teacher's deterministic distribution
     teacher.eval()
-    bar = tqdm(total=s.steps * batches.batch_tokens, initial=tokens, desc="distill (KL)", unit="tok", unit_scale=True)
+    bar = tqdm(total=s.steps * batches.batch_tokens, initial=tokens, desc="distill (KL)", unit="tok", unit_scale=True,
+               disable=not distributed.is_main())
     pending: list[tuple[int, torch.Tensor]] = []
 
     def flush():
         values = torch.stack([v for _, v in pending]).tolist() if pending else []
+        if split and values:  # every rank flushes at the same steps: a collective
+            values = [v / distributed.world() for v in distributed.sum_across(values)]
         for (i, _), value in zip(pending, values):
             curve.append({"step": i, "kl": value if math.isfinite(value) else None})
         pending.clear()
@@ -196,7 +205,9 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
-        kl = accumulate(model, teacher, batch, s)
+        kl = accumulate(model, teacher, batch[distributed.rank()::distributed.world()] if split else batch, s)
+        if split:
+            distributed.average_gradients(params)
         if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:
             norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # a non-finite norm zeroes the gradient
             for p in params:
@@ -210,9 +221,10 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
             flush()
         if checkpoint_path is not None and (step + 1) % s.checkpoint_every == 0 and step + 1 < s.steps:
             flush()
-            torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names},
-                               "optimizer": optimizer.state_dict(), "data": batches.state(), "step": step + 1,
-                               "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
+            if distributed.is_main():
+                torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names},
+                                   "optimizer": optimizer.state_dict(), "data": batches.state(), "step": step + 1,
+                                   "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
     flush()
     bar.close()
     return finish(model, student), curve, tokens
