@@ -122,6 +122,11 @@ def sum_across(values: list[float]) -> list[float]:
     return tensor.cpu().tolist()
 
 
+def mean_across(values: list[float]) -> list[float]:
+    """Element-wise mean of ``values`` over all ranks (a logged loss of a batch split over them)."""
+    return [v / world() for v in sum_across(values)]
+
+
 def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """Replace each gradient by its mean over the ranks (DDP's all-reduce, done by hand)."""
     if world() == 1:

@@ -88,7 +88,7 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
     bar = tqdm(total=cfg.steps * batches.batch_tokens, initial=step * batches.batch_tokens, desc="train (direct)",
                unit="tok", unit_scale=True, disable=not distributed.is_main())
     live = Live(on_log, cfg.log_every, cfg.steps * batches.batch_tokens, step * batches.batch_tokens,
-                reduce=lambda values: [v / distributed.world() for v in distributed.sum_across(values)])
+                reduce=distributed.mean_across)
     for step in range(step, cfg.steps):
         kill_point(f"train:direct:step{step}")
         for group, lr in zip(optimizer.param_groups, base_lrs):

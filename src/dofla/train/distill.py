@@ -185,7 +185,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     def flush():
         values = torch.stack([v for _, v in pending]).tolist() if pending else []
         if split and values:  # every rank flushes at the same steps: a collective
-            values = [v / distributed.world() for v in distributed.sum_across(values)]
+            values = distributed.mean_across(values)
         for (i, _), value in zip(pending, values):
             curve.append({"step": i, "kl": value if math.isfinite(value) else None})
         pending.clear()

@@ -153,7 +153,7 @@ class DataParallel:
         return batch[distributed.rank()::distributed.world()] if self.on else batch
 
     def mean(self, values: list[float]) -> list[float]:
-        return [v / distributed.world() for v in distributed.sum_across(values)] if self.on else values
+        return distributed.mean_across(values) if self.on else values
 
     def agreed(self, value: float) -> float:
         return distributed.broadcast(value) if self.on else value
