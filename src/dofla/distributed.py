@@ -106,6 +106,11 @@ def splits_batches(parallel: str, source: str) -> bool:
     return parallel == "data" or (parallel == "auto" and source == "stream")
 
 
+def my_rows(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a batch split over the ranks (rows rank, rank + world, ...)."""
+    return batch[rank()::world()]
+
+
 def mine(items: Iterable[T]) -> list[T]:
     """This rank's share of ``items`` (item n goes to rank n mod world)."""
     return [item for n, item in enumerate(items) if n % world() == rank()]

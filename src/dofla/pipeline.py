@@ -18,7 +18,8 @@ from dofla.record import build_record, write_json
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
-from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir, validate_world
+from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
+from dofla.world import train_split, validate_world
 
 
 def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
@@ -40,7 +41,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if main:
         write_json(out_dir / "run.json", {**build_record(cfg, overrides), "cache_key": tokens.cache_key,
                                           "world_size": distributed.world(), "stages": list(plan),
-                                          "train_source": ctx.source, "train_parallel": split(cfg, ctx.source)})
+                                          "train_source": ctx.source, "train_parallel": train_split(cfg, distributed.world(), ctx.source)})
     # The teacher's q, k, v over the training tokens (shared by every run with the same data).
     activations = None
     if "cache" in plan:
@@ -148,16 +149,6 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> Ru
                                    else None)
     validate_world(cfg, distributed.world(), source)  # torchrun's split, now that the source is known
     return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture, source, data_source)
-
-
-def split(cfg: RunConfig, source: str) -> str | None:
-    """How torchrun's ranks share the train stage: ``data`` (each rank a share of every batch) or
-    ``layers`` (each rank its layers); None for one process."""
-    from dofla.train.losses import end_to_end
-
-    if distributed.world() == 1:
-        return None
-    return "data" if end_to_end(cfg.loss.name) or distributed.splits_batches(cfg.train.parallel, source) else "layers"
 
 
 def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:

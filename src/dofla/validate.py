@@ -233,33 +233,6 @@ def _validate_eval(cfg: RunConfig) -> None:
                  f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 
 
-def validate_world(cfg: RunConfig, world: int, source: str | None = None) -> None:
-    """Checks for a data-parallel run under torchrun with ``world`` processes; ``source``: where training
-    reads (``cache`` or ``stream``), once the run chose it (before, ``train.source``)."""
-    from dofla.distributed import splits_batches
-    from dofla.train.losses import end_to_end
-
-    if world <= 1:
-        return
-    if cfg.distill.name != "none" and "distill" in cfg.stages:
-        require(cfg.distill.batch_size % world == 0,
-                f"distill.batch_size={cfg.distill.batch_size} cannot be split evenly over {world} torchrun processes; "
-                f"use a multiple of {world}")
-    if "train" not in cfg.stages:
-        return
-    if end_to_end(cfg.loss.name):
-        require(cfg.train.direct_batch_size % world == 0,
-                 f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
-                 f"torchrun processes; use a multiple of {world}")
-    elif splits_batches(cfg.train.parallel, source or cfg.train.source):
-        require(source != "cache", "train.parallel=data splits a stream's batches, but this run reads the activation "
-                "cache (train.source=auto chose it); set train.source=stream, or train.parallel=layers (or auto)")
-        require(cfg.train.batch_size % world == 0,
-                f"train.batch_size={cfg.train.batch_size} cannot be split evenly over {world} torchrun processes "
-                f"(train.parallel={cfg.train.parallel} splits every streamed batch); use a multiple of {world}, "
-                "or train.parallel=layers")
-
-
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
     """Checks that need the model's geometry (read from its config, before any compute)."""
     budget = feature_budget(cfg, head_dim)

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from dofla.config import RunConfig
-from dofla.validate import ConfigError, validate_against_model, validate_config, validate_output_dir, validate_world
+from dofla.validate import ConfigError, validate_against_model, validate_config, validate_output_dir
+from dofla.world import validate_world
 
 
 def _cfg(**changes) -> RunConfig:

@@ -157,7 +157,7 @@ def _train_streaming(cfg, cache, teacher, tokenizer, feature_maps, layers, train
                       meta, **kwargs)
         distributed.barrier()
     return run_streaming(teacher, batches, feature_maps, layers, train_cfg, heldout, directory, meta,
-                         data_parallel=split_batches and distributed.world() > 1, **kwargs)
+                         data_parallel=split_batches, **kwargs)
 
 
 def per_layer_meta(meta: dict, i: int, attn) -> dict:

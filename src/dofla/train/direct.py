@@ -94,7 +94,7 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
         for group, lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = lr * lr_factor(step, cfg)
         batch = batches.next_batch().to(device)
-        batch = batch[distributed.rank()::distributed.world()]  # torchrun: this rank's part of the batch
+        batch = distributed.my_rows(batch)  # torchrun: this rank's part of the batch
         accumulated = Accumulator(optimizer)
         for part, share in micro_batches(batch, cfg):
             with autocast(cfg.precision, device):

@@ -205,7 +205,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
-        kl = accumulate(model, teacher, batch[distributed.rank()::distributed.world()] if split else batch, s)
+        kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s)
         if split:
             distributed.average_gradients(params)
         if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:

@@ -150,7 +150,7 @@ class DataParallel:
         self.main = distributed.is_main() if self.on else True
 
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        return batch[distributed.rank()::distributed.world()] if self.on else batch
+        return distributed.my_rows(batch) if self.on else batch
 
     def mean(self, values: list[float]) -> list[float]:
         return distributed.mean_across(values) if self.on else values
