@@ -11,6 +11,7 @@ from dofla import distributed
 from dofla.errors import DoflaError
 from dofla.record import write_json
 from dofla.stages.context import RunContext
+from dofla.world import train_split
 
 GIB = 2**30
 
@@ -63,7 +64,7 @@ def run(ctx: RunContext, dims: list) -> RunContext:
     # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
     # process traces its own share
     batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
-    if end_to_end(cfg.loss.name) or distributed.splits_batches(cfg.train.parallel, ctx.source):
+    if train_split(cfg, distributed.world(), ctx.source) == "data":
         batch //= distributed.world()
     device = next(ctx.teacher.parameters()).device
     limit = int(cfg.train.memory_limit_gb * GIB) if cfg.train.memory_limit_gb else capacity.device_memory(device)
