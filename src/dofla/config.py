@@ -75,6 +75,10 @@ class AllocationConfig:
     measured_steps: int = 60  # measured: training steps per (layer, M) point
     head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
     head_blocks: int = 2  # dof_head: at most this many blocks (distinct dims) per layer; 0 = no limit
+    # k > 0: keep exact (softmax, with a KV cache) the k layers whose restoration lowers the model's KL
+    # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
+    softmax_layers: int = 0
+    softmax_probe_seqs: int = 8
 
 
 @dataclass
@@ -269,6 +273,8 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("eval", "finetune_batch_size"): 4,
     ("eval", "finetune_max_length"): 512,
     ("eval", "finetune_train_data"): None,
+    ("allocation", "softmax_layers"): 0,
+    ("allocation", "softmax_probe_seqs"): 8,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

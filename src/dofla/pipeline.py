@@ -16,6 +16,7 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.record import build_record, write_json
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
+from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
@@ -81,7 +82,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         return {}
     # The student as a Hugging Face model directory.
     with timer("assemble"):
-        student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key)
+        student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key, tokens.train_tokens)
     # Optional model-level distillation: KL to the teacher's next-token distributions on fresh text
     # (under torchrun every rank trains on its share of each batch).
     distilled = cfg.distill.name != "none" and "distill" in plan
@@ -100,6 +101,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     with timer("eval"):
         metrics = evaluation.run(ctx, student, tokens, tasks)
     metrics.update(data_budget(ctx, tokens, trained, activations))
+    metrics.update(softmax_layers.metrics(student))
     if distilled:
         metrics["distill/tokens"] = int(result.tokens)
     if main:

@@ -152,6 +152,12 @@ def _validate_attention(cfg: RunConfig) -> None:
     require(a.sinks == 0 or a.name != "linear" or a.window > 0,
              f"attention.sinks={a.sinks} needs attention=hybrid or attention=sliding_window (pure linear "
              "attention has no exact part to keep sinks in)")
+    k = cfg.allocation.softmax_layers
+    require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
+    _positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
+    require(not k or a.name != "sliding_window",
+            f"allocation.softmax_layers={k} keeps layers of a linear or hybrid student exact; "
+            "attention=sliding_window has no linear layers, set it to 0")
     require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
              "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
 
@@ -244,6 +250,9 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
             f"allocation.policy=dof_clip caps every layer at the head size {head_dim}, so a budget of "
             f"{budget:g} > {head_dim} cannot be met; use policy dof or a budget ≤ {head_dim}",
         )
+    require(cfg.allocation.softmax_layers < num_layers,
+            f"allocation.softmax_layers={cfg.allocation.softmax_layers} would keep every layer of the {num_layers} "
+            "exact; choose fewer (or feature_map=softmax for the teacher's own attention)")
     if cfg.train.layers is not None:
         bad = [i for i in cfg.train.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
         require(

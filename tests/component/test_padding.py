@@ -16,6 +16,10 @@ STUDENTS = {
     "hybrid": dict(feature_map="learned_prf", dims=[8, 8], attention="hybrid", window=3, sinks=2, chunk_size=4),
     "sliding_window": dict(attention="sliding_window", window=4, sinks=2, chunk_size=3),
     "softmax": dict(feature_map="softmax"),
+    # a layer restored to softmax among linear / hybrid ones: the 4D mask for it, key_valid for the others
+    "linear+softmax": dict(feature_map="learned_prf", dims=[8, 8], chunk_size=4, softmax_layers=[1]),
+    "hybrid+softmax": dict(feature_map="learned_prf", dims=[8, 8], attention="hybrid", window=3, sinks=2,
+                           chunk_size=4, softmax_layers=[0]),
 }
 HYBRID_MASKS = "key_valid" in inspect.signature(hybrid_attention_chunked).parameters
 

@@ -145,3 +145,39 @@ def test_every_config_field_feeding_a_key_is_declared():
     for name in keys.IN_KEY:
         declared = set(keys.IN_KEY[name]) | set(keys.OUT_OF_KEY.get(name, ()))
         assert {f.name for f in dataclasses.fields(getattr(cfg, name))} == declared, name
+
+
+def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_path):
+    import shutil
+
+    from dofla.dof.softmax_layers import kv_bytes_per_token
+    from dofla.models import load_student
+    from dofla.stages import softmax_layers
+
+    base = run["ctx"]
+    cfg = dataclasses.replace(base.cfg, allocation=dataclasses.replace(base.cfg.allocation, softmax_layers=1,
+                                                                        softmax_probe_seqs=2))
+    ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / "run")
+    shutil.copytree(base.out_dir / "layers", ctx.out_dir / "layers")  # the same trained layers
+    student = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    ranking = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())
+    chosen = json.loads((ctx.out_dir / softmax_layers.CHOICE).read_text())
+    restored = {int(i): kl for i, kl in ranking["measured"]["restored"].items()}
+    assert set(restored) == {0, 1} and ranking["measured"]["probe_tokens"] == 2 * cfg.data.seq_len
+    assert chosen["layers"] == [min(restored, key=restored.get)] == student.config.dofla["softmax_layers"]
+    assert [a.mode for a in student.student_attentions()].count("softmax") == 1
+    assert student.dofla_settings["softmax_layers"] == {"k": 1, "probe_seqs": 2}
+    g = base.geometry
+    assert softmax_layers.metrics(student) == {"softmax_layers/count": 1, "softmax_layers/kv_bytes_per_token":
+                                               kv_bytes_per_token(1, g.num_kv_heads, g.head_dim)}
+    ids = run["data"].heldout_tokens[:1]
+    with torch.no_grad():
+        saved = load_student(ctx.out_dir / "student")(ids, use_cache=False).logits
+        assert torch.equal(saved, student(ids, use_cache=False).logits)
+    # assembled again (another k would do the same): the measurement is read, not repeated
+    before = (ctx.out_dir / "layers" / softmax_layers.RANKING).stat().st_mtime_ns
+    shutil.rmtree(ctx.out_dir / "student")
+    again = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    assert (ctx.out_dir / "layers" / softmax_layers.RANKING).stat().st_mtime_ns == before
+    assert again.config.dofla["softmax_layers"] == chosen["layers"]
+    assert softmax_layers.metrics(run["student"]) == {}  # k = 0: nothing restored, nothing reported

@@ -65,6 +65,10 @@ BAD_BEFORE_MODEL = [
     ({"device": "cuda:x"}, "device"),
     ({"train__parallel": "tensor"}, "train.parallel"),
     ({"train__parallel": "data", "train__source": "cache"}, "train.parallel"),
+    ({"allocation__softmax_layers": -1}, "allocation.softmax_layers"),
+    ({"allocation__softmax_probe_seqs": 0}, "allocation.softmax_probe_seqs"),
+    ({"allocation__softmax_layers": 2, "attention__name": "sliding_window", "attention__window": 64},
+     "allocation.softmax_layers"),
 ]
 
 
@@ -83,6 +87,7 @@ BAD_FOR_MODEL = [
     ({"train__layers": [-1]}, "train.layers"),
     ({"data__seq_len": 4096}, "data.seq_len"),
     ({"distill__name": "kl", "distill__seq_len": 4096, "distill__tokens": 16384}, "distill.seq_len"),
+    ({"allocation__softmax_layers": 30}, "allocation.softmax_layers"),
 ]
 
 

@@ -164,3 +164,18 @@ def test_teacher_sliding_layers_stay_exact_and_get_no_features(tmp_path):
     metrics = _metrics(run_dir)
     assert metrics["eval/attn_error/layer_00"] < 1e-5 < metrics["eval/attn_error/layer_01"]
     assert not (run_dir / "layers" / "layer_00.pt").exists() and (run_dir / "layers" / "layer_01.pt").exists()
+
+
+def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it(tmp_path):
+    run_dir, result = _run(tmp_path, "allocation=fix", "allocation.softmax_layers=1", "allocation.softmax_probe_seqs=2",
+                           "distill=kl", "distill.tokens=256", "distill.batch_size=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = json.loads((run_dir / "softmax_layers.json").read_text())
+    assert "keeping layers" in result.stdout and len(chosen["layers"]) == 1
+    metrics = _metrics(run_dir)
+    assert metrics["softmax_layers/count"] == 1 and metrics["softmax_layers/kv_bytes_per_token"] > 0
+    student = load_student(run_dir / "student_distilled")
+    modes = [a.mode for a in student.student_attentions()]
+    assert modes[chosen["layers"][0]] == "softmax" and modes.count("linear") == len(modes) - 1
+    assert metrics[f"eval/attn_error/layer_{chosen['layers'][0]:02d}"] == 0  # exact
+    assert math.isfinite(metrics["eval/student_ppl"])

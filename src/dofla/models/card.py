@@ -50,7 +50,7 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
         f'model = AutoModelForCausalLM.from_pretrained("{name or "<this directory or hub repository>"}", '
         "trust_remote_code=True)",
         "```", "",
-        "Decoding keeps a fixed-size recurrent state per layer (no growing key/value cache for linear layers).",
+        "Decoding keeps a fixed-size recurrent state per linear layer (no growing key/value cache for them).",
         "",
     ]
     path = directory / "README.md"
@@ -59,13 +59,15 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
 
 
 def _attention(spec: dict) -> str:
-    attention = spec.get("attention", "linear")
+    attention, kept = spec.get("attention", "linear"), spec.get("softmax_layers") or []
     if spec.get("feature_map") == "softmax":
         return "exact softmax (reference)"
+    exact = (f"; layers {', '.join(map(str, kept))} exact softmax (they keep a key/value cache when decoding)"
+             if kept else "")
     if attention == "linear":
-        return "linear (every global layer)"
+        return ("linear (every global layer)" if not kept else "linear") + exact
     return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (
-        ", linear attention before" if attention == "hybrid" else "")
+        ", linear attention before" if attention == "hybrid" else "") + exact
 
 
 def _dims(dims: list) -> str:

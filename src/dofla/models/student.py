@@ -55,6 +55,7 @@ class ConversionSpec:
     format_version: int = FORMAT_VERSION
     attention: str = "linear"  # linear | hybrid | sliding_window (specs saved before: defaults)
     sinks: int = 0
+    softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:
@@ -71,6 +72,9 @@ def _check_spec(spec: ConversionSpec) -> None:
     if spec.attention != "linear" and spec.window < 1:
         raise ValueError(f"attention={spec.attention!r} needs window ≥ 1 (recent tokens attended exactly), "
                          f"got {spec.window}; set window")
+    if spec.softmax_layers and (spec.feature_map == "softmax" or spec.attention == "sliding_window"):
+        raise ValueError("softmax_layers restores layers of a linear or hybrid student to exact softmax; "
+                         f"feature_map={spec.feature_map!r} with attention={spec.attention!r} has none to restore")
     if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
         raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
                          "attention; set sinks=0 or choose one of those")
@@ -219,7 +223,7 @@ def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
 def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int | None) -> StudentAttention:
     shape = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
     softcap = getattr(geometry, "softcap", None)
-    if spec.feature_map == "softmax":
+    if spec.feature_map == "softmax" or i in spec.softmax_layers:
         return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
     if teacher_window is not None:  # already local in the teacher: keep it exact
         return StudentAttention(*shape, None, spec.chunk_size, window=teacher_window, softcap=softcap)
@@ -243,6 +247,7 @@ def convert(
     window: int = 0,
     attention: str = "linear",
     sinks: int = 0,
+    softmax_layers: list | None = None,
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a student and return it.
 
@@ -257,7 +262,8 @@ def convert(
     - ``"sliding_window"``: exact softmax over the first ``sinks`` valid tokens and the last
       ``window`` tokens, training-free; ``feature_map`` and ``dims`` are ignored.
 
-    ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks).
+    ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
+    ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache).
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
@@ -265,7 +271,7 @@ def convert(
     geometry = get_adapter(model).geometry(model.config)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
     spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window,
-                          attention=attention, sinks=sinks)
+                          attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []))
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

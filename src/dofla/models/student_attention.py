@@ -196,11 +196,12 @@ def softmax_reference_forward(
 
 
 def dofla_mask(*args, config=None, **kwargs) -> torch.Tensor | None:
-    """Mask-interface entry for ``dofla_linear``: the softmax reference gets Hugging Face's own
-    sdpa mask (causal, padding, sliding window); every other student gets None (no T×T mask) and
+    """Mask-interface entry for ``dofla_linear``: the softmax reference, and a student with layers
+    restored to softmax (``softmax_layers``), get Hugging Face's own sdpa mask (causal, padding,
+    sliding window) for those layers; a student without exact layers gets None (no T×T mask) and
     reads padding from the 2D mask instead."""
     spec = getattr(config, "dofla", None) or {}
-    if spec.get("feature_map") != "softmax":
+    if spec.get("feature_map") != "softmax" and not spec.get("softmax_layers"):
         return None
     return sdpa_mask(*args, config=config, **kwargs)
 

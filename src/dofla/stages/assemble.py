@@ -11,13 +11,15 @@ from dofla.stages.keys import layer_meta, student_settings
 from dofla.stages.train import layer_dir, layer_dirs, make_student, per_layer_meta, trainable
 
 
-def run(ctx: RunContext, dims: list, cache_key: str):
-    """The assembled student (in eval mode, on the teacher's device)."""
-    return assemble(ctx.cfg, ctx.teacher, ctx.tokenizer, dims, ctx.out_dir, cache_key)
+def run(ctx: RunContext, dims: list, cache_key: str, probe=None):
+    """The assembled student (in eval mode, on the teacher's device); ``probe``: training tokens
+    (S, L) for ``allocation.softmax_layers``."""
+    return assemble(ctx.cfg, ctx.teacher, ctx.tokenizer, dims, ctx.out_dir, cache_key, probe)
 
 
-def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str):
-    """The student as a Hugging Face model directory, with every layer's trained features.
+def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str, probe=None):
+    """The student as a Hugging Face model directory, with every layer's trained features and, with
+    ``allocation.softmax_layers=k``, the k layers chosen on ``probe`` restored to softmax.
 
     ``student/`` is reused only when its ``dofla_settings.json`` matches these settings. Raises
     :class:`ArtifactError` when a layer with trainable features has no verified artifact.
@@ -37,6 +39,10 @@ def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key:
     directories = layer_dirs(cfg, out_dir, settings["layers"])
     for i, attn in enumerate(student.student_attentions()):
         _load_trained_layer(i, attn, directories, layer_meta(cfg, cache_key), layer_dir(cfg, out_dir))
+    if cfg.allocation.softmax_layers:
+        from dofla.stages import softmax_layers
+
+        softmax_layers.apply(cfg, student.eval(), teacher, probe, settings["layers"], directories[0], out_dir)
     save_model_dir(student, tokenizer, target, settings)
     return with_settings(student.eval(), settings)
 

@@ -121,8 +121,12 @@ def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
 
 def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     """What determines the assembled student: the teacher, the attention and the trained layers."""
-    return canonical({"model": section(cfg, "model"), "attention": section(cfg, "attention"),
-                      "layers": layer_settings(cfg, cache_key, dims)})
+    settings = {"model": section(cfg, "model"), "attention": section(cfg, "attention"),
+                "layers": layer_settings(cfg, cache_key, dims)}
+    if cfg.allocation.softmax_layers:  # absent at 0, as before the option existed
+        settings["softmax_layers"] = {"k": cfg.allocation.softmax_layers,
+                                      "probe_seqs": cfg.allocation.softmax_probe_seqs}
+    return canonical(settings)
 
 
 def distill_settings(cfg: RunConfig, student: dict | None) -> dict:

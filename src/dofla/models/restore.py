@@ -1,0 +1,62 @@
+"""Layers of a linear or hybrid student restored to exact softmax attention.
+
+A restored layer drops its feature map and attends exactly, through the teacher's own mask; when
+decoding it keeps every key and value, like the teacher (its memory grows with the tokens). The
+choice is recorded in ``config.dofla["softmax_layers"]``, so a saved student loads with the same
+layers exact. :func:`softmax_restored` restores one layer for the duration of a block, to measure
+what keeping it exact would do (``dofla.dof.softmax_layers``).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict
+
+from transformers import PreTrainedModel
+
+from dofla.models.adapters import get_adapter
+from dofla.models.student import ConversionSpec, _check_spec
+from dofla.models.student_attention import StudentAttention
+
+
+def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
+    """Turn ``layers`` of a linear or hybrid student (in place) back into exact softmax attention,
+    recorded in ``config.dofla["softmax_layers"]`` so the saved student loads the same way. Those
+    layers drop their feature maps and keep a KV cache when decoding (memory grows with the tokens)."""
+    spec = ConversionSpec(**model.config.dofla)
+    chosen = sorted(set(spec.softmax_layers) | {int(i) for i in layers})
+    spec.softmax_layers = chosen
+    _check_spec(spec)
+    attentions = model.student_attentions()
+    bad = [i for i in chosen if not 0 <= i < len(attentions)]
+    if bad:
+        raise ValueError(f"softmax_layers {bad} are outside 0..{len(attentions) - 1} (the model has "
+                         f"{len(attentions)} layers)")
+    softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
+    for i in chosen:
+        if attentions[i].feature_map is not None:  # a teacher sliding-window layer is exact already
+            _make_exact(attentions[i], softcap)
+    model.config.dofla = asdict(spec)
+    return model
+
+
+@contextmanager
+def softmax_restored(model: PreTrainedModel, layer: int | None):
+    """Layer ``layer`` of a student as exact softmax inside the block, as it was after it (None:
+    nothing changes). For measuring what restoring a layer would do, without saving anything."""
+    attn = None if layer is None else model.student_attentions()[layer]
+    if attn is None or attn.feature_map is None:
+        yield model
+        return
+    softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
+    before = _make_exact(attn, softcap)
+    try:
+        yield model
+    finally:
+        attn.feature_map, attn.window, attn.sinks, attn.softcap = before
+
+
+def _make_exact(attn: StudentAttention, softcap: float | None) -> tuple:
+    """Switch ``attn`` to the softmax mode (no features, window or sinks); returns what it had."""
+    before = (attn.feature_map, attn.window, attn.sinks, attn.softcap)
+    attn.feature_map, attn.window, attn.sinks, attn.softcap = None, 0, 0, softcap
+    return before

@@ -1,0 +1,120 @@
+"""Layers restored to exact softmax (allocation.softmax_layers): the restored student, its saving and
+decoding, and the measurement that ranks layers by what restoring each does to the model's KL."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dofla.dof.softmax_layers import choose, kv_bytes_per_token, rank_layers, restoration_kl
+from dofla.models import convert, get_adapter, load_student, restore_softmax, softmax_restored
+from dofla.models.tiny import build_tiny_model
+from dofla.train.distill import kl_reference
+
+
+def _ids(batch=2, length=24, seed=1):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _student(arch="llama", **kwargs):
+    teacher = build_tiny_model(arch, seed=0)
+    options = dict(feature_map="learned_prf", dims=[8, 8], chunk_size=4, seed=2) | kwargs
+    return teacher, convert(copy.deepcopy(teacher), **options)
+
+
+@torch.no_grad()
+def _logits(model, ids):
+    return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama"])
+def test_every_layer_restored_is_the_teacher(arch):
+    teacher, student = _student(arch)
+    ids = _ids()
+    assert (_logits(student, ids) - _logits(teacher, ids)).abs().max() > 1e-3  # linear: not the teacher
+    restore_softmax(student, [0, 1])
+    assert [a.mode for a in student.student_attentions()] == ["softmax", "softmax"]
+    assert (_logits(student, ids) - _logits(teacher, ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("attention", ["linear", "hybrid"])
+def test_restoring_a_layer_equals_converting_with_it_exact_and_survives_saving(tmp_path, attention):
+    extra = {"attention": "hybrid", "window": 3, "sinks": 1} if attention == "hybrid" else {}
+    _, student = _student(**extra)
+    _, converted = _student(softmax_layers=[1], **extra)
+    converted.load_state_dict(student.state_dict(), strict=False)  # the same layer-0 features
+    restore_softmax(student, [1])
+    assert student.config.dofla["softmax_layers"] == [1]
+    assert [a.mode for a in student.student_attentions()] == [attention, "softmax"]
+    ids = _ids()
+    assert torch.equal(_logits(student, ids), _logits(converted, ids))
+    student.save_pretrained(tmp_path)
+    assert "layers 1 exact softmax" in (tmp_path / "README.md").read_text()  # the model card says so
+    reloaded = load_student(tmp_path)
+    assert [a.mode for a in reloaded.student_attentions()] == [attention, "softmax"]
+    assert torch.equal(_logits(reloaded, ids), _logits(student, ids))
+
+
+def test_a_student_with_a_softmax_layer_decodes_like_its_parallel_forward():
+    _, student = _student(softmax_layers=[0])
+    prompt = _ids(batch=1, length=9)
+    generated = student.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=256)
+    tokens = prompt
+    for _ in range(6):
+        tokens = torch.cat([tokens, _logits(student, tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, tokens)
+
+
+def test_softmax_restored_is_temporary():
+    teacher, student = _student()
+    ids = _ids()
+    before, feature_map = _logits(student, ids), student.student_attentions()[0].feature_map
+    with softmax_restored(student, 0):
+        assert student.student_attentions()[0].mode == "softmax"
+        inside = _logits(student, ids)
+    assert student.student_attentions()[0].feature_map is feature_map
+    assert torch.equal(_logits(student, ids), before) and not torch.allclose(inside, before)
+    with softmax_restored(student, None):
+        assert torch.equal(_logits(student, ids), before)
+
+
+def test_restoration_kl_matches_a_plain_reference_and_ranks_a_broken_layer_first():
+    teacher, student = _student()
+    with torch.no_grad():  # layer 1's features made useless: restoring it must help most
+        for p in student.student_attentions()[1].feature_map.parameters():
+            p.mul_(0).add_(torch.randn_like(p) * 3)
+    tokens = _ids(batch=3, length=16, seed=4)
+    measured = restoration_kl(student, teacher, tokens, batch_size=2)
+    assert set(measured["restored"]) == {0, 1}
+    expected_base = kl_reference(_logits(student, tokens), _logits(teacher, tokens)).item()
+    assert measured["base"] == pytest.approx(expected_base, rel=1e-3, abs=1e-7)
+    for layer in (0, 1):
+        alone = restore_softmax(copy.deepcopy(student), [layer])
+        expected = kl_reference(_logits(alone, tokens), _logits(teacher, tokens)).item()
+        assert measured["restored"][layer] == pytest.approx(expected, rel=1e-3, abs=1e-7)
+    assert measured["restored"][1] < measured["base"]
+    assert rank_layers(measured)[0] == 1 and choose(measured, 1) == [1]
+    assert [a.mode for a in student.student_attentions()] == ["linear", "linear"]  # measuring restored nothing
+
+
+def test_choose_and_its_cost():
+    measured = {"base": 1.0, "restored": {"0": 0.5, "1": 0.9, "2": 0.5}}
+    assert rank_layers(measured) == [0, 2, 1]  # equal gains: the earlier layer first
+    assert choose(measured, 2) == [0, 2]
+    with pytest.raises(ValueError, match="only 3 layers"):
+        choose(measured, 4)
+    geometry = get_adapter(build_tiny_model("llama")).geometry(build_tiny_model("llama").config)
+    assert kv_bytes_per_token(2, geometry.num_kv_heads, geometry.head_dim) == 2 * 2 * geometry.num_kv_heads \
+        * geometry.head_dim * 4
+
+
+def test_restoring_is_refused_where_there_is_nothing_to_restore():
+    teacher = build_tiny_model("llama", seed=0)
+    window = convert(copy.deepcopy(teacher), attention="sliding_window", window=4)
+    with pytest.raises(ValueError, match="softmax_layers"):
+        restore_softmax(window, [0])
+    _, student = _student()
+    with pytest.raises(ValueError, match="outside 0..1"):
+        restore_softmax(student, [2])
+    assert [a.mode for a in student.student_attentions()] == ["linear", "linear"]
