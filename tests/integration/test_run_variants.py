@@ -179,3 +179,6 @@ def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it(tmp
     assert modes[chosen["layers"][0]] == "softmax" and modes.count("linear") == len(modes) - 1
     assert metrics[f"eval/attn_error/layer_{chosen['layers'][0]:02d}"] == 0  # exact
     assert math.isfinite(metrics["eval/student_ppl"])
+    from studies.paired_heldout import compare  # the paired study reads the run: a run against itself is 0
+
+    assert compare([run_dir, run_dir]).splitlines()[-1].endswith("| +0.0000 ± 0.0000 |")

@@ -1,0 +1,106 @@
+"""How far apart are two finished runs' students on the same held-out text? Paired, per sequence.
+
+``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long] [--out FILE]``
+
+Runs made from one trained student (say ``allocation.softmax_layers`` = 0, 1, 2, 3 on the same
+layers) have no training seed to vary, so an interval over seeds does not exist for them. What
+can be said with an interval is how their losses differ on the held-out text: every run's
+evaluated student (``student_finetuned/``, ``student_distilled/`` or ``student/``, the last one the
+pipeline wrote) scores each held-out sequence of the reference run's data, and each run's
+difference from the reference is averaged over sequences with a two-sided 95 % Student-t
+interval (sequences as the unit: tokens within a sequence are not independent). ``--long`` scores
+the long-context sequences instead (``eval.long_seq_len`` × ``eval.long_context_seqs``) and
+reports the difference at positions ≥ 512 as well. The interval is over text, not over training
+runs: it says whether the students differ on this distribution, not whether a retrained student
+would. Prints markdown; ``--out`` writes it.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from dofla.report import mean_ci, run_config
+
+FINAL = ("student_finetuned", "student_distilled", "student")
+
+
+def final_student(run: Path) -> Path:
+    """The student directory the run evaluated: the last stage's output."""
+    for name in FINAL:
+        if (run / name / "config.json").exists():
+            return run / name
+    raise SystemExit(f"{run} holds no student directory ({', '.join(FINAL)}); run it to the end first")
+
+
+@torch.no_grad()
+def sequence_losses(model, tokens: torch.Tensor, start: int = 0) -> list[float]:
+    """Mean next-token loss of each sequence of ``tokens`` (S, L), over predicted positions ≥ ``start``."""
+    out = []
+    for row in tokens:
+        logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, row[1:], reduction="none")
+        out.append(nll[start:].mean().item())
+    return out
+
+
+def held_out(run: Path, long: bool) -> torch.Tensor:
+    """The reference run's held-out sequences (or its long-context ones)."""
+    from transformers import AutoTokenizer
+
+    from dofla.pipeline import heldout_tokens
+
+    cfg = run_config(run)
+    tokenizer = AutoTokenizer.from_pretrained(final_student(run))
+    if not long:
+        return heldout_tokens(cfg, tokenizer)
+    from dataclasses import replace
+
+    length = cfg.eval.long_seq_len or cfg.data.seq_len
+    data = replace(cfg.data, seq_len=length, heldout_tokens=length * cfg.eval.long_context_seqs)
+    return heldout_tokens(replace(cfg, data=data), tokenizer)
+
+
+def compare(runs: list[Path], long: bool = False) -> str:
+    from dofla.models import load_student
+
+    tokens = held_out(runs[0], long)
+    starts = [0, 512] if long and tokens.shape[1] > 512 else [0]
+    losses = []  # per run, per start: the per-sequence losses
+    for run in runs:
+        model = load_student(final_student(run))
+        losses.append({s: sequence_losses(model, tokens, s) for s in starts})
+        del model
+    lines = [f"{tokens.shape[0]} held-out sequences of {tokens.shape[1]} tokens (the data of {runs[0]}); "
+             "mean next-token loss in nats; difference from the first run, mean over sequences ± 95 % t "
+             "interval (sequences as the unit)", "",
+             "| run | " + " | ".join(f"loss (positions ≥ {s}) | difference" for s in starts) + " |",
+             "|---|" + "---|---|" * len(starts)]
+    for index, (run, loss) in enumerate(zip(runs, losses)):
+        cells = []
+        for s in starts:
+            diff, half = mean_ci([a - b for a, b in zip(loss[s], losses[0][s])])
+            cells += [f"{sum(loss[s]) / len(loss[s]):.4f}", "–" if index == 0 else f"{diff:+.4f} ± {half:.4f}"]
+        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="finished run directories; the first is the reference")
+    parser.add_argument("--long", action="store_true", help="the long-context sequences, also from position 512")
+    parser.add_argument("--out", default=None, help="write the markdown here too")
+    args = parser.parse_args(argv)
+    if len(args.runs) < 2:
+        parser.error("give a reference run and at least one run to compare with it")
+    text = compare([Path(r) for r in args.runs], args.long)
+    command = "python -m studies.paired_heldout " + " ".join(args.runs) + (" --long" if args.long else "")
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(f"`{command}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
