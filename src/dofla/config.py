@@ -79,6 +79,7 @@ class AllocationConfig:
     # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
     softmax_layers: int = 0
     softmax_probe_seqs: int = 8
+    softmax_rank: str = "kl"  # kl (the measured model KL) | attention_error (each layer's own error, a proxy)
 
 
 @dataclass
@@ -275,6 +276,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("eval", "finetune_train_data"): None,
     ("allocation", "softmax_layers"): 0,
     ("allocation", "softmax_probe_seqs"): 8,
+    ("allocation", "softmax_rank"): "kl",
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

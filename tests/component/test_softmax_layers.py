@@ -7,7 +7,14 @@ import copy
 import pytest
 import torch
 
-from dofla.dof.softmax_layers import choose, kv_bytes_per_token, rank_layers, restoration_kl
+from dofla.dof.softmax_layers import (
+    choose,
+    kv_bytes_per_token,
+    probe_attention_errors,
+    rank_layers,
+    restoration_kl,
+)
+from dofla.eval import attention_errors
 from dofla.models import convert, get_adapter, load_student, restore_softmax, softmax_restored
 from dofla.models.tiny import build_tiny_model
 from dofla.train.distill import kl_reference
@@ -95,6 +102,9 @@ def test_restoration_kl_matches_a_plain_reference_and_ranks_a_broken_layer_first
         assert measured["restored"][layer] == pytest.approx(expected, rel=1e-3, abs=1e-7)
     assert measured["restored"][1] < measured["base"]
     assert rank_layers(measured)[0] == 1 and choose(measured, 1) == [1]
+    errors = probe_attention_errors(student, teacher, tokens)["attention_error"]
+    assert list(errors.values()) == attention_errors(teacher, student, tokens, 2)
+    assert choose({"attention_error": errors}, 1, "attention_error") == [1]  # the broken layer errs most
     assert [a.mode for a in student.student_attentions()] == ["linear", "linear"]  # measuring restored nothing
 
 
@@ -102,6 +112,10 @@ def test_choose_and_its_cost():
     measured = {"base": 1.0, "restored": {"0": 0.5, "1": 0.9, "2": 0.5}}
     assert rank_layers(measured) == [0, 2, 1]  # equal gains: the earlier layer first
     assert choose(measured, 2) == [0, 2]
+    errors = {"attention_error": {"0": 0.2, "1": 0.7, "2": 0.4}}
+    assert rank_layers(errors, "attention_error") == [1, 2, 0] and choose(errors, 1, "attention_error") == [1]
+    with pytest.raises(ValueError, match="rank='error'"):
+        rank_layers(errors, "error")
     with pytest.raises(ValueError, match="only 3 layers"):
         choose(measured, 4)
     geometry = get_adapter(build_tiny_model("llama")).geometry(build_tiny_model("llama").config)

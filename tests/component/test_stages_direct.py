@@ -180,4 +180,13 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     again = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
     assert (ctx.out_dir / "layers" / softmax_layers.RANKING).stat().st_mtime_ns == before
     assert again.config.dofla["softmax_layers"] == chosen["layers"]
+    # the proxy ranking (each layer's own attention error) is added to the same file, the KL kept
+    by_error = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, allocation=dataclasses.replace(
+        cfg.allocation, softmax_rank="attention_error")))
+    proxy = assemble.run(by_error, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
+    errors = {int(i): e for i, e in stored["attention_error"].items()}
+    assert stored["restored"] == ranking["measured"]["restored"] and set(errors) == {0, 1}
+    assert proxy.config.dofla["softmax_layers"] == [max(errors, key=errors.get)]
+    assert proxy.dofla_settings["softmax_layers"]["rank"] == "attention_error"
     assert softmax_layers.metrics(run["student"]) == {}  # k = 0: nothing restored, nothing reported

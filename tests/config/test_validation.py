@@ -67,6 +67,7 @@ BAD_BEFORE_MODEL = [
     ({"train__parallel": "data", "train__source": "cache"}, "train.parallel"),
     ({"allocation__softmax_layers": -1}, "allocation.softmax_layers"),
     ({"allocation__softmax_probe_seqs": 0}, "allocation.softmax_probe_seqs"),
+    ({"allocation__softmax_rank": "error"}, "allocation.softmax_rank"),
     ({"allocation__softmax_layers": 2, "attention__name": "sliding_window", "attention__window": 64},
      "allocation.softmax_layers"),
 ]

@@ -5,7 +5,9 @@ compound or wash out through the layers after it), so the ranking is measured on
 each linear (or hybrid) layer i, the student with layer i alone restored to exact softmax runs on
 probe sequences of the training text, and its KL(teacher ‖ student) on the next-token
 distributions is compared with the student's own. The k layers whose restoration lowers the KL
-most are kept exact (:func:`dofla.models.restore_softmax`). Restoring one layer at a time ranks
+most are kept exact (:func:`dofla.models.restore_softmax`). ``rank="attention_error"`` ranks by each
+layer's own attention-output error instead (cheaper: one teacher pass; the control the measured
+ranking is compared against). Restoring one layer at a time ranks
 the layers independently; the gains of several restored together need not add up.
 
 Cost: per probe batch one teacher forward and L + 1 student forwards (the teacher's logits live
@@ -50,15 +52,35 @@ def restoration_kl(student, teacher, tokens: torch.Tensor, batch_size: int = 2,
     return {"base": sums[None] / count, "restored": {i: sums[i] / count for i in layers}}
 
 
-def rank_layers(measured: dict) -> list[int]:
-    """Layers in the order of how much restoring each lowers the KL (largest gain first; ties by index)."""
-    restored = {int(i): kl for i, kl in measured["restored"].items()}
-    return sorted(restored, key=lambda i: (restored[i], i))
+RANKS = ("kl", "attention_error")
 
 
-def choose(measured: dict, k: int) -> list[int]:
-    """The ``k`` layers whose restoration lowers the KL most, in layer order."""
-    ranking = rank_layers(measured)
+@torch.no_grad()
+def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: int = 2) -> dict:
+    """{"attention_error": {layer: error}}: each linear layer's own attention-output error on the
+    teacher's activations of ``tokens`` (the cheaper proxy ranking, ``rank="attention_error"``)."""
+    from dofla.eval import attention_errors
+
+    errors = attention_errors(teacher, student, tokens, batch_size)
+    return {"attention_error": {i: e for i, (e, attn) in enumerate(zip(errors, student.student_attentions()))
+                                if attn.feature_map is not None}}
+
+
+def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
+    """Layers, best to restore first: by ``kl``, the lowest KL with the layer restored alone (the
+    largest gain); by ``attention_error``, the largest error of the layer's own attention. Ties by index."""
+    if rank not in RANKS:
+        raise ValueError(f"rank={rank!r} is not one of {', '.join(RANKS)}")
+    if rank == "kl":
+        values = {int(i): kl for i, kl in measured["restored"].items()}
+    else:
+        values = {int(i): -error for i, error in measured["attention_error"].items()}
+    return sorted(values, key=lambda i: (values[i], i))
+
+
+def choose(measured: dict, k: int, rank: str = "kl") -> list[int]:
+    """The ``k`` best layers to restore under ``rank`` (:func:`rank_layers`), in layer order."""
+    ranking = rank_layers(measured, rank)
     if k > len(ranking):
         raise ValueError(f"{k} softmax layers were asked for but only {len(ranking)} layers have linear features")
     return sorted(ranking[:k])

@@ -124,8 +124,10 @@ def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     settings = {"model": section(cfg, "model"), "attention": section(cfg, "attention"),
                 "layers": layer_settings(cfg, cache_key, dims)}
     if cfg.allocation.softmax_layers:  # absent at 0, as before the option existed
-        settings["softmax_layers"] = {"k": cfg.allocation.softmax_layers,
-                                      "probe_seqs": cfg.allocation.softmax_probe_seqs}
+        a = cfg.allocation
+        settings["softmax_layers"] = {"k": a.softmax_layers, "probe_seqs": a.softmax_probe_seqs}
+        if a.softmax_rank != "kl":
+            settings["softmax_layers"]["rank"] = a.softmax_rank
     return canonical(settings)
 
 

@@ -33,33 +33,45 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     ``probe`` (S, L) training tokens (the first ``allocation.softmax_probe_seqs`` sequences are
     used); ``layers`` the trained layers' settings; ``directory`` where the measurement is kept.
     """
-    from dofla.dof.softmax_layers import choose, kv_bytes_per_token, rank_layers, restoration_kl
+    from dofla.dof.softmax_layers import choose, kv_bytes_per_token, rank_layers
     from dofla.models import get_adapter, restore_softmax
 
-    k = cfg.allocation.softmax_layers
-    if not k:
+    a = cfg.allocation
+    if not a.softmax_layers:
         return []
-    settings, path = probe_settings(cfg, layers), Path(directory) / RANKING
-    stored = read_json(path) or {}
-    if stored.get("settings") == settings:
-        measured = stored["measured"]
-    else:
-        measured = restoration_kl(student, teacher, probe[:cfg.allocation.softmax_probe_seqs], cfg.eval.batch_size)
-        measured = {"base": measured["base"], "restored": {str(i): v for i, v in measured["restored"].items()},
-                    "probe_tokens": int(probe[:cfg.allocation.softmax_probe_seqs].numel())}
-        write_json(path, {"settings": settings, "measured": measured, "ranking": rank_layers(measured)})
-    chosen = choose(measured, k)
+    probe = probe[:a.softmax_probe_seqs]
+    measured = measurement(cfg, student, teacher, probe, layers, Path(directory) / RANKING)
+    chosen = choose(measured, a.softmax_layers, a.softmax_rank)
     restore_softmax(student, chosen)
     geometry = get_adapter(teacher).geometry(teacher.config)
     cost = kv_bytes_per_token(len(chosen), geometry.num_kv_heads, geometry.head_dim)
-    restored = {i: measured["restored"][str(i)] for i in chosen}
-    write_json(out_dir / CHOICE, {"layers": chosen, "base_kl": measured["base"], "kl_with_layer_restored": restored,
-                                  "ranking": rank_layers(measured), "kv_bytes_per_token": cost,
-                                  "probe_tokens": measured["probe_tokens"]})
-    print(f"dofla: keeping layers {chosen} as exact softmax (restoring one alone takes the probe KL from "
-          f"{measured['base']:.3f} to {', '.join(f'{v:.3f}' for v in restored.values())}); when decoding they keep "
-          f"a KV cache of {cost:,} bytes per token of context", flush=True)
+    write_json(out_dir / CHOICE, {"layers": chosen, "rank": a.softmax_rank, "measured": measured,
+                                  "ranking": rank_layers(measured, a.softmax_rank), "kv_bytes_per_token": cost})
+    if a.softmax_rank == "kl":
+        values = ", ".join(f"{measured['restored'][str(i)]:.3f}" for i in chosen)
+        why = f"restoring one alone takes the probe KL from {measured['base']:.3f} to {values}"
+    else:
+        values = ", ".join(f"{measured['attention_error'][str(i)]:.3f}" for i in chosen)
+        why = f"the largest attention errors on the probe: {values}"
+    print(f"dofla: keeping layers {chosen} as exact softmax ({why}); when decoding they keep a KV cache of "
+          f"{cost:,} bytes per token of context", flush=True)
     return chosen
+
+
+def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, path: Path) -> dict:
+    """What ``allocation.softmax_rank`` ranks by, read from ``path`` when it was measured for these
+    layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
+    from dofla.dof.softmax_layers import probe_attention_errors, restoration_kl
+
+    settings, stored = probe_settings(cfg, layers), read_json(path) or {}
+    measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
+    needed = "restored" if cfg.allocation.softmax_rank == "kl" else "attention_error"
+    if needed not in measured:
+        measure = restoration_kl if needed == "restored" else probe_attention_errors
+        new = measure(student, teacher, probe, cfg.eval.batch_size)
+        measured.update({k: {str(i): x for i, x in v.items()} if isinstance(v, dict) else v for k, v in new.items()})
+        write_json(path, {"settings": settings, "measured": measured})
+    return measured
 
 
 def metrics(student) -> dict:
