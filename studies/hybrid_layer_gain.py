@@ -63,9 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    from dofla.models import load_student
+    from dofla.models import load_student, load_student_tokenizer
     from dofla.pipeline import heldout_tokens
     from dofla.report import run_config
 
@@ -74,7 +72,7 @@ def main(argv=None) -> None:
     student = load_student(run / "student")
     if not any(a.mode == "hybrid" for a in student.student_attentions()):
         raise SystemExit(f"{run} holds no hybrid student (attention=hybrid); nothing to ablate")
-    tokenizer = AutoTokenizer.from_pretrained(run / "student")  # saved with the student: no teacher load
+    tokenizer = load_student_tokenizer(run / "student")  # saved with the student: no teacher load
     heldout = heldout_tokens(cfg, tokenizer)[: args.seqs]
     start = time.perf_counter()
     text = (f"Held-out loss of {run} ({args.seqs} × {cfg.data.seq_len} held-out tokens) with one layer's linear "

@@ -47,12 +47,11 @@ def sequence_losses(model, tokens: torch.Tensor, start: int = 0) -> list[float]:
 
 def held_out(run: Path, long: bool) -> torch.Tensor:
     """The reference run's held-out sequences (or its long-context ones)."""
-    from transformers import AutoTokenizer
-
+    from dofla.models import load_student_tokenizer
     from dofla.pipeline import heldout_tokens
 
     cfg = run_config(run)
-    tokenizer = AutoTokenizer.from_pretrained(final_student(run))
+    tokenizer = load_student_tokenizer(final_student(run))
     if not long:
         return heldout_tokens(cfg, tokenizer)
     from dataclasses import replace

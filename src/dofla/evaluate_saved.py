@@ -31,9 +31,7 @@ class SavedModelError(DoflaError, ValueError):
 
 def load_saved(directory: str | Path):
     """(model in eval mode, tokenizer) from a student or any Hugging Face model directory."""
-    from transformers import AutoTokenizer
-
-    from dofla.models import load_student
+    from dofla.models import load_student, load_student_tokenizer
     from dofla.models.hub_export import teacher_config_dict
     from dofla.models.loading import load_teacher
 
@@ -45,7 +43,7 @@ def load_saved(directory: str | Path):
     if teacher_config_dict(json.loads(config_path.read_text())).get("dofla") is None:
         return load_teacher(str(directory))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = load_student_tokenizer(directory)
     except (OSError, ValueError) as err:
         raise SavedModelError(f"{directory} has no usable tokenizer ({str(err).splitlines()[0]}); save the "
                               "teacher's tokenizer beside the model (tokenizer.save_pretrained(DIR))") from None

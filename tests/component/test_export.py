@@ -165,3 +165,27 @@ def test_lm_eval_cli_scores_the_saved_student(tmp_path, byte_tokenizer):
     expected, teachers = loglikelihoods(in_memory(student)), loglikelihoods(in_memory(teacher))
     torch.testing.assert_close(loglikelihoods(cli), expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(loglikelihoods(cli), teachers, atol=1e-2)
+
+
+TOKENIZER_LOAD = """
+import sys
+from transformers import AutoTokenizer
+from dofla.models import load_student_tokenizer
+tokenizer = load_student_tokenizer(sys.argv[1]) if sys.argv[2] == "dofla" else AutoTokenizer.from_pretrained(sys.argv[1])
+print("IDS:", tokenizer("ab")["input_ids"])
+"""
+
+
+def test_the_saved_tokenizer_loads_without_asking_to_run_remote_code(tmp_path, byte_tokenizer):
+    _, student = _student("llama")
+    student.save_pretrained(tmp_path / "student")
+    byte_tokenizer.save_pretrained(tmp_path / "student")
+    outputs = {}
+    for how in ("dofla", "plain"):
+        result = subprocess.run([sys.executable, "-c", TOKENIZER_LOAD, str(tmp_path / "student"), how],
+                                capture_output=True, text=True, env=_env(tmp_path), stdin=subprocess.DEVNULL,
+                                timeout=300)
+        outputs[how] = result.stdout + result.stderr
+    assert f"IDS: {byte_tokenizer('ab')['input_ids']}" in outputs["dofla"]
+    assert "custom code" not in outputs["dofla"]
+    assert "custom code" in outputs["plain"]  # what AutoTokenizer alone does with the student's model type

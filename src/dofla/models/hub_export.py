@@ -105,6 +105,15 @@ def student_config(path: str | Path, **hub_kwargs) -> PretrainedConfig:
     return teacher_config_from_dict(raw, path)
 
 
+def load_student_tokenizer(path: str | Path, **hub_kwargs):
+    """The tokenizer saved with a student. Given the student's own (teacher-class) config, so that
+    ``AutoTokenizer`` does not read ``model_type = "dofla_student"`` and stop to ask whether to run
+    remote code."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, config=student_config(path, **hub_kwargs), **hub_kwargs)
+
+
 def teacher_config_from_dict(raw: dict, where) -> PretrainedConfig:
     """A student's config dict (either form) -> the teacher's config class, with ``dofla``."""
     raw = teacher_config_dict(raw)
