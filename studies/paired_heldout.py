@@ -48,17 +48,11 @@ def sequence_losses(model, tokens: torch.Tensor, start: int = 0) -> list[float]:
 def held_out(run: Path, long: bool) -> torch.Tensor:
     """The reference run's held-out sequences (or its long-context ones)."""
     from dofla.models import load_student_tokenizer
-    from dofla.pipeline import heldout_tokens
+    from dofla.pipeline import heldout_tokens, long_heldout_tokens
 
     cfg = run_config(run)
     tokenizer = load_student_tokenizer(final_student(run))
-    if not long:
-        return heldout_tokens(cfg, tokenizer)
-    from dataclasses import replace
-
-    length = cfg.eval.long_seq_len or cfg.data.seq_len
-    data = replace(cfg.data, seq_len=length, heldout_tokens=length * cfg.eval.long_context_seqs)
-    return heldout_tokens(replace(cfg, data=data), tokenizer)
+    return long_heldout_tokens(cfg, tokenizer) if long else heldout_tokens(cfg, tokenizer)
 
 
 def compare(runs: list[Path], long: bool = False) -> str:

@@ -158,6 +158,14 @@ def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
     return data.pack_heldout(cfg, tokenizer, data.open_data(cfg)[1])
 
 
+def long_heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
+    """(eval.long_context_seqs, eval.long_seq_len) the long held-out tokens the position and passkey
+    measurements read."""
+    from dofla.eval.probes import long_tokens
+
+    return long_tokens(cfg, tokenizer, data.open_data(cfg)[1])
+
+
 def data_budget(ctx: RunContext, tokens: RunData, trained: train.TrainResult, activations) -> dict:
     """``train/tokens``: distinct distillation tokens the features saw (the cached tokens, or the
     tokens streamed); ``cache/bytes``: the activation cache's size on disk (0 without a cache)."""

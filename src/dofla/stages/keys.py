@@ -131,6 +131,12 @@ def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     return canonical(settings)
 
 
+def softmax_ranking_settings(cfg: RunConfig, layers: dict) -> dict:
+    """The per-layer softmax-restoration measurement: the trained layers (their settings name the
+    data and the cache the probe comes from) and the probe's size (not k: every k reads it)."""
+    return canonical({"layers": layers, "probe_seqs": cfg.allocation.softmax_probe_seqs})
+
+
 def distill_settings(cfg: RunConfig, student: dict | None) -> dict:
     """The distilled student: the student's settings, the distillation's and the seed."""
     return canonical(with_precision({"student": student, "distill": section(cfg, "distill"), "seed": cfg.seed}, cfg))

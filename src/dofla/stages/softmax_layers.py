@@ -13,17 +13,11 @@ from pathlib import Path
 
 import torch
 
-from dofla.artifacts import canonical
 from dofla.config import RunConfig
 from dofla.record import read_json, write_json
+from dofla.stages.keys import softmax_ranking_settings
 
 RANKING, CHOICE = "softmax_ranking.json", "softmax_layers.json"
-
-
-def probe_settings(cfg: RunConfig, layers: dict) -> dict:
-    """What the per-layer measurement depends on: the trained layers (their settings name the data
-    and the cache the probe comes from) and the probe's size."""
-    return canonical({"layers": layers, "probe_seqs": cfg.allocation.softmax_probe_seqs})
 
 
 def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, directory: Path,
@@ -33,8 +27,8 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     ``probe`` (S, L) training tokens (the first ``allocation.softmax_probe_seqs`` sequences are
     used); ``layers`` the trained layers' settings; ``directory`` where the measurement is kept.
     """
-    from dofla.dof.softmax_layers import choose, kv_bytes_per_token, rank_layers
-    from dofla.models import get_adapter, restore_softmax
+    from dofla.dof.softmax_layers import choose, rank_layers
+    from dofla.models import restore_softmax
 
     a = cfg.allocation
     if not a.softmax_layers:
@@ -43,8 +37,7 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     measured = measurement(cfg, student, teacher, probe, layers, Path(directory) / RANKING)
     chosen = choose(measured, a.softmax_layers, a.softmax_rank)
     restore_softmax(student, chosen)
-    geometry = get_adapter(teacher).geometry(teacher.config)
-    cost = kv_bytes_per_token(len(chosen), geometry.num_kv_heads, geometry.head_dim)
+    cost = metrics(student)["softmax_layers/kv_bytes_per_token"]
     write_json(out_dir / CHOICE, {"layers": chosen, "rank": a.softmax_rank, "measured": measured,
                                   "ranking": rank_layers(measured, a.softmax_rank), "kv_bytes_per_token": cost})
     if a.softmax_rank == "kl":
@@ -63,7 +56,7 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
     layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
     from dofla.dof.softmax_layers import probe_attention_errors, restoration_kl
 
-    settings, stored = probe_settings(cfg, layers), read_json(path) or {}
+    settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
     needed = "restored" if cfg.allocation.softmax_rank == "kl" else "attention_error"
     if needed not in measured:
