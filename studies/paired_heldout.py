@@ -1,6 +1,6 @@
 """How far apart are two finished runs' students on the same held-out text? Paired, per sequence.
 
-``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long] [--out FILE]``
+``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long] [--ablate] [--out FILE]``
 
 Runs made from one trained student (say ``allocation.softmax_layers`` = 0, 1, 2, 3 on the same
 layers) have no training seed to vary, so an interval over seeds does not exist for them. What
@@ -10,7 +10,8 @@ pipeline wrote) scores each held-out sequence of the reference run's data, and e
 difference from the reference is averaged over sequences with a two-sided 95 % Student-t
 interval (sequences as the unit: tokens within a sequence are not independent). ``--long`` scores
 the long-context sequences instead (``eval.long_seq_len`` × ``eval.long_context_seqs``) and
-reports the difference at positions ≥ 512 as well. The interval is over text, not over training
+reports the difference at positions ≥ 512 as well; ``--ablate`` adds, for every hybrid run, its
+student with the linear part removed (window and sinks only), paired against the same run. The interval is over text, not over training
 runs: it says whether the students differ on this distribution, not whether a retrained student
 would. Prints markdown; ``--out`` writes it.
 """
@@ -55,27 +56,35 @@ def held_out(run: Path, long: bool) -> torch.Tensor:
     return long_heldout_tokens(cfg, tokenizer) if long else heldout_tokens(cfg, tokenizer)
 
 
-def compare(runs: list[Path], long: bool = False) -> str:
+def compare(runs: list[Path], long: bool = False, ablate: bool = False) -> str:
+    """The markdown table. With ``ablate``, every run with hybrid layers also gets a row for its
+    student with the linear part removed (window and sinks only), paired against the same run:
+    how much the linear part lowers the loss."""
+    from dofla.eval.probes import without_linear_part
     from dofla.models import load_student
 
     tokens = held_out(runs[0], long)
     starts = [0, 512] if long and tokens.shape[1] > 512 else [0]
-    losses = []  # per run, per start: the per-sequence losses
+    rows = []  # (label, per-start per-sequence losses, index of the row it is paired with)
     for run in runs:
         model = load_student(final_student(run))
-        losses.append({s: sequence_losses(model, tokens, s) for s in starts})
+        rows.append((run.name, {s: sequence_losses(model, tokens, s) for s in starts}, 0))
+        if ablate and any(attn.mode == "hybrid" for attn in model.student_attentions()):
+            with without_linear_part(model):
+                removed = {s: sequence_losses(model, tokens, s) for s in starts}
+            rows.append((f"{run.name}, linear part removed (vs itself)", removed, len(rows) - 1))
         del model
     lines = [f"{tokens.shape[0]} held-out sequences of {tokens.shape[1]} tokens (the data of {runs[0]}); "
-             "mean next-token loss in nats; difference from the first run, mean over sequences ± 95 % t "
-             "interval (sequences as the unit)", "",
+             "mean next-token loss in nats; difference from the first run (an ablation row: from its own "
+             "run), mean over sequences ± 95 % t interval (sequences as the unit)", "",
              "| run | " + " | ".join(f"loss (positions ≥ {s}) | difference" for s in starts) + " |",
              "|---|" + "---|---|" * len(starts)]
-    for index, (run, loss) in enumerate(zip(runs, losses)):
+    for index, (label, loss, paired) in enumerate(rows):
         cells = []
         for s in starts:
-            diff, half = mean_ci([a - b for a, b in zip(loss[s], losses[0][s])])
+            diff, half = mean_ci([a - b for a, b in zip(loss[s], rows[paired][1][s])])
             cells += [f"{sum(loss[s]) / len(loss[s]):.4f}", "–" if index == 0 else f"{diff:+.4f} ± {half:.4f}"]
-        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -83,12 +92,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="finished run directories; the first is the reference")
     parser.add_argument("--long", action="store_true", help="the long-context sequences, also from position 512")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also each hybrid run without its linear part, paired against itself")
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give a reference run and at least one run to compare with it")
-    text = compare([Path(r) for r in args.runs], args.long)
-    command = "python -m studies.paired_heldout " + " ".join(args.runs) + (" --long" if args.long else "")
+    text = compare([Path(r) for r in args.runs], args.long, args.ablate)
+    flags = (" --long" if args.long else "") + (" --ablate" if args.ablate else "")
+    command = "python -m studies.paired_heldout " + " ".join(args.runs) + flags
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

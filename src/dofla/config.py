@@ -139,6 +139,10 @@ class TrainConfig(StepConfig):
     # each, train.batch_size is the batch over all of them), layers (layer i on rank i mod N: each
     # rank holds only its layers), auto (data when streaming, layers when reading the cache)
     parallel: str = "auto"
+    # what a hybrid layer's features learn from in the layerwise stage: hybrid (the layer's own
+    # output: exact window and sinks, linear before) or full (the linear part alone against the
+    # teacher's full attention, as a pure-linear layer; such layers are shared with linear runs)
+    hybrid_target: str = "hybrid"
 
 
 @dataclass
@@ -176,6 +180,11 @@ class DistillConfig:
     offset: Optional[int] = None
     lora_rank: int = 8
     lora_alpha: int = 16
+    # hybrid students: the probability that a layer runs without its exact window and sinks for a
+    # step (pure linear, so its linear part must carry every key); moves linearly to
+    # window_dropout_end over the steps when that is set
+    window_dropout: float = 0.0
+    window_dropout_end: Optional[float] = None
     checkpoint_every: int = 50
     log_every: int = 10
 
@@ -277,6 +286,9 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("allocation", "softmax_layers"): 0,
     ("allocation", "softmax_probe_seqs"): 8,
     ("allocation", "softmax_rank"): "kl",
+    ("train", "hybrid_target"): "hybrid",
+    ("distill", "window_dropout"): 0.0,
+    ("distill", "window_dropout_end"): None,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

@@ -13,19 +13,10 @@ from dofla.config import RunConfig
 from dofla.distributed import check_device
 from dofla.errors import ConfigError, require
 from dofla.stages.plan import stage_plan
+from dofla.validate_training import SCHEDULES, one_of, positive, validate_training
 
 TRAIN_SOURCES = ("auto", "cache", "stream")
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
-SCHEDULES = ("constant", "cosine")
-
-
-def _positive(key: str, value) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            f"{key}={value!r} must be a positive number")
-
-
-def _one_of(key: str, value, valid) -> None:
-    require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
 
 def validate_config(cfg: RunConfig) -> None:
@@ -36,15 +27,15 @@ def validate_config(cfg: RunConfig) -> None:
     from dofla.feature_maps import FEATURE_MAPS
     from dofla.train.losses import LOSSES
 
-    _one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
-    _one_of("loss.name", cfg.loss.name, LOSSES.names())
-    _one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
-    _one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
-    _one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
-    _one_of("data.name", cfg.data.name, DATA_SOURCES.names())
-    _one_of("train.schedule", cfg.train.schedule, SCHEDULES)
+    one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
+    one_of("loss.name", cfg.loss.name, LOSSES.names())
+    one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
+    one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
+    one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
+    one_of("data.name", cfg.data.name, DATA_SOURCES.names())
+    one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     check_device(cfg.device)
-    _one_of("precision", cfg.precision, PRECISIONS)
+    one_of("precision", cfg.precision, PRECISIONS)
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
         ("allocation.num_samples", cfg.allocation.num_samples),
@@ -63,13 +54,13 @@ def validate_config(cfg: RunConfig) -> None:
         ("finetune.lr", cfg.finetune.lr),
         ("finetune.rank", cfg.finetune.rank),
     ]:
-        _positive(key, value)
+        positive(key, value)
     if cfg.train.micro_batch_size is not None:
         from dofla.train.layerwise import mean_over_rows
         from dofla.train.losses import end_to_end
 
         if cfg.train.micro_batch_size != "auto":
-            _positive("train.micro_batch_size", cfg.train.micro_batch_size)
+            positive("train.micro_batch_size", cfg.train.micro_batch_size)
         require(end_to_end(cfg.loss.name) or mean_over_rows(cfg.loss.name),
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
@@ -80,13 +71,13 @@ def validate_config(cfg: RunConfig) -> None:
     require(cfg.train.memory_limit_gb is None or cfg.train.memory_limit_gb > 0,
             f"train.memory_limit_gb={cfg.train.memory_limit_gb} must be a positive number of GiB (or null: the device's)")
     if cfg.budget.value is not None:
-        _positive("budget.value", cfg.budget.value)
+        positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,
              f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
     _validate_num_tokens(cfg)
-    _one_of("logger.name", cfg.logger.name, ("none", "wandb"))
-    _one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
-    _validate_distill(cfg)
+    one_of("logger.name", cfg.logger.name, ("none", "wandb"))
+    one_of("finetune.name", cfg.finetune.name, ("none", "lora"))
+    validate_training(cfg)
     _validate_attention(cfg)
     _validate_scale(cfg)
     stage_plan(cfg)
@@ -94,40 +85,10 @@ def validate_config(cfg: RunConfig) -> None:
     _validate_eval(cfg)
 
 
-def _validate_distill(cfg: RunConfig) -> None:
-    from dofla.train.distill import TRAINABLE
-
-    d = cfg.distill
-    _one_of("distill.name", d.name, ("none", "kl"))
-    if d.name == "none":
-        return
-    _one_of("distill.schedule", d.schedule, SCHEDULES)
-    for key in ("tokens", "batch_size", "lr", "feature_lr", "temperature", "lora_rank", "checkpoint_every",
-                "log_every"):
-        _positive(f"distill.{key}", getattr(d, key))
-    for key in ("seq_len", "micro_batch_size"):
-        if getattr(d, key) is not None:
-            _positive(f"distill.{key}", getattr(d, key))
-    require(d.micro_batch_size is None or d.batch_size % d.micro_batch_size == 0,
-            f"distill.micro_batch_size={d.micro_batch_size} does not divide distill.batch_size={d.batch_size}; "
-            "choose a divisor so every micro-batch has the same size")
-    unknown = [t for t in d.train if t not in TRAINABLE]
-    require(d.train and not unknown, f"distill.train={list(d.train)} must name one or more of "
-            f"{', '.join(TRAINABLE)}" + (f" ({', '.join(map(str, unknown))} is not one)" if unknown else ""))
-    seq_len = d.seq_len or cfg.data.seq_len
-    require(d.tokens >= d.batch_size * seq_len,
-            f"distill.tokens={d.tokens} is less than one batch ({d.batch_size} × {seq_len} tokens); "
-            "raise distill.tokens or lower distill.batch_size")
-    require(d.offset is None or d.offset >= 0, f"distill.offset={d.offset} must be ≥ 0 (or null: after the "
-            "layerwise stage's tokens)")
-    require(d.grad_clip >= 0 and d.warmup_steps >= 0,
-            "distill.grad_clip and distill.warmup_steps must be ≥ 0")
-
-
 def _validate_num_tokens(cfg: RunConfig) -> None:
     from dofla.data.prepared import PREPARED_MODES
 
-    _one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
+    one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
     require(cfg.data.shuffle_seed is None or cfg.data.prepared != "off", "data.shuffle_seed reads the prepared "
             "training split in a random order, which data.prepared=off turns off; set data.prepared=auto")
     n = cfg.data.num_tokens
@@ -136,14 +97,14 @@ def _validate_num_tokens(cfg: RunConfig) -> None:
                        "data.prepared=off turns off; set data.prepared=auto or a number of tokens")
     require(isinstance(n, int) and not isinstance(n, bool),
              f"data.num_tokens={n!r} must be a number of tokens or 'all' (one pass over the prepared data)")
-    _positive("data.num_tokens", n)
+    positive("data.num_tokens", n)
     require(n >= cfg.data.seq_len, f"data.num_tokens={n} is less than one sequence of data.seq_len="
              f"{cfg.data.seq_len}; raise data.num_tokens or lower data.seq_len")
 
 
 def _validate_attention(cfg: RunConfig) -> None:
     a = cfg.attention
-    _one_of("attention.name", a.name, ATTENTION_FORMS)
+    one_of("attention.name", a.name, ATTENTION_FORMS)
     require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
     require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
     if a.name in ("hybrid", "sliding_window"):
@@ -154,8 +115,8 @@ def _validate_attention(cfg: RunConfig) -> None:
              "attention has no exact part to keep sinks in)")
     k = cfg.allocation.softmax_layers
     require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
-    _positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
-    _one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "attention_error"))
+    positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
+    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "attention_error"))
     require(not k or a.name != "sliding_window",
             f"allocation.softmax_layers={k} keeps layers of a linear or hybrid student exact; "
             "attention=sliding_window has no linear layers, set it to 0")
@@ -166,15 +127,15 @@ def _validate_attention(cfg: RunConfig) -> None:
 def _validate_scale(cfg: RunConfig) -> None:
     """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
     t, a = cfg.train, cfg.allocation
-    _one_of("train.source", t.source, TRAIN_SOURCES)
-    _one_of("train.parallel", t.parallel, ("auto", "data", "layers"))
+    one_of("train.source", t.source, TRAIN_SOURCES)
+    one_of("train.parallel", t.parallel, ("auto", "data", "layers"))
     require(t.parallel != "data" or t.source != "cache",
             "train.parallel=data splits a stream's batches over torchrun's ranks, and train.source=cache has no "
             "stream; use train.source=stream, or train.parallel=layers (or auto) for the cache")
-    _one_of("train.teacher_dtype", t.teacher_dtype, TEACHER_DTYPES)
-    _positive("train.cache_limit_gb", t.cache_limit_gb)
+    one_of("train.teacher_dtype", t.teacher_dtype, TEACHER_DTYPES)
+    positive("train.cache_limit_gb", t.cache_limit_gb)
     if t.max_steps is not None:
-        _positive("train.max_steps", t.max_steps)
+        positive("train.max_steps", t.max_steps)
     if cfg.data.cache_tokens is not None:
         require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
                  f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
@@ -184,7 +145,7 @@ def _validate_scale(cfg: RunConfig) -> None:
     if a.policy == "measured":
         require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
                  f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
-        _positive("allocation.measured_steps", a.measured_steps)
+        positive("allocation.measured_steps", a.measured_steps)
     ev = cfg.eval
     require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
              f"eval.position_buckets={list(ev.position_buckets)} must be increasing positions ≥ 1")
@@ -215,27 +176,27 @@ def _validate_eval(cfg: RunConfig) -> None:
     from dofla.eval.suite import finetune_batch_sizes, train_data_problem
 
     ev = cfg.eval
-    _one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
+    one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
     require(all(isinstance(t, str) and t for t in ev.tasks),
              f"eval.tasks={list(ev.tasks)!r} must be a list of lm-eval task names")
     require(ev.protocol == "zeroshot" or ev.tasks,
              "eval.protocol=finetune needs tasks to fine-tune on; set eval.tasks=[...] or eval=downstream7")
     if ev.task_limit is not None:
-        _positive("eval.task_limit", ev.task_limit)
+        positive("eval.task_limit", ev.task_limit)
     if ev.finetune_train_limit is not None:
-        _positive("eval.finetune_train_limit", ev.finetune_train_limit)
+        positive("eval.finetune_train_limit", ev.finetune_train_limit)
     require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
     for key, value in [("eval.task_batch_size", ev.task_batch_size), ("eval.finetune_epochs", ev.finetune_epochs),
                        ("eval.finetune_max_length", ev.finetune_max_length),
                        *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
                        *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
-        _positive(key, value)
+        positive(key, value)
     require((problem := train_data_problem(ev.finetune_train_data)) is None, problem or "")
     for folder in ev.task_dirs:
         require(Path(folder).expanduser().is_dir(),
                  f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
     if ev.mqar:
-        _positive("eval.mqar_examples", ev.mqar_examples)
+        positive("eval.mqar_examples", ev.mqar_examples)
         require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
                  f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 

@@ -70,6 +70,16 @@ BAD_BEFORE_MODEL = [
     ({"allocation__softmax_rank": "error"}, "allocation.softmax_rank"),
     ({"allocation__softmax_layers": 2, "attention__name": "sliding_window", "attention__window": 64},
      "allocation.softmax_layers"),
+    ({"train__hybrid_target": "window"}, "train.hybrid_target"),
+    ({"train__hybrid_target": "full"}, "train.hybrid_target"),  # pure linear: no hybrid layers
+    ({"train__hybrid_target": "full", "attention__name": "hybrid", "attention__window": 64, "loss__name": "direct"},
+     "train.hybrid_target"),
+    ({"distill__name": "kl", "attention__name": "hybrid", "attention__window": 64, "distill__window_dropout": 1.5},
+     "distill.window_dropout"),
+    ({"distill__name": "kl", "attention__name": "hybrid", "attention__window": 64,
+      "distill__window_dropout_end": -0.1}, "distill.window_dropout_end"),
+    ({"distill__name": "kl", "distill__window_dropout": 0.5}, "distill.window_dropout"),  # pure linear
+    ({"attention__name": "hybrid", "attention__window": 64, "distill__window_dropout": 0.5}, "distill.window_dropout"),
 ]
 
 

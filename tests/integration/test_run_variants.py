@@ -182,3 +182,33 @@ def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it(tmp
     from studies.paired_heldout import compare  # the paired study reads the run: a run against itself is 0
 
     assert compare([run_dir, run_dir]).splitlines()[-1].endswith("| +0.0000 ± 0.0000 |")
+
+
+def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(tmp_path):
+    """``train.hybrid_target=full``: the layerwise stage trains exactly the linear layers (one shared
+    layer directory, nothing retrained); window dropout then distils the hybrid."""
+    layers = tmp_path / "layers"
+    linear_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", name="linear")
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")}
+    run_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "attention=hybrid",
+                           "attention.window=8", "attention.sinks=2", "train.hybrid_target=full", "distill=kl",
+                           "distill.tokens=256", "distill.batch_size=2", "distill.window_dropout=0.9",
+                           "distill.window_dropout_end=0.5", name="hybrid")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")} == written  # reused, not retrained
+    linear, hybrid = load_student(linear_dir / "student"), load_student(run_dir / "student")
+    assert {a.mode for a in hybrid.student_attentions()} == {"hybrid"}
+    for a, b in zip(linear.student_attentions(), hybrid.student_attentions()):
+        for (name, x), y in zip(a.feature_map.state_dict().items(), b.feature_map.state_dict().values()):
+            torch.testing.assert_close(x, y, msg=name)
+    settings = json.loads((run_dir / "distill_summary.json").read_text())["settings"]["distill"]
+    assert settings["window_dropout"] == 0.9 and settings["window_dropout_end"] == 0.5
+    distilled = load_student(run_dir / "student_distilled")
+    assert {a.mode for a in distilled.student_attentions()} == {"hybrid"}
+    assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])
+    from studies.paired_heldout import compare  # the linear part's share, paired against the run itself
+
+    rows = compare([linear_dir, run_dir], ablate=True).splitlines()[-3:]
+    assert [r.split(" | ")[0] for r in rows] == ["| linear", "| hybrid", "| hybrid, linear part removed (vs itself)"]
+    assert not rows[-1].endswith("| +0.0000 ± 0.0000 |")  # removing the linear part changes the loss

@@ -31,9 +31,10 @@ IN_KEY: dict[str, tuple[str, ...]] = {
     "loss": ("name", "options"),
     "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
               "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
-              "max_steps", "teacher_dtype"),
+              "max_steps", "teacher_dtype", "hybrid_target"),
     "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "temperature",
-                "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha"),
+                "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
+                "window_dropout_end"),
     "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
 }
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
@@ -101,13 +102,26 @@ def dof_settings(cfg: RunConfig, cache_key: str, layers: list[int] | None, num_l
     return settings
 
 
+def training_window(cfg: RunConfig) -> tuple[int, int]:
+    """(window, sinks) the layerwise loss sees: the attention's, or (0, 0) when a hybrid's features
+    learn against full attention (``train.hybrid_target=full``: trained exactly as a linear layer)."""
+    a = cfg.attention
+    if a.window == 0 or cfg.train.hybrid_target == "full":
+        return 0, 0
+    return a.window, a.sinks
+
+
 def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
-    """Everything that determines a layer's trained features (not which job trained it)."""
+    """Everything that determines a layer's trained features (not which job trained it). Layers of
+    a hybrid trained against full attention have the meta of the same linear run's layers."""
     train = section(cfg, "train", legacy=True)
+    train.pop("hybrid_target", None)  # it acts through the training window alone
+    window, sinks = training_window(cfg)
     meta = {"feature_map": section(cfg, "feature_map"), "loss": section(cfg, "loss"),
-            "window": cfg.attention.window, "train": train, "seed": cfg.seed, "cache_key": cache_key,
+            "window": window, "train": train, "seed": cfg.seed, "cache_key": cache_key,
             "format": ARTIFACT_FORMAT}
-    meta.update({"sinks": v for k, v in section(cfg, "attention", legacy=True).items() if k == "sinks"})
+    if sinks != LEGACY_VALUES[("attention", "sinks")]:
+        meta["sinks"] = sinks
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
         meta["stream"] = {"data": section(cfg, "data", legacy=True)}
     return with_precision(meta, cfg)
@@ -139,7 +153,8 @@ def softmax_ranking_settings(cfg: RunConfig, layers: dict) -> dict:
 
 def distill_settings(cfg: RunConfig, student: dict | None) -> dict:
     """The distilled student: the student's settings, the distillation's and the seed."""
-    return canonical(with_precision({"student": student, "distill": section(cfg, "distill"), "seed": cfg.seed}, cfg))
+    distill = section(cfg, "distill", legacy=True)  # without the options added since, at their defaults
+    return canonical(with_precision({"student": student, "distill": distill, "seed": cfg.seed}, cfg))
 
 
 def finetune_settings(cfg: RunConfig, student: dict | None) -> dict:

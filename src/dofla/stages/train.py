@@ -14,7 +14,7 @@ from dofla.feature_maps.blocks import feature_dims
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.data import stream_steps, training_stream
-from dofla.stages.keys import layer_meta, layer_settings
+from dofla.stages.keys import layer_meta, layer_settings, training_window
 from dofla.train.losses import end_to_end
 
 
@@ -71,9 +71,9 @@ def layer_train_config(cfg: RunConfig):
     from dofla.train import LayerTrainConfig
 
     steps = {f.name: getattr(cfg.train, f.name) for f in fields(StepConfig)}
+    window, sinks = training_window(cfg)
     return LayerTrainConfig(**steps, loss=cfg.loss.name, loss_options=dict(cfg.loss.options), seed=cfg.seed,
-                            window=cfg.attention.window,
-                            sinks=cfg.attention.sinks if cfg.attention.window > 0 else 0, precision=cfg.precision)
+                            window=window, sinks=sinks, precision=cfg.precision)
 
 
 def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:

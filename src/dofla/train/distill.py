@@ -15,6 +15,7 @@ each, and the gradients are averaged before clipping: the single-process step at
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,43 @@ class DistillSchedule:
     log_every: int = 10  # host synchronisations (loss to Python) only this often
     checkpoint_every: int = 50
     precision: str = "fp32"  # fp32 | tf32 | bf16 (the forwards under autocast; dofla.precision)
+    window_dropout: float = 0.0  # hybrid layers: probability of running without window and sinks
+    window_dropout_end: float | None = None  # linear schedule to this by the last step (None: constant)
+    seed: int = 0  # which layers drop their window at each step
+
+
+def window_dropout_rate(step: int, s: DistillSchedule) -> float:
+    """The probability that a hybrid layer drops its window at ``step``: ``window_dropout``, moving
+    linearly to ``window_dropout_end`` (when set) by the last step."""
+    end = s.window_dropout if s.window_dropout_end is None else s.window_dropout_end
+    return s.window_dropout + (end - s.window_dropout) * step / max(1, s.steps - 1)
+
+
+def dropped_windows(num_hybrid: int, step: int, s: DistillSchedule) -> list[int]:
+    """Which of the student's ``num_hybrid`` hybrid layers run without their window at ``step``, each
+    independently with :func:`window_dropout_rate`. Drawn from (seed, step) alone, so a resumed run
+    and every torchrun rank draw the same layers."""
+    rate = window_dropout_rate(step, s)
+    if rate <= 0 or num_hybrid == 0:
+        return []
+    draw = torch.rand(num_hybrid, generator=torch.Generator().manual_seed(s.seed * 1_000_003 + step))
+    return [i for i in range(num_hybrid) if draw[i] < rate]
+
+
+@contextmanager
+def windows_dropped(student, layers: list[int]):
+    """Inside the block, the hybrid layers ``layers`` (indices among the student's hybrid layers) run
+    as pure linear attention: no exact window, no sinks, so their linear part must carry every key."""
+    hybrid = [attn for attn in student.student_attentions() if attn.mode == "hybrid"]
+    chosen = [hybrid[i] for i in layers]
+    saved = [(attn.window, attn.sinks) for attn in chosen]
+    try:
+        for attn in chosen:
+            attn.window, attn.sinks = 0, 0
+        yield chosen
+    finally:
+        for attn, (window, sinks) in zip(chosen, saved):
+            attn.window, attn.sinks = window, sinks
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
@@ -168,6 +206,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     params = [p for _, group in named for p in group]
     names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
     device = next(student.parameters()).device
+    num_hybrid = sum(attn.mode == "hybrid" for attn in student.student_attentions())
     step, curve, tokens = 0, [], 0
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
@@ -205,7 +244,8 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
-        kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s)
+        with windows_dropped(student, dropped_windows(num_hybrid, step, s)):
+            kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s)
         if split:
             distributed.average_gradients(params)
         if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:

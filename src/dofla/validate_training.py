@@ -1,0 +1,72 @@
+"""Value checks of the training options: the distill stage and how a hybrid's linear part learns
+(part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
+from __future__ import annotations
+
+from dofla.config import RunConfig
+from dofla.errors import require
+
+SCHEDULES = ("constant", "cosine")
+HYBRID_TARGETS = ("hybrid", "full")
+
+
+def positive(key: str, value) -> None:
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            f"{key}={value!r} must be a positive number")
+
+
+def one_of(key: str, value, valid) -> None:
+    require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+def validate_training(cfg: RunConfig) -> None:
+    _validate_distill(cfg)
+    _validate_hybrid_training(cfg)
+
+
+def _validate_hybrid_training(cfg: RunConfig) -> None:
+    a, target = cfg.attention, cfg.train.hybrid_target
+    one_of("train.hybrid_target", target, HYBRID_TARGETS)
+    hybrid = a.name == "hybrid" or (a.name == "linear" and a.window > 0)
+    require(target == "hybrid" or hybrid, f"train.hybrid_target={target} trains a hybrid's linear part against "
+            f"full attention; attention={a.name} has no hybrid layers, leave it at hybrid")
+    require(target == "hybrid" or cfg.loss.name != "direct", "train.hybrid_target=full sets what the layerwise "
+            "losses compare; loss=direct trains end to end, so use distill.window_dropout for that instead")
+    d = cfg.distill
+    for key in ("window_dropout", "window_dropout_end"):
+        p = getattr(d, key)
+        require(p is None or (isinstance(p, (int, float)) and 0 <= p <= 1),
+                f"distill.{key}={p!r} must be a probability in [0, 1]")
+    dropout = d.window_dropout or d.window_dropout_end
+    require(not dropout or (hybrid and d.name != "none"), f"distill.window_dropout drops the exact window of a "
+            f"hybrid student's layers during distillation; it needs distill=kl and attention=hybrid "
+            f"(here distill={d.name}, attention={a.name})")
+
+
+def _validate_distill(cfg: RunConfig) -> None:
+    from dofla.train.distill import TRAINABLE
+
+    d = cfg.distill
+    one_of("distill.name", d.name, ("none", "kl"))
+    if d.name == "none":
+        return
+    one_of("distill.schedule", d.schedule, SCHEDULES)
+    for key in ("tokens", "batch_size", "lr", "feature_lr", "temperature", "lora_rank", "checkpoint_every",
+                "log_every"):
+        positive(f"distill.{key}", getattr(d, key))
+    for key in ("seq_len", "micro_batch_size"):
+        if getattr(d, key) is not None:
+            positive(f"distill.{key}", getattr(d, key))
+    require(d.micro_batch_size is None or d.batch_size % d.micro_batch_size == 0,
+            f"distill.micro_batch_size={d.micro_batch_size} does not divide distill.batch_size={d.batch_size}; "
+            "choose a divisor so every micro-batch has the same size")
+    unknown = [t for t in d.train if t not in TRAINABLE]
+    require(d.train and not unknown, f"distill.train={list(d.train)} must name one or more of "
+            f"{', '.join(TRAINABLE)}" + (f" ({', '.join(map(str, unknown))} is not one)" if unknown else ""))
+    seq_len = d.seq_len or cfg.data.seq_len
+    require(d.tokens >= d.batch_size * seq_len,
+            f"distill.tokens={d.tokens} is less than one batch ({d.batch_size} × {seq_len} tokens); "
+            "raise distill.tokens or lower distill.batch_size")
+    require(d.offset is None or d.offset >= 0, f"distill.offset={d.offset} must be ≥ 0 (or null: after the "
+            "layerwise stage's tokens)")
+    require(d.grad_clip >= 0 and d.warmup_steps >= 0,
+            "distill.grad_clip and distill.warmup_steps must be ≥ 0")
