@@ -53,6 +53,7 @@ class AttentionConfig:
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
     chunk_size: int = 128  # fastest of 16..256 on CPU at T = 16K (benchmarks/bench_attention.py)
+    gate: str = "none"  # linear: none | scalar (a per-head decay of the state, trained by distill=kl)
 
 
 @dataclass
@@ -289,6 +290,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("train", "hybrid_target"): "hybrid",
     ("distill", "window_dropout"): 0.0,
     ("distill", "window_dropout_end"): None,
+    ("attention", "gate"): "none",
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

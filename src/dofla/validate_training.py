@@ -21,6 +21,22 @@ def one_of(key: str, value, valid) -> None:
 def validate_training(cfg: RunConfig) -> None:
     _validate_distill(cfg)
     _validate_hybrid_training(cfg)
+    _validate_gate(cfg)
+
+
+def _validate_gate(cfg: RunConfig) -> None:
+    from dofla.attention.gate import GATES
+
+    a, d = cfg.attention, cfg.distill
+    one_of("attention.gate", a.gate, GATES)
+    if a.gate == "none":
+        return
+    require(a.name == "linear" and a.window == 0 and cfg.feature_map.name != "softmax",
+            f"attention.gate={a.gate} decays a pure linear layer's state; attention={a.name} (window {a.window}) "
+            "has no such layer, use attention=linear or attention.gate=none")
+    require(d.name == "kl" and "gate" in d.train, f"attention.gate={a.gate} starts closed (the ungated student) "
+            f"and only the distill stage trains it: set distill=kl and name gate in distill.train (now "
+            f"distill={d.name}, distill.train={list(d.train)})")
 
 
 def _validate_hybrid_training(cfg: RunConfig) -> None:

@@ -80,6 +80,11 @@ BAD_BEFORE_MODEL = [
       "distill__window_dropout_end": -0.1}, "distill.window_dropout_end"),
     ({"distill__name": "kl", "distill__window_dropout": 0.5}, "distill.window_dropout"),  # pure linear
     ({"attention__name": "hybrid", "attention__window": 64, "distill__window_dropout": 0.5}, "distill.window_dropout"),
+    ({"attention__gate": "lizard"}, "attention.gate"),
+    ({"attention__gate": "scalar"}, "attention.gate"),  # no distill stage to train it
+    ({"attention__gate": "scalar", "distill__name": "kl"}, "attention.gate"),  # gate not in distill.train
+    ({"attention__gate": "scalar", "attention__name": "hybrid", "attention__window": 64, "distill__name": "kl",
+      "distill__train": ["features", "gate"]}, "attention.gate"),
 ]
 
 

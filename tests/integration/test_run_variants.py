@@ -212,3 +212,21 @@ def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(t
     rows = compare([linear_dir, run_dir], ablate=True).splitlines()[-3:]
     assert [r.split(" | ")[0] for r in rows] == ["| linear", "| hybrid", "| hybrid, linear part removed (vs itself)"]
     assert not rows[-1].endswith("| +0.0000 ± 0.0000 |")  # removing the linear part changes the loss
+
+
+def test_a_gated_run_shares_the_linear_layers_and_distils_the_gate(tmp_path):
+    layers = tmp_path / "layers"
+    _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", name="linear")
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")}
+    run_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "attention.gate=scalar",
+                           "distill=kl", "distill.tokens=256", "distill.batch_size=2",
+                           "distill.train=[features,attention,gate]", "eval.tasks=[]", name="gated")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")} == written  # the same layers
+    student = load_student(run_dir / "student_distilled")
+    assert student.config.dofla["gate"] == "scalar"
+    alphas = torch.cat([a.gate.alpha for a in student.student_attentions()])
+    assert (alphas >= 0).all() and alphas.max() > 0
+    assert "decay gate" in (run_dir / "student_distilled" / "README.md").read_text()
+    assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])

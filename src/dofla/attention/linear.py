@@ -9,6 +9,13 @@ scores from the causal stabiliser (:mod:`dofla.attention.stable`), so a huge lat
 same chunk cannot underflow earlier rows. c and the shifts are detached: the output does not
 depend on them, so gradients are exact.
 
+A gate (``log_decay`` a_t ≤ 0 per head and token, (B, H, T)) decays the state before each new
+key: S_t = e^{a_t} S_{t−1} + φ(k_t) v_tᵀ, so key j reaches query i with weight e^{A_i − A_j}
+(A the cumulative sum of a). Inside a chunk that is the ungated kernel on log_q + A_i and
+log_k − A_j, with A counted from the chunk's start (bounded by the chunk, so no precision is lost
+over long sequences); the carried state's decay moves its offset (a detached shift) and a factor
+exp(x − x.detach()) (value 1) carries the decay's gradient.
+
 Layouts: log_q, log_k (B, H, T, M); v (B, H, T, dv); outputs (B, H, T, dv).
 """
 from __future__ import annotations
@@ -61,14 +68,17 @@ class LinearState:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.k_sum, self.offset))
 
 
-def _prepare(log_q, log_k, v, state, key_valid=None):
+def _prepare(log_q, log_k, v, state, key_valid=None, log_decay=None):
     """Check shapes, pick the compute dtype (≥ fp32: exp of shifted logs needs the mantissa),
-    mask padding keys (log_k = −inf, v = 0: they contribute nothing) and create an empty state."""
+    mask padding keys (log_k = −inf, v = 0: they contribute nothing; a pad does not decay the
+    state) and create an empty state. Returns (log_q, log_k, v, state, log_decay)."""
     if log_q.shape != log_k.shape or log_k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"expected log_q, log_k (B, H, T, M) and v (B, H, T, dv); got {tuple(log_q.shape)}, "
             f"{tuple(log_k.shape)}, {tuple(v.shape)}"
         )
+    if log_decay is not None and log_decay.shape != log_k.shape[:3]:
+        raise ValueError(f"log_decay must be (B, H, T) = {tuple(log_k.shape[:3])}; got {tuple(log_decay.shape)}")
     dtype = torch.promote_types(torch.promote_types(log_q.dtype, v.dtype), torch.float32)
     b, h, t, m = log_k.shape
     if state is None:
@@ -81,7 +91,11 @@ def _prepare(log_q, log_k, v, state, key_valid=None):
             )
         pad = ~key_valid.to(torch.bool)[:, None, :, None]
         log_k, v = log_k.masked_fill(pad, float("-inf")), v.masked_fill(pad, 0.0)
-    return log_q, log_k, v, state.to(dtype)
+        if log_decay is not None:
+            log_decay = log_decay.masked_fill(pad[..., 0], 0.0)
+    if log_decay is not None:
+        log_decay = log_decay.to(dtype)
+    return log_q, log_k, v, state.to(dtype), log_decay
 
 
 def _advance(state: LinearState, key_max: torch.Tensor):
@@ -95,6 +109,13 @@ def _query_features(log_q: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     u = log_q + offset
     shift = u.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(u.dtype).min)
     return torch.exp(u - shift)
+
+
+def _carry_decay(kv1: torch.Tensor, offset: torch.Tensor, decay: torch.Tensor):
+    """The state (kv1 (B, H, M, e) at offset (B, H, M)) decayed by e^{decay}, decay (B, H, 1): the
+    offset moves by the detached decay, kv1 takes a factor of value 1 that carries its gradient."""
+    fixed = decay.detach()
+    return kv1 * torch.exp(decay - fixed)[..., None], offset + fixed
 
 
 def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
@@ -121,12 +142,14 @@ def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None, first_sees=Non
 def linear_attention_chunked(
     log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor,
     chunk_size: int = 128, state: LinearState | None = None, *, key_valid: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearState]:
     """Causal linear attention, chunk by chunk; continues from ``state`` (None = empty).
 
     log_q, log_k (B, H, T, M); v (B, H, T, dv) -> out (B, H, T, dv) in v's dtype, final state.
     Any T ≥ 0 and chunk_size ≥ 1 (the last chunk may be partial). key_valid (B, T) bool marks the
     new tokens' real keys (False = padding: no contribution); a row that sees no key outputs 0.
+    log_decay (B, H, T) ≤ 0: the gate (module docstring); None = ungated.
 
     Per chunk of C tokens: three (C×M)/(C×C) matrix products and about a dozen small element-wise
     ops, all on tensors that stay in cache; each row's shift uses only keys it sees
@@ -137,7 +160,7 @@ def linear_attention_chunked(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
     out_dtype, length = v.dtype, v.shape[2]
-    log_q, log_k, v, state = _prepare(log_q, log_k, v, state, key_valid)
+    log_q, log_k, v, state, log_decay = _prepare(log_q, log_k, v, state, key_valid, log_decay)
     if length == 0:
         return v.new_zeros(v.shape).to(out_dtype), state
     dv = v.shape[-1]
@@ -149,7 +172,12 @@ def linear_attention_chunked(
         if mask is None or mask.shape[0] != lk.shape[2]:
             mask = _causal_mask(lk.shape[2], v)
             limit = torch.arange(1, lk.shape[2] + 1, device=v.device)
+        if log_decay is not None:  # decay counted from the chunk's start (B, H, C, 1)
+            decay = log_decay[:, :, start:start + chunk_size].cumsum(-1)[..., None]
+            lq, lk = lq + decay, lk - decay
         total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True)
+        if log_decay is not None:
+            kv1, offset = _carry_decay(kv1, offset, decay[:, :, -1])
         outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))
     final = LinearState(kv1[..., :dv].contiguous(), kv1[..., dv].contiguous(), offset, state.length + length)
     return torch.cat(outs, dim=2).to(out_dtype), final
@@ -157,7 +185,7 @@ def linear_attention_chunked(
 
 def linear_attention_recurrent(
     log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, state: LinearState | None = None,
-    *, key_valid: torch.Tensor | None = None,
+    *, key_valid: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LinearState]:
     """The plain recurrence, one token at a time (decoding); same layouts as the chunked form.
 
@@ -165,14 +193,19 @@ def linear_attention_recurrent(
     maximum of keys already seen, so it is causal by construction; key_valid as in the chunked form.
     """
     out_dtype = v.dtype
-    log_q, log_k, v, state = _prepare(log_q, log_k, v, state, key_valid)
+    log_q, log_k, v, state, log_decay = _prepare(log_q, log_k, v, state, key_valid, log_decay)
     tiny = torch.finfo(v.dtype).tiny
     outs = []
     for t in range(v.shape[2]):
-        offset, scale = _advance(state, log_k[:, :, t])
+        old = state
+        if log_decay is not None:  # S ← e^{a_t} S before the new key
+            kv1, offset = _carry_decay(torch.cat([state.kv, state.k_sum[..., None]], -1), state.offset,
+                                       log_decay[:, :, t, None])
+            old = LinearState(kv1[..., :-1], kv1[..., -1], offset, state.length)
+        offset, scale = _advance(old, log_k[:, :, t])
         phi_k = torch.exp(log_k[:, :, t] - offset)  # (B, H, M)
-        kv = state.kv * scale[..., None] + phi_k[..., None] * v[:, :, t, None, :]
-        k_sum = state.k_sum * scale + phi_k
+        kv = old.kv * scale[..., None] + phi_k[..., None] * v[:, :, t, None, :]
+        k_sum = old.k_sum * scale + phi_k
         phi_q = _query_features(log_q[:, :, t], offset)  # (B, H, M)
         num = torch.einsum("bhm,bhmv->bhv", phi_q, kv)
         den = (phi_q * k_sum).sum(-1)

@@ -57,12 +57,14 @@ def masked_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 def linear_attention_naive(
     log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    *, key_valid: torch.Tensor | None = None,
+    *, key_valid: torch.Tensor | None = None, log_decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_i = Σ_j K̂(q_i, k_j) v_j / Σ_j K̂(q_i, k_j), via a softmax over log K̂.
 
     log_q (B, H, T, M), log_k (B, H, S, M) log features; v (B, H, S, dv) -> (B, H, T, dv).
     key_valid (B, S) bool: False keys (padding) are hidden; a row seeing no key outputs 0.
+    log_decay (B, H, S) ≤ 0, the gate: K̂_ij is weighted by exp(A_i − A_j), A = cumsum(log_decay)
+    over the S positions (a padding key's decay counts as 0).
     """
     visible = torch.ones(log_q.shape[2], log_k.shape[2], dtype=torch.bool, device=log_q.device)
     if causal:
@@ -70,5 +72,11 @@ def linear_attention_naive(
     if key_valid is not None:
         visible = visible & key_valid.to(torch.bool)[:, None, None, :]
         log_k = log_k.masked_fill(~key_valid.to(torch.bool)[:, None, :, None], 0.0)  # finite: no NaN grads
-    log_kernel = log_kernel_matrix(log_q, log_k).masked_fill(~visible, float("-inf"))
+    log_kernel = log_kernel_matrix(log_q, log_k)
+    if log_decay is not None:
+        if key_valid is not None:
+            log_decay = log_decay.masked_fill(~key_valid.to(torch.bool)[:, None, :], 0.0)
+        cumulative = log_decay.cumsum(-1)  # (B, H, S)
+        log_kernel = log_kernel + cumulative[..., -log_q.shape[2]:, None] - cumulative[..., None, :]
+    log_kernel = log_kernel.masked_fill(~visible, float("-inf"))
     return masked_softmax(log_kernel).to(v.dtype) @ v

@@ -65,7 +65,8 @@ def _attention(spec: dict) -> str:
     exact = (f"; layers {', '.join(map(str, kept))} exact softmax (they keep a key/value cache when decoding)"
              if kept else "")
     if attention == "linear":
-        return ("linear (every global layer)" if not kept else "linear") + exact
+        gate = ", with a per-head decay gate on the state" if spec.get("gate", "none") != "none" else ""
+        return ("linear (every global layer)" if not kept else "linear") + gate + exact
     return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (
         ", linear attention before" if attention == "hybrid" else "") + exact
 

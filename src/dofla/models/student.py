@@ -30,6 +30,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from dofla.attention import ATTENTION_FORMS
+from dofla.attention.gate import build_gate
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
@@ -56,6 +57,7 @@ class ConversionSpec:
     attention: str = "linear"  # linear | hybrid | sliding_window (specs saved before: defaults)
     sinks: int = 0
     softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
+    gate: str = "none"  # none | scalar: a per-head decay of each linear layer's state (dofla.attention.gate)
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:
@@ -75,6 +77,9 @@ def _check_spec(spec: ConversionSpec) -> None:
     if spec.softmax_layers and (spec.feature_map == "softmax" or spec.attention == "sliding_window"):
         raise ValueError("softmax_layers restores layers of a linear or hybrid student to exact softmax; "
                          f"feature_map={spec.feature_map!r} with attention={spec.attention!r} has none to restore")
+    if spec.gate != "none" and (spec.attention != "linear" or spec.feature_map == "softmax"):
+        raise ValueError(f"gate={spec.gate!r} decays a pure linear layer's state; attention={spec.attention!r} "
+                         f"with feature_map={spec.feature_map!r} has none, set gate='none'")
     if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
         raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
                          "attention; set sinks=0 or choose one of those")
@@ -234,7 +239,7 @@ def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int
         seed=spec.seed + i, **spec.feature_map_options,
     )
     return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                            softcap if spec.window > 0 else None)
+                            softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]))
 
 
 def convert(
@@ -248,6 +253,7 @@ def convert(
     attention: str = "linear",
     sinks: int = 0,
     softmax_layers: list | None = None,
+    gate: str = "none",
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a student and return it.
 
@@ -263,7 +269,8 @@ def convert(
       ``window`` tokens, training-free; ``feature_map`` and ``dims`` are ignored.
 
     ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
-    ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache).
+    ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache);
+    ``gate="scalar"`` gives each linear layer a per-head decay of its state, starting closed (no decay).
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
@@ -271,7 +278,7 @@ def convert(
     geometry = get_adapter(model).geometry(model.config)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
     spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window,
-                          attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []))
+                          attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []), gate=gate)
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

@@ -72,8 +72,11 @@ class StudentAttention(nn.Module):
         window: int = 0,
         sinks: int = 0,
         softcap: float | None = None,
+        gate: nn.Module | None = None,
     ):
         super().__init__()
+        if gate is not None and (feature_map is None or window > 0):
+            raise ValueError("a decay gate needs a pure linear layer (a feature map, no window); drop the gate")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -82,6 +85,7 @@ class StudentAttention(nn.Module):
         self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid or sliding)
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
+        self.gate = gate  # linear mode: a per-head decay of the state (dofla.attention.gate), or None
         # Set by the student model's forward for the duration of a call.
         self.cache_layer: RecurrentLayer | None = None
         self.key_valid: torch.Tensor | None = None
@@ -117,10 +121,12 @@ class StudentAttention(nn.Module):
             return sliding_window_chunked(q, k, v, self.window, self.sinks, self.chunk_size, state,
                                           key_valid=key_valid, softcap=softcap)
         attend = functools.partial(self._attend, key_valid=key_valid)
-        return for_each_block(self.feature_map, attend, q, k, v, state=state)
+        if self.gate is None:
+            return for_each_block(self.feature_map, attend, q, k, v, state=state)
+        return for_each_block(self.feature_map, attend, q, k, v, self.gate(v), state=state)
 
-    def _attend(self, feature_map: FeatureMap, q, k, v, state: State | None = None, key_valid=None):
-        """Linear (or hybrid) attention of heads sharing one feature map."""
+    def _attend(self, feature_map: FeatureMap, q, k, v, log_decay=None, state: State | None = None, key_valid=None):
+        """Linear (or hybrid) attention of heads sharing one feature map; log_decay (B, H, T) the gate's."""
         log_q = feature_map.log_features(q)
         log_k = feature_map.log_features(k)
         if self.window > 0:
@@ -134,9 +140,10 @@ class StudentAttention(nn.Module):
             pad = ~key_valid[:, None, :, None]
             log_k = log_k.masked_fill(pad, float("-inf"))
             v = v.masked_fill(pad, 0.0)
+            log_decay = None if log_decay is None else log_decay.masked_fill(pad[..., 0], 0.0)  # pads do not decay
         if state is not None and q.shape[2] == 1:
-            return linear_attention_recurrent(log_q, log_k, v, state=state)
-        return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state)
+            return linear_attention_recurrent(log_q, log_k, v, state=state, log_decay=log_decay)
+        return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state, log_decay=log_decay)
 
 
 def dofla_attention_forward(

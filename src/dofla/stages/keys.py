@@ -27,7 +27,7 @@ IN_KEY: dict[str, tuple[str, ...]] = {
     "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens",
              "shuffle_seed"),
     "feature_map": ("name", "options"),
-    "attention": ("name", "window", "sinks", "chunk_size"),
+    "attention": ("name", "window", "sinks", "chunk_size", "gate"),
     "loss": ("name", "options"),
     "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
               "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
@@ -135,8 +135,10 @@ def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
 
 def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     """What determines the assembled student: the teacher, the attention and the trained layers."""
-    settings = {"model": section(cfg, "model"), "attention": section(cfg, "attention"),
-                "layers": layer_settings(cfg, cache_key, dims)}
+    attention = section(cfg, "attention")
+    if attention["gate"] == LEGACY_VALUES[("attention", "gate")]:
+        del attention["gate"]  # absent when ungated, as before the option existed
+    settings = {"model": section(cfg, "model"), "attention": attention, "layers": layer_settings(cfg, cache_key, dims)}
     if cfg.allocation.softmax_layers:  # absent at 0, as before the option existed
         a = cfg.allocation
         settings["softmax_layers"] = {"k": a.softmax_layers, "probe_seqs": a.softmax_probe_seqs}

@@ -209,4 +209,5 @@ def make_student(cfg: RunConfig, teacher, dims):
     return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
                    feature_map_options=dict(cfg.feature_map.options),
                    chunk_size=cfg.attention.chunk_size, seed=cfg.seed,
-                   window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks)
+                   window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks,
+                   gate=cfg.attention.gate)

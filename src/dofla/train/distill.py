@@ -6,8 +6,8 @@ distribution, on fresh streamed text, so the layers adapt to each other's errors
 the strongest published conversions: short attention alignment, then most tokens on KL).
 
 What trains is named by the config: ``features`` (every layer's feature map), ``attention`` (the
-attention projections, fully), ``lora`` (low-rank adapters on them, merged on return). Everything
-else is frozen. The teacher's logits are computed on the fly, never stored. Batches are micro-batched
+attention projections, fully), ``lora`` (low-rank adapters on them, merged on return), ``gate``
+(the decay gates of a gated student, at the feature maps' rate). Everything else is frozen. The teacher's logits are computed on the fly, never stored. Batches are micro-batched
 (gradient accumulation), so the effective batch does not set the peak memory. Under torchrun
 (``data_parallel``) every rank reads the same batches, runs teacher and student on its own rows of
 each, and the gradients are averaged before clipping: the single-process step at the same batch.
@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.artifacts import load_checkpoint, torch_save_atomic
+from dofla.attention.gate import project_gates
 from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.precision import autocast
 from dofla.train.step import lr_factor, micro_batches
 
-TRAINABLE = ("features", "attention", "lora")
+TRAINABLE = ("features", "attention", "lora", "gate")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ def feature_parameters(student) -> list[nn.Parameter]:
             for p in attn.feature_map.parameters()]
 
 
+def gate_parameters(student) -> list[nn.Parameter]:
+    """The decay gates' parameters (``attention.gate``; none in an ungated student)."""
+    return [p for attn in student.student_attentions() if getattr(attn, "gate", None) is not None
+            for p in attn.gate.parameters()]
+
+
 def prepare_trainable(student, train: list[str], lora_rank: int = 8, lora_alpha: int = 16):
     """Freeze ``student``, then unfreeze what ``train`` names; returns (the model to call, the Adam
     groups keyed ``features`` / ``attention`` / ``lora``). With ``lora`` the returned model is the
@@ -152,6 +159,8 @@ def prepare_trainable(student, train: list[str], lora_rank: int = 8, lora_alpha:
         groups.append(("attention", attention_projections(student)))
     if "features" in train:
         groups.append(("features", feature_parameters(student)))
+    if "gate" in train:
+        groups.append(("gate", gate_parameters(student)))
     groups = [(name, params) for name, params in groups if params]
     for _, params in groups:
         for p in params:
@@ -201,7 +210,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     """
     split = data_parallel and distributed.world() > 1
     model, named = prepare_trainable(student, train, *lora)
-    rates = {"features": s.feature_lr, "attention": s.lr, "lora": s.lr}
+    rates = {"features": s.feature_lr, "gate": s.feature_lr, "attention": s.lr, "lora": s.lr}
     optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
     params = [p for _, group in named for p in group]
     names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
@@ -254,6 +263,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
                 if p.grad is not None:
                     p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(torch.isfinite(norm))
         optimizer.step()
+        project_gates(student)  # a gate's α stays ≥ 0: it decays, never amplifies
         tokens += batch.numel()
         pending.append((step, kl))
         bar.update(batch.numel())
