@@ -73,6 +73,16 @@ def outlier_row(log_q, log_k, v, t: int, reps: int, plain_s: float) -> Row:
                "rows that see the outlier's feature only later are recomputed in log space")
 
 
+def gated_row(log_q, log_k, v, t: int, reps: int, plain_s: float) -> Row:
+    """The gated kernel (a decay per head and token) vs the ungated one on the same inputs."""
+    decay = -0.05 * torch.rand(log_k.shape[:3], generator=torch.Generator().manual_seed(1))
+    gated = timeit(lambda: linear_attention_chunked(log_q, log_k, v, chunk_size=DEFAULT_CHUNK, log_decay=decay),
+                   repeats=reps)
+    return Row(f"gated chunked kernel T={t} (attention.gate: a decay per head and token)",
+               f"ungated kernel, same inputs ({plain_s * 1e3:.0f} ms)", "report", f"{gated * 1e3:.0f} ms",
+               gated / plain_s, None, "ratio = gated / ungated time; two shifts and one cumsum per chunk")
+
+
 def memory_point(kind: str, t: int) -> dict:
     """Run in a fresh process: peak-RSS growth of one prefill (inputs excluded)."""
     q, k, v, fm = inputs(t)
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             None, f"best {best}" + ("" if best == base else f", {sweep[base] / sweep[best]:.2f}× vs {base}")),
     ]
     rows.append(outlier_row(log_q, log_k, v, t, reps, sweep[base]))
+    rows.append(gated_row(log_q, log_k, v, t, reps, sweep[base]))
     if args.mem_lens:
         rows += memory_rows([int(x) for x in args.mem_lens.split(",")])
     return rows

@@ -60,7 +60,7 @@ def compare(runs: list[Path], long: bool = False, ablate: bool = False) -> str:
     """The markdown table. With ``ablate``, every run with hybrid layers also gets a row for its
     student with the linear part removed (window and sinks only), paired against the same run:
     how much the linear part lowers the loss."""
-    from dofla.eval.probes import without_linear_part
+    from dofla.eval import without_linear_part
     from dofla.models import load_student
 
     tokens = held_out(runs[0], long)
