@@ -38,11 +38,18 @@ def final_student(run: Path) -> Path:
 @torch.no_grad()
 def sequence_losses(model, tokens: torch.Tensor, start: int = 0) -> list[float]:
     """Mean next-token loss of each sequence of ``tokens`` (S, L), over predicted positions ≥ ``start``."""
-    out = []
+    return losses_from(model, tokens, [start])[start]
+
+
+@torch.no_grad()
+def losses_from(model, tokens: torch.Tensor, starts: list[int]) -> dict[int, list[float]]:
+    """:func:`sequence_losses` for every start in ``starts`` from one forward per sequence."""
+    out = {s: [] for s in starts}
     for row in tokens:
         logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits, row[1:], reduction="none")
-        out.append(nll[start:].mean().item())
+        for s in starts:
+            out[s].append(nll[s:].mean().item())
     return out
 
 
@@ -68,10 +75,10 @@ def compare(runs: list[Path], long: bool = False, ablate: bool = False) -> str:
     rows = []  # (label, per-start per-sequence losses, index of the row it is paired with)
     for run in runs:
         model = load_student(final_student(run))
-        rows.append((run.name, {s: sequence_losses(model, tokens, s) for s in starts}, 0))
+        rows.append((run.name, losses_from(model, tokens, starts), 0))
         if ablate and any(attn.mode == "hybrid" for attn in model.student_attentions()):
             with without_linear_part(model):
-                removed = {s: sequence_losses(model, tokens, s) for s in starts}
+                removed = losses_from(model, tokens, starts)
             rows.append((f"{run.name}, linear part removed (vs itself)", removed, len(rows) - 1))
         del model
     lines = [f"{tokens.shape[0]} held-out sequences of {tokens.shape[1]} tokens (the data of {runs[0]}); "

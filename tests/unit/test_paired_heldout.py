@@ -7,7 +7,7 @@ import torch
 from dofla.eval import heldout_loss
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model
-from studies.paired_heldout import final_student, sequence_losses
+from studies.paired_heldout import final_student, losses_from, sequence_losses
 
 
 def test_sequence_losses_average_to_the_heldout_loss():
@@ -18,6 +18,7 @@ def test_sequence_losses_average_to_the_heldout_loss():
     assert sum(per_sequence) / 3 == pytest.approx(heldout_loss(student, tokens), rel=1e-5)
     late = sequence_losses(student, tokens, start=10)
     assert late != per_sequence and all(torch.isfinite(torch.tensor(late)))
+    assert losses_from(student, tokens, [0, 10]) == {0: per_sequence, 10: late}  # one forward, both starts
 
 
 def test_the_final_student_is_the_last_stage_written(tmp_path):
