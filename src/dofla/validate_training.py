@@ -1,5 +1,5 @@
-"""Value checks of the training options: the distill stage and how a hybrid's linear part learns
-(part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
+"""Value checks of the training options: the distill stage, how a hybrid's linear part learns and the
+decay gate (part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
 from __future__ import annotations
 
 from dofla.config import RunConfig
