@@ -39,13 +39,15 @@ def _env(tmp_path: Path) -> dict:
             "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def _student(arch: str = "llama"):
+def _student(arch: str = "llama", gate: str = "none"):
     teacher = build_tiny_model(arch, seed=0)
-    student = convert(build_tiny_model(arch, seed=0), feature_map="learned_prf", dims=[6, 4])
+    student = convert(build_tiny_model(arch, seed=0), feature_map="learned_prf", dims=[6, 4], gate=gate)
     with torch.no_grad():
         for name, p in student.named_parameters():
-            if ".dofla." in name:  # the features as if trained: not their initial values
+            if ".dofla." in name:  # the features (and gates) as if trained: not their initial values
                 p.add_(0.05 * torch.randn_like(p))
+                if name.endswith("gate.alpha"):  # a gate decays: α ≥ 0
+                    p.abs_()
     return teacher, student.eval()
 
 
@@ -80,6 +82,20 @@ def test_plain_transformers_loads_the_student_never_the_teacher(arch, tmp_path, 
     assert logits is None and "trust_remote_code=True" in line
     line, logits = _plain_load(tmp_path, tmp_path / "student", "no_dofla")
     assert logits is None and line.startswith("ERROR: ImportError") and "install dofla" in line
+
+
+def test_plain_transformers_loads_a_gated_student_with_its_gates(tmp_path):
+    _, student = _student(gate="scalar")
+    student.save_pretrained(tmp_path / "student")
+    with torch.no_grad():
+        expected = student(_ids(), use_cache=False).logits
+        for attn in student.student_attentions():
+            attn.gate.alpha.zero_()
+        closed = student(_ids(), use_cache=False).logits
+    assert not torch.allclose(expected, closed, atol=1e-4)  # the saved gates matter
+    line, logits = _plain_load(tmp_path, tmp_path / "student", "trusted")
+    assert line.startswith("LOADED: Linear")
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_directories_saved_before_the_export_format_still_load(tmp_path):
