@@ -1,6 +1,6 @@
 """How far apart are two finished runs' students on the same held-out text? Paired, per sequence.
 
-``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long] [--ablate] [--out FILE]``
+``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long [--long-seqs N]] [--ablate] [--out FILE]``
 
 Runs made from one trained student (say ``allocation.softmax_layers`` = 0, 1, 2, 3 on the same
 layers) have no training seed to vary, so an interval over seeds does not exist for them. What
@@ -53,24 +53,29 @@ def losses_from(model, tokens: torch.Tensor, starts: list[int]) -> dict[int, lis
     return out
 
 
-def held_out(run: Path, long: bool) -> torch.Tensor:
-    """The reference run's held-out sequences (or its long-context ones)."""
+def held_out(run: Path, long: bool, long_seqs: int | None = None) -> torch.Tensor:
+    """The reference run's held-out sequences (or its long-context ones: ``long_seqs`` of them, the
+    run's ``eval.long_context_seqs`` by default; the first ones are the run's own)."""
+    import dataclasses
+
     from dofla.models import load_student_tokenizer
     from dofla.pipeline import heldout_tokens, long_heldout_tokens
 
     cfg = run_config(run)
+    if long_seqs:
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, long_context_seqs=long_seqs))
     tokenizer = load_student_tokenizer(final_student(run))
     return long_heldout_tokens(cfg, tokenizer) if long else heldout_tokens(cfg, tokenizer)
 
 
-def compare(runs: list[Path], long: bool = False, ablate: bool = False) -> str:
+def compare(runs: list[Path], long: bool = False, ablate: bool = False, long_seqs: int | None = None) -> str:
     """The markdown table. With ``ablate``, every run with hybrid layers also gets a row for its
     student with the linear part removed (window and sinks only), paired against the same run:
     how much the linear part lowers the loss."""
     from dofla.eval import without_linear_part
     from dofla.models import load_student
 
-    tokens = held_out(runs[0], long)
+    tokens = held_out(runs[0], long, long_seqs)
     starts = [0, 512] if long and tokens.shape[1] > 512 else [0]
     rows = []  # (label, per-start per-sequence losses, index of the row it is paired with)
     for run in runs:
@@ -99,14 +104,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="finished run directories; the first is the reference")
     parser.add_argument("--long", action="store_true", help="the long-context sequences, also from position 512")
+    parser.add_argument("--long-seqs", type=int, default=None,
+                        help="with --long: this many long sequences (default: the run's eval.long_context_seqs)")
     parser.add_argument("--ablate", action="store_true",
                         help="also each hybrid run without its linear part, paired against itself")
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give a reference run and at least one run to compare with it")
-    text = compare([Path(r) for r in args.runs], args.long, args.ablate)
-    flags = (" --long" if args.long else "") + (" --ablate" if args.ablate else "")
+    text = compare([Path(r) for r in args.runs], args.long, args.ablate, args.long_seqs)
+    flags = (" --long" if args.long else "") + (f" --long-seqs {args.long_seqs}" if args.long_seqs else "")
+    flags += " --ablate" if args.ablate else ""
     command = "python -m studies.paired_heldout " + " ".join(args.runs) + flags
     print(text)
     if args.out:
