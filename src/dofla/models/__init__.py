@@ -9,7 +9,8 @@ from dofla.models.capture import capture_qkv, capturing
 from dofla.models.hub_export import load_student_tokenizer
 from dofla.models.loading import EMBEDDED, ModelLoadError, cache_root, load_teacher, load_tokenizer
 from dofla.models.restore import restore_softmax, softmax_restored
-from dofla.models.student import ConversionSpec, convert, load_student, student_class
+from dofla.models.spec import ConversionSpec
+from dofla.models.student import convert, load_student, student_class
 from dofla.models.student_attention import RecurrentStateCache, StudentAttention
 
 __all__ = [

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from transformers import PreTrainedModel
 
 from dofla.models.adapters import get_adapter
-from dofla.models.student import ConversionSpec, _check_spec
+from dofla.models.spec import ConversionSpec, check_spec
 from dofla.models.student_attention import StudentAttention
 
 
@@ -25,7 +25,7 @@ def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
     spec = ConversionSpec(**model.config.dofla)
     chosen = sorted(set(spec.softmax_layers) | {int(i) for i in layers})
     spec.softmax_layers = chosen
-    _check_spec(spec)
+    check_spec(spec)
     attentions = model.student_attentions()
     bad = [i for i in chosen if not 0 <= i < len(attentions)]
     if bad:

@@ -23,67 +23,22 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dofla.attention import ATTENTION_FORMS
 from dofla.attention.gate import build_gate
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
+from dofla.models.spec import ConversionSpec
 from dofla.models.student_attention import (
     ATTN_IMPLEMENTATION,
     RecurrentStateCache,
     StudentAttention,
 )
-
-FORMAT_VERSION = 1
-
-
-@dataclass
-class ConversionSpec:
-    """Everything needed to rebuild a student's attention from its teacher (saved in config.json)."""
-
-    dims: list  # per layer: one int (every head) or a list of per-head ints (dof_head)
-    feature_map: str = "learned_prf"
-    feature_map_options: dict = field(default_factory=dict)
-    chunk_size: int = 128
-    seed: int = 0
-    window: int = 0
-    format_version: int = FORMAT_VERSION
-    attention: str = "linear"  # linear | hybrid | sliding_window (specs saved before: defaults)
-    sinks: int = 0
-    softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
-    gate: str = "none"  # none | scalar: a per-head decay of each linear layer's state (dofla.attention.gate)
-
-    def __post_init__(self):
-        if self.attention == "linear" and self.window > 0:
-            self.attention = "hybrid"  # before `attention` existed, a window meant hybrid attention
-        _check_spec(self)
-
-
-def _check_spec(spec: ConversionSpec) -> None:
-    """One clear sentence per user error in the attention settings."""
-    if spec.attention not in ATTENTION_FORMS:
-        raise ValueError(f"attention={spec.attention!r} is not one of {', '.join(ATTENTION_FORMS)}; pick one of them")
-    if spec.feature_map == "softmax" and (spec.attention != "linear" or spec.sinks):
-        raise ValueError("feature_map='softmax' is the exact reference and takes no window or sinks; drop them")
-    if spec.attention != "linear" and spec.window < 1:
-        raise ValueError(f"attention={spec.attention!r} needs window ≥ 1 (recent tokens attended exactly), "
-                         f"got {spec.window}; set window")
-    if spec.softmax_layers and (spec.feature_map == "softmax" or spec.attention == "sliding_window"):
-        raise ValueError("softmax_layers restores layers of a linear or hybrid student to exact softmax; "
-                         f"feature_map={spec.feature_map!r} with attention={spec.attention!r} has none to restore")
-    if spec.gate != "none" and (spec.attention != "linear" or spec.feature_map == "softmax"):
-        raise ValueError(f"gate={spec.gate!r} decays a pure linear layer's state; attention={spec.attention!r} "
-                         f"with feature_map={spec.feature_map!r} has none, set gate='none'")
-    if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
-        raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
-                         "attention; set sinks=0 or choose one of those")
-
 
 class StudentMixin:
     """Mixed into the teacher's own class: installs linear attention and its decoding cache."""

@@ -136,14 +136,11 @@ class StudentAttention(nn.Module):
             if self.softcap is not None:  # the exact part is the teacher's capped softmax
                 extra["softcap"] = self.softcap
             return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state, **extra)
-        if key_valid is not None:  # a padded key adds exp(−inf) = 0 to every sum, and its v is 0
-            pad = ~key_valid[:, None, :, None]
-            log_k = log_k.masked_fill(pad, float("-inf"))
-            v = v.masked_fill(pad, 0.0)
-            log_decay = None if log_decay is None else log_decay.masked_fill(pad[..., 0], 0.0)  # pads do not decay
+        # the kernels mask padded keys (no contribution) and their decay (none) from key_valid
         if state is not None and q.shape[2] == 1:
-            return linear_attention_recurrent(log_q, log_k, v, state=state, log_decay=log_decay)
-        return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state, log_decay=log_decay)
+            return linear_attention_recurrent(log_q, log_k, v, state=state, key_valid=key_valid, log_decay=log_decay)
+        return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state, key_valid=key_valid,
+                                        log_decay=log_decay)
 
 
 def dofla_attention_forward(

@@ -7,7 +7,8 @@ the strongest published conversions: short attention alignment, then most tokens
 
 What trains is named by the config: ``features`` (every layer's feature map), ``attention`` (the
 attention projections, fully), ``lora`` (low-rank adapters on them, merged on return), ``gate``
-(the decay gates of a gated student, at the feature maps' rate). Everything else is frozen. The teacher's logits are computed on the fly, never stored. Batches are micro-batched
+(the decay gates of a gated student, at the feature maps' rate). Everything else is frozen. The
+teacher's logits are computed on the fly, never stored. Batches are micro-batched
 (gradient accumulation), so the effective batch does not set the peak memory. Under torchrun
 (``data_parallel``) every rank reads the same batches, runs teacher and student on its own rows of
 each, and the gradients are averaged before clipping: the single-process step at the same batch.
