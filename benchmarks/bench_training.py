@@ -6,6 +6,8 @@ backward of the whole converted student on the same sequence (next-token loss), 
 map parameters trainable.
 
     python -m benchmarks.bench_training [--seq-len 512] [--repeats 2] [--threads N] [--quick]
+
+With a C++ compiler, a last row times the softmax step with the loss compiled (``train.compile``).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch
 from benchmarks.common import Row, add_common_args, finish, set_threads, timeit
 from dofla.feature_maps import build_feature_map
 from dofla.models import EMBEDDED, convert, load_teacher
-from dofla.train.losses import LOSSES
+from dofla.train.losses import LOSSES, compiled_loss
+from dofla.validate_training import cxx_compiler
 
 LAYERS, HEADS, D, M = 30, 9, 64, 64
 
@@ -81,7 +84,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         "direct: whole student fwd+bwd, feature params trainable", "≤ 1/5",
                         f"layerwise {t_layer:.2f} s vs direct {t_direct:.2f} s", r, r <= 0.2,
                         f"{trainable / 1e6:.2f}M trainable params; optimizer step not timed on either side"))
+    if "softmax" in args.losses.split(",") and cxx_compiler() is not None:
+        rows.append(compiled_row(layer_maps, acts, length, args.repeats))
     return rows
+
+
+def compiled_row(layer_maps, acts, length: int, repeats: int) -> Row:
+    """``train.compile``: the layerwise softmax step with the loss under torch.compile (compiled once,
+    in the warm-up call, for all 30 layers) against the eager loss."""
+    eager = timeit(lambda: layerwise_step(layer_maps, acts, LOSSES.get("softmax")), repeats=repeats)
+    compiled = timeit(lambda: layerwise_step(layer_maps, acts, compiled_loss("softmax")), repeats=repeats)
+    return Row(f"layerwise softmax step, loss compiled (train.compile, L={length}, {LAYERS} layers)",
+               "the eager loss", "≥ 1× (no slower)", f"compiled {compiled:.2f} s vs eager {eager:.2f} s",
+               eager / compiled, compiled <= eager, "compilation itself (once per shape) not timed")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,9 @@ class TrainConfig(StepConfig):
     # output: exact window and sinks, linear before) or full (the linear part alone against the
     # teacher's full attention, as a pure-linear layer; such layers are shared with linear runs)
     hybrid_target: str = "hybrid"
+    # torch.compile the layer loss (one graph for every layer of a shape; the first steps pay the
+    # compilation, on the CPU that needs a C++ compiler). Changes the speed, not what is learned
+    compile: bool = False
 
 
 @dataclass

@@ -22,6 +22,34 @@ def validate_training(cfg: RunConfig) -> None:
     _validate_distill(cfg)
     _validate_hybrid_training(cfg)
     _validate_gate(cfg)
+    _validate_compile(cfg)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile would build CPU kernels with (``$CXX``, else g++ / c++ /
+    clang++ on the PATH), or None."""
+    import os
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((found for name in names if (found := shutil.which(name))), None)
+
+
+def _validate_compile(cfg: RunConfig) -> None:
+    """``train.compile`` compiles the layer loss: useless end to end, and on the CPU it needs a compiler."""
+    from dofla.train.losses import end_to_end
+
+    if not cfg.train.compile:
+        return
+    require(not end_to_end(cfg.loss.name),
+            f"train.compile=true compiles the layerwise loss, and loss={cfg.loss.name} has none to compile; "
+            "unset train.compile")
+    import torch
+
+    gpu = str(cfg.device).startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    require(gpu or cxx_compiler() is not None,
+            "train.compile=true on the CPU needs a C++ compiler (g++, c++ or clang++ on the PATH, or $CXX), and "
+            "none was found; install one (apt install g++) or unset train.compile")
 
 
 def _validate_gate(cfg: RunConfig) -> None:

@@ -85,6 +85,7 @@ BAD_BEFORE_MODEL = [
     ({"attention__gate": "scalar", "distill__name": "kl"}, "attention.gate"),  # gate not in distill.train
     ({"attention__gate": "scalar", "attention__name": "hybrid", "attention__window": 64, "distill__name": "kl",
       "distill__train": ["features", "gate"]}, "attention.gate"),
+    ({"train__compile": True, "loss__name": "direct"}, "train.compile"),  # no layer loss to compile
 ]
 
 
@@ -239,6 +240,15 @@ def test_stage_plan_names_the_missing_or_unknown_stage(stages, needle):
     with pytest.raises(ConfigError) as err:
         _stages(stages)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_compiling_on_a_cpu_without_a_compiler_is_refused_before_loading(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no g++, c++ or clang++
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match=r"train\.compile=true on the CPU needs a C\+\+ compiler"):
+        validate_config(_cfg(train__compile=True, device="cpu"))
+    monkeypatch.setenv("CXX", "/usr/bin/env")  # any executable named by $CXX counts
+    validate_config(_cfg(train__compile=True, device="cpu"))
 
 
 def test_a_gpu_the_machine_lacks_is_refused_before_loading():

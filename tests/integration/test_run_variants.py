@@ -65,6 +65,16 @@ def test_streaming_run_caches_only_the_sample_and_reports_tokens(streamed):
     assert all(layer["tokens"] == metrics["train/tokens"] for layer in summary.values())
 
 
+def test_a_compiled_streaming_run_learns_the_eager_runs_features(streamed, tmp_path):
+    """``train.compile=true`` through the real CLI: the same streamed steps, the loss compiled."""
+    run_dir, result = _run(tmp_path, *STREAM, "train.compile=true", name="compiled")
+    assert result.returncode == 0, result.stderr[-3000:]
+    eager, compiled = load_student(streamed[0] / "student"), load_student(run_dir / "student")
+    for a, b in zip(eager.student_attentions(), compiled.student_attentions()):
+        for (name, x), y in zip(a.feature_map.state_dict().items(), b.feature_map.state_dict().values()):
+            torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4, msg=name)
+
+
 def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     baseline, _ = streamed
     run_dir, killed = _run(tmp_path, *STREAM, env={"DOFLA_KILL_AT": "stream:step5"})

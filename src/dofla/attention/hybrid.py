@@ -122,15 +122,15 @@ def _empty_state(q, v, log_k, dtype) -> HybridState:
                        empty(q.shape[-1]), empty(v.shape[-1]), none, none)
 
 
-def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit):
+def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit, first_sees: bool):
     """Linear attention of the new rows over the state and the context keys that left their window:
-    (total (B, H, C, dv+1) at row scale r, r, new LinearState without length)."""
+    (total (B, H, C, dv+1) at row scale r, r, new LinearState without length). first_sees: limit[0] > 0."""
     leave = lin_ok.shape[1]
     drop = ~lin_ok[:, None, :, None]
     lk = ctx_lk[:, :, :leave].masked_fill(drop, float("-inf"))
     vals = torch.cat([ctx_v[:, :, :leave], ctx_v.new_ones(*ctx_v.shape[:2], leave, 1)], -1).masked_fill(drop, 0.0)
     kv1 = torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1)
-    total, r, kv1, offset = chunk_step(log_q, lk, vals, kv1, state.linear.offset, limit)
+    total, r, kv1, offset = chunk_step(log_q, lk, vals, kv1, state.linear.offset, limit, first_sees=first_sees)
     return total, r, LinearState(kv1[..., :-1], kv1[..., -1], offset, state.linear.length)
 
 
@@ -144,7 +144,8 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     leave = max(0, n_b + c - window)  # tokens that fall out of the window after this step
     limit = (torch.arange(c, device=q.device) + n_b - window + 1).clamp(0, leave)
     lin_ok = ctx_valid[:, :leave] & ~ctx_sink[:, :leave]  # a sink stays exact, never linear
-    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit)
+    first_sees = min(max(n_b - window + 1, 0), leave) > 0  # limit[0] > 0, known without the device
+    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit, first_sees)
 
     exact = _exact_mask(c, n_b + c, window, ctx_sink, q.device) & ctx_valid[:, None, :]
     keys, vals = ctx_k, ctx_v

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dofla.attention.stable import stable_block
+from dofla.attention.stable import decide_ahead, fast_path_flags, stable_block
 
 
 @dataclass
@@ -123,20 +123,51 @@ def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(size, size, dtype=like.dtype, device=like.device).tril_()
 
 
-def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None, first_sees=None):
+def chunk_step(log_q, log_k, vals, kv1, offset, limit, mask=None, first_sees=None, fast=None):
     """One chunk against a carried state: (total, row_scale, kv1', offset').
 
     log_q (B, H, C, M); log_k (B, H, n, M) and vals (B, H, n, e) the chunk's keys; kv1 (B, H, M, e)
     the state at ``offset`` (B, H, M); row i also sees the chunk keys j < limit[i]. total
     (B, H, C, e) = Σ_visible K̂_ij vals_j · e^{−r_i}; kv1', offset' include all n chunk keys.
+    first_sees, fast: as in :func:`dofla.attention.stable.stable_block`.
     """
-    blk = stable_block(log_q, log_k, limit, offset, mask, first_sees)
+    blk = stable_block(log_q, log_k, limit, offset, mask, first_sees, fast)
     rescaled = kv1 * torch.exp(offset - blk.offset)[..., None]
     if blk.direct:
         total = blk.query @ rescaled + blk.scores @ vals
     else:  # a feature jumped inside the chunk: read the state at its own offset
         total = torch.exp(log_q + offset[:, :, None] - blk.row_scale) @ kv1 + blk.scores @ vals
     return total, blk.row_scale, rescaled + blk.keys.transpose(-1, -2) @ vals, blk.offset
+
+
+def _chunk_decay(log_decay: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, H, T, 1): the gate's cumulative log decay counted from each chunk's start."""
+    b, h, t = log_decay.shape
+    padded = torch.nn.functional.pad(log_decay, (0, -t % chunk))
+    return padded.view(b, h, -1, chunk).cumsum(-1).view(b, h, -1)[:, :, :t, None]
+
+
+def _chunk_flags(log_q, log_k, decay, offset, chunk: int) -> list[bool]:
+    """The stabiliser's fast-path decision for every chunk of the chunked kernel, with one host
+    synchronisation: the offset each chunk starts from is the carried state's, advanced chunk by
+    chunk (a running maximum of the chunks' key maxima; with the gate, a max-plus scan of them and
+    the chunks' total decays), computed for all chunks at once."""
+    lq, lk = log_q.detach(), log_k.detach()
+    if decay is not None:
+        lq, lk = lq + decay, lk - decay
+    b, h, t, m = lk.shape
+    n = -(-t // chunk)
+    padded = torch.nn.functional.pad(lk, (0, 0, 0, n * chunk - t), value=float("-inf"))
+    key_max = padded.view(b, h, n, chunk, m).amax(3)  # (B, H, N, M)
+    start = offset.detach()[:, :, None]
+    if decay is None:  # floor_c = max(offset, key maxima of chunks < c)
+        floors = torch.cat([start, key_max[:, :, :-1]], 2).cummax(2).values
+    else:  # floor_{c+1} = max(floor_c, key_max_c) + D_c, D_c the chunk's total decay
+        total = torch.nn.functional.pad(decay[..., 0], (0, n * chunk - t)).view(b, h, n, chunk)[..., -1]
+        before = torch.nn.functional.pad(total.cumsum(2)[:, :, :-1], (1, 0))[..., None]  # P_c = Σ_{i<c} D_i
+        best = torch.cat([start, (key_max - before)[:, :, :-1]], 2).cummax(2).values
+        floors = before + best
+    return fast_path_flags(lq, lk, chunk, floor=floors)
 
 
 def linear_attention_chunked(
@@ -167,15 +198,18 @@ def linear_attention_chunked(
     v1 = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)  # (B, H, T, dv+1)
     kv1 = torch.cat([state.kv, state.k_sum[..., None]], dim=-1)  # (B, H, M, dv+1)
     offset, tiny, mask, outs = state.offset, torch.finfo(v.dtype).tiny, None, []
-    for start in range(0, length, chunk_size):
+    decays = None if log_decay is None else _chunk_decay(log_decay, chunk_size)
+    flags = (_chunk_flags(log_q, log_k, decays, offset, chunk_size) if decide_ahead(log_q)
+             else [None] * -(-length // chunk_size))
+    for start, fast in zip(range(0, length, chunk_size), flags):
         lq, lk, vc = (x[:, :, start:start + chunk_size] for x in (log_q, log_k, v1))
         if mask is None or mask.shape[0] != lk.shape[2]:
             mask = _causal_mask(lk.shape[2], v)
             limit = torch.arange(1, lk.shape[2] + 1, device=v.device)
-        if log_decay is not None:  # decay counted from the chunk's start (B, H, C, 1)
-            decay = log_decay[:, :, start:start + chunk_size].cumsum(-1)[..., None]
+        if decays is not None:  # decay counted from the chunk's start (B, H, C, 1)
+            decay = decays[:, :, start:start + chunk_size]
             lq, lk = lq + decay, lk - decay
-        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True)
+        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True, fast=fast)
         if log_decay is not None:
             kv1, offset = _carry_decay(kv1, offset, decay[:, :, -1])
         outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))

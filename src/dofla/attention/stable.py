@@ -58,7 +58,7 @@ class Block:
 
 def stable_block(
     log_q: torch.Tensor, log_k: torch.Tensor, limit: torch.Tensor, floor: torch.Tensor,
-    mask: torch.Tensor | None = None, first_sees: bool | None = None,
+    mask: torch.Tensor | None = None, first_sees: bool | None = None, fast: bool | None = None,
 ) -> Block:
     """Causally stabilised scores of a block of rows against a block of keys.
 
@@ -66,6 +66,8 @@ def stable_block(
     the per-feature key maximum of everything every row sees besides (a carried state's offset;
     the dtype's most negative value if none). mask: prefix_mask(limit, n, log_q), if cached.
     first_sees: whether limit[0] > 0, when the caller knows (saves a host synchronisation).
+    fast: whether the fast path holds, when the caller decided it for all its blocks at once
+    (:func:`fast_path_flags`, one host synchronisation instead of one per block).
     """
     g, e = guard(log_q.dtype)
     fmin = torch.finfo(log_q.dtype).min
@@ -82,7 +84,7 @@ def stable_block(
         r = torch.where((limit > 0)[:, None], r, alone)
     r = r.clamp_min(fmin)
     d = (log_q + offset[:, :, None]).sub_(r)
-    if n == 0 or not bool(d.detach().amax() > g):
+    if n == 0 or (fast if fast is not None else not bool(d.detach().amax() > g)):
         query = torch.exp(d)
         return Block(widened(query @ keys.transpose(-1, -2)) * mask, r, query, keys, offset, True)
     return _guarded_block(log_q, log_k, limit, floor, mask, keys, offset)
@@ -104,6 +106,57 @@ def _guarded_block(log_q, log_k, limit, floor, mask, keys, offset) -> Block:
     if bool(bad.any()):
         scores = _exact_rows(scores, log_q, log_k, r, limit, bad)
     return Block(scores, r, query, keys, offset, False)
+
+
+AHEAD_ON_CPU = False  # tests set it to run the device path's decisions on the CPU
+
+
+def decide_ahead(x: torch.Tensor) -> bool:
+    """Whether the kernels decide every block's fast path up front (one host synchronisation per
+    call) rather than block by block: on a GPU, where each decision waits for the device. On the
+    CPU a decision is a plain read and the block-by-block test is cheaper (no extra pass), except
+    under ``torch.compile``, where each read would break the graph."""
+    return x.device.type != "cpu" or AHEAD_ON_CPU or torch.compiler.is_compiling()
+
+
+def block_starts(length: int, width: int, lag: int = 0) -> range:
+    """The first key of every block of ``width`` keys that some row sees (row = key + lag < L)."""
+    return range(0, max(0, length - lag), width)
+
+
+def fast_path_flags(
+    log_q: torch.Tensor, log_k: torch.Tensor, width: int, lag: int = 0, floor: torch.Tensor | None = None,
+) -> list[bool]:
+    """For every diagonal block at once, whether :func:`stable_block` keeps its fast path: the same
+    test on the same numbers, with one host synchronisation for all blocks instead of one per block.
+
+    Block b (of :func:`block_starts`) holds keys b·width .. (b + 1)·width (cut at L) and the rows
+    from b·width + lag that see them diagonally (row b·width + lag + a sees the block's first a + 1
+    keys), as in :func:`kernel_slabs` and the chunked kernel. log_q, log_k (B, H, L, M); floor
+    (B, H, N, M), the carried offset each block starts from (None: the dtype's most negative value).
+    """
+    g, _ = guard(log_q.dtype)
+    fmin = torch.finfo(log_q.dtype).min
+    length = log_q.shape[2]
+    count = len(block_starts(length, width, lag))
+    if not count:
+        return []
+    size = count * width  # a cut last block repeats its last key and row: the same maxima
+    blocks = lambda x: _repeat_last(x.detach(), size).reshape(*x.shape[:2], count, width, x.shape[-1])  # noqa: E731
+    lq, lk = blocks(log_q[:, :, lag:lag + size]), blocks(log_k[:, :, :size])  # (B, H, N, width, M)
+    if floor is None:
+        floor = lq.new_full((*lq.shape[:3], lq.shape[-1]), fmin)
+    offset = torch.maximum(floor, lk.amax(3))
+    base = torch.maximum(floor, lk[:, :, :, 0])
+    r = (lq + base[:, :, :, None]).amax(-1).clamp_min(fmin)
+    over = ((lq + offset[:, :, :, None]).amax(-1) - r).amax((0, 1, 3)) > g  # max_m(x_m) − r = max_m(x_m − r)
+    return [not x for x in over.tolist()]
+
+
+def _repeat_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x (B, H, n, M) with its last row repeated up to ``size`` rows."""
+    extra = size - x.shape[2]
+    return x if extra <= 0 else torch.cat([x, x[:, :, -1:].expand(-1, -1, extra, -1)], 2)
 
 
 EXACT_ELEMENTS = 1 << 24  # at most this many (row, key, feature) terms per exact group (64 MiB fp32)
@@ -134,14 +187,14 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
     b, h, length, m = log_q.shape
     fmin = torch.finfo(log_q.dtype).min
     floor = log_q.new_full((b, h, m), fmin)
-    for start in range(0, length, block):
+    starts = block_starts(length, block, lag)
+    ahead = fast_path_flags(log_q, log_k, block, lag) if decide_ahead(log_q) else [None] * len(starts)
+    for start, fast in zip(starts, ahead):
         first = start + lag  # first row that sees key `start`
-        if first >= length:
-            return
         lk = log_k[:, :, start:start + block]
         diag = min(lk.shape[2], length - first)
         blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor,
-                           first_sees=True)
+                           first_sees=True, fast=fast)
         yield first, start, blk.scores, blk.row_scale, True
         later = log_q[:, :, first + diag:]
         if later.shape[2]:

@@ -40,7 +40,7 @@ IN_KEY: dict[str, tuple[str, ...]] = {
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     # which job trains a layer, where it writes, how often it checkpoints: not what it learns
     "train": ("layers", "layer_dir", "checkpoint_every", "log_every", "cache_limit_gb", "micro_batch_size",
-              "preflight", "memory_limit_gb", "parallel"),
+              "preflight", "memory_limit_gb", "parallel", "compile"),
     # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
     # prepared tokens are the text path's tokens, read faster
     "data": ("prepared", "prefetch"),

@@ -33,7 +33,10 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
     from dofla.train.losses import end_to_end
 
     cfg, teacher = ctx.cfg, ctx.teacher
-    train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch)
+    # the trace runs the eager loss (compiling inside the trace's dispatch mode would trace the
+    # compiler); inductor's fused kernels usually hold fewer buffers, so the eager peak plans safe
+    train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch,
+                        compile=False)
     if end_to_end(cfg.loss.name):
         student = make_student(cfg, teacher, dims)
         return capacity.direct_step_peak(

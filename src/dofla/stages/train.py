@@ -73,7 +73,7 @@ def layer_train_config(cfg: RunConfig):
     steps = {f.name: getattr(cfg.train, f.name) for f in fields(StepConfig)}
     window, sinks = training_window(cfg)
     return LayerTrainConfig(**steps, loss=cfg.loss.name, loss_options=dict(cfg.loss.options), seed=cfg.seed,
-                            window=window, sinks=sinks, precision=cfg.precision)
+                            window=window, sinks=sinks, precision=cfg.precision, compile=cfg.train.compile)
 
 
 def layer_dir(cfg: RunConfig, out_dir: Path) -> Path:

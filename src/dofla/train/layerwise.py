@@ -22,7 +22,7 @@ from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.attention.stable import widened
 from dofla.precision import autocast
 from dofla.train.live import Live, Log, latest
-from dofla.train.losses import LOSSES
+from dofla.train.losses import LOSSES, compiled_loss
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
@@ -37,6 +37,7 @@ class LayerTrainConfig(StepConfig):
     sinks: int = 0  # hybrid: the first `sinks` keys are exact too
     softcap: float | None = None  # the teacher's logit soft-cap (Gemma 2): distil against the capped kernel
     precision: str = "fp32"  # fp32 | tf32 | bf16 (autocast; dofla.precision)
+    compile: bool = False  # torch.compile the loss (dofla.train.losses.compiled_loss)
 
 
 @dataclass
@@ -88,7 +89,7 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
     v = None if v is None else v.to(device)
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
-    loss_fn = LOSSES.get(cfg.loss)
+    loss_fn = compiled_loss(cfg.loss) if cfg.compile else LOSSES.get(cfg.loss)
     values = needs_values(cfg.loss)
     if values:
         if v is None:

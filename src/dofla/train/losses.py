@@ -10,6 +10,7 @@ teacher's logits. Student kernels use a causal row scale (:mod:`dofla.attention.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -241,6 +242,15 @@ def next_token_loss(student, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 next_token_loss.end_to_end = True
+
+
+@functools.cache
+def compiled_loss(name: str):
+    """Layer loss ``name`` under ``torch.compile`` (``train.compile``): one compiled function for every
+    layer (it takes tensors, not the feature map); a new input shape compiles once more. While
+    compiling, the stabiliser decides every block's fast path up front, so the graph breaks once per
+    call rather than once per block."""
+    return torch.compile(LOSSES.get(name))
 
 
 def end_to_end(loss: str) -> bool:
