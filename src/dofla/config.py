@@ -52,7 +52,9 @@ class AttentionConfig:
     name: str = "linear"
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
-    chunk_size: int = 128  # fastest of 16..256 on CPU at T = 16K (benchmarks/bench_attention.py)
+    # the linear kernel's chunk: fastest of 16..256 on this project's CPU at T = 16K
+    # (benchmarks/bench_attention.py); auto: measured once per machine (dofla.attention.tuning)
+    chunk_size: Any = 128
     gate: str = "none"  # linear: none | scalar (a per-head decay of the state, trained by distill=kl)
 
 

@@ -49,12 +49,17 @@ def validate_config(cfg: RunConfig) -> None:
         ("train.lr_z", cfg.train.lr_z),
         ("train.lr_alpha", cfg.train.lr_alpha),
         ("eval.batch_size", cfg.eval.batch_size),
-        ("attention.chunk_size", cfg.attention.chunk_size),
         ("finetune.steps", cfg.finetune.steps),
         ("finetune.lr", cfg.finetune.lr),
         ("finetune.rank", cfg.finetune.rank),
     ]:
         positive(key, value)
+    chunk = cfg.attention.chunk_size
+    require(chunk == "auto" or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0),
+            f"attention.chunk_size={chunk!r} must be a positive number of tokens or auto (measured on this machine)")
+    require(chunk != "auto" or cfg.attention.name == "linear",
+            f"attention.chunk_size=auto tunes the linear kernel, and attention={cfg.attention.name} chunks by its "
+            "window; give a number")
     if cfg.train.micro_batch_size is not None:
         from dofla.train.layerwise import mean_over_rows
         from dofla.train.losses import end_to_end

@@ -4,6 +4,7 @@ trained: layerwise from the activation cache, layerwise from a stream of fresh t
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -203,11 +204,36 @@ def _train_direct(cfg, dims, teacher, train_tokens, directory: Path, meta: dict,
     return read_json(done)
 
 
+def chunk_size(cfg: RunConfig, teacher, dims) -> int:
+    """``attention.chunk_size``, with ``auto`` resolved to the fastest on this machine for the student's
+    shape (its heads, its median feature count, the head dim), measured once (dofla.attention.tuning)."""
+    if cfg.attention.chunk_size != "auto":
+        return cfg.attention.chunk_size
+    import statistics
+
+    from dofla.attention.tuning import FILE, best_chunk_size
+    from dofla.models import cache_root, get_adapter
+
+    g = get_adapter(teacher).geometry(teacher.config)
+    flat = [m for d in dims for m in (d if isinstance(d, (list, tuple)) else [d])]
+    features = int(statistics.median(flat)) if flat else g.head_dim
+    device = next(teacher.parameters()).device
+    best = best_chunk_size(g.num_heads, features, g.head_dim, device, cache_root())
+    _say_once(f"dofla: attention.chunk_size=auto is {best} here (heads {g.num_heads}, M {features}; measured once, "
+              f"kept in {cache_root() / FILE})")
+    return best
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    print(line, flush=True)
+
+
 def make_student(cfg: RunConfig, teacher, dims):
     from dofla.models import convert
 
     return convert(copy.deepcopy(teacher), feature_map=cfg.feature_map.name, dims=dims,
                    feature_map_options=dict(cfg.feature_map.options),
-                   chunk_size=cfg.attention.chunk_size, seed=cfg.seed,
+                   chunk_size=chunk_size(cfg, teacher, dims), seed=cfg.seed,
                    window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks,
                    gate=cfg.attention.gate)
