@@ -187,3 +187,12 @@ def test_every_experiment_and_grid_cell_passes_validation(overrides):
     cfg = _compose(overrides)
     validate_config(cfg)
     assert ("dof" in stage_plan(cfg)) == (cfg.allocation.policy != "fix")
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("64", 64)])
+def test_the_chunk_size_composes_as_a_number_or_auto(value, expected):
+    from dofla.validate import validate_config
+
+    cfg = _compose([f"attention.chunk_size={value}"])
+    assert cfg.attention.chunk_size == expected
+    validate_config(cfg)
