@@ -183,3 +183,17 @@ def test_deciding_ahead_computes_exactly_what_deciding_block_by_block_does(monke
     assert torch.equal(out, out_ahead) and torch.equal(loss, loss_ahead)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ahead))
     assert ahead_syncs < per_block
+
+
+def test_a_hybrid_reads_the_host_for_its_sinks_only_until_every_row_holds_them():
+    g = torch.Generator().manual_seed(3)
+    q, k, v, log_q, log_k = (torch.randn(2, 2, 48, 4, generator=g) for _ in range(5))
+    with HostSyncs() as syncs:
+        out, state = hybrid_attention_chunked(q, k, v, log_q, log_k, window=8, sinks=2)
+    bookkeeping = sum(n for (name, _), n in syncs.calls.items() if name == "hybrid.py")
+    assert bookkeeping == 1, syncs.calls  # the second chunk's sinks leave the window; six chunks
+    assert state.sinks_held and state.sink_valid.all() and state.sink_k.shape[2] == 2
+    valid = torch.ones(2, 48, dtype=torch.bool)
+    valid[1, :42] = False  # this row's sinks (keys 42, 43) are still in the window at the end
+    _, padded = hybrid_attention_chunked(q, k, v, log_q, log_k, window=8, sinks=2, key_valid=valid)
+    assert not padded.sinks_held

@@ -40,6 +40,8 @@ class HybridState:
     window keys are sinks of their row. sink_k (B, H, s, d), sink_v (B, H, s, dv), sink_valid (B, s)
     with s ≤ sinks: row b's sinks that left the window fill its slots 0, 1, … in order.
     ``linear.length`` counts every position that left the window (pads and sinks included).
+    ``sinks_held`` (a host-side bool): every row holds all its sinks, so none can be in the window any
+    more and the steps skip the sink bookkeeping without asking the device.
     """
 
     linear: LinearState
@@ -51,6 +53,7 @@ class HybridState:
     sink_v: torch.Tensor
     sink_valid: torch.Tensor
     is_sink: torch.Tensor
+    sinks_held: bool = False
 
     @property
     def length(self) -> int:
@@ -61,7 +64,7 @@ class HybridState:
 
     def index_select(self, index: torch.Tensor) -> "HybridState":
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
-        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()))
+        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()), self.sinks_held)
 
     def nbytes(self) -> int:
         return self.linear.nbytes() + sum(t.numel() * t.element_size() for t in self._tensors())
@@ -163,25 +166,31 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     out = num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
     linear.length = state.linear.length + leave
-    held = (state.sink_k, state.sink_v, state.sink_valid)
-    if sinks and leave:  # skips the host sync in _hold_sinks when no sink can leave
-        held = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave])
+    held, done = (state.sink_k, state.sink_v, state.sink_valid), state.sinks_held
+    if sinks and leave and not done:  # the bookkeeping reads the host: only while a sink can still leave
+        held, done = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave], sinks)
     new = HybridState(linear, ctx_k[:, :, leave:], ctx_v[:, :, leave:], ctx_lk[:, :, leave:], ctx_valid[:, leave:],
-                      *held, ctx_sink[:, leave:])
+                      *held, ctx_sink[:, leave:], done)
     return out, new
 
 
-def _hold_sinks(state: HybridState, k, v, leaving):
-    """(sink_k, sink_v, sink_valid) after the sinks among the keys leaving the window (k (B, H, L, d),
-    v (B, H, L, dv), leaving (B, L) bool) join each row's next free slots, in order."""
-    if not bool(leaving.any()):
-        return state.sink_k, state.sink_v, state.sink_valid
+def _hold_sinks(state: HybridState, k, v, leaving, sinks: int):
+    """((sink_k, sink_v, sink_valid), all held) after the sinks among the keys leaving the window
+    (k (B, H, L, d), v (B, H, L, dv), leaving (B, L) bool) join each row's next free slots, in order;
+    ``all held``: every row now holds ``sinks`` sinks. One host read."""
+    unchanged = (state.sink_k, state.sink_v, state.sink_valid)
+    if leaving.shape[0] == 0:
+        return unchanged, False
     held = state.sink_valid.sum(-1)
     count = held + leaving.sum(-1)
-    size = max(state.sink_k.shape[2], int(count.max()))
+    any_leaving, fewest, most = torch.stack([leaving.any().long(), count.min(), count.max()]).tolist()
+    if not any_leaving:
+        return unchanged, fewest >= sinks
+    size = max(state.sink_k.shape[2], most)
     slot = torch.where(leaving, held[:, None] + leaving.cumsum(-1) - 1, size)  # non-sinks: spare slot
     full = torch.arange(size, device=leaving.device)[None, :] < count[:, None]
-    return _scatter_slots(state.sink_k, slot, k, size), _scatter_slots(state.sink_v, slot, v, size), full
+    return (_scatter_slots(state.sink_k, slot, k, size), _scatter_slots(state.sink_v, slot, v, size), full), \
+        fewest >= sinks
 
 
 def _scatter_slots(buffer, slot, x, size: int) -> torch.Tensor:
@@ -233,4 +242,4 @@ def hybrid_attention_chunked(
 def _cast(state: HybridState, dtype: torch.dtype) -> HybridState:
     f = lambda t: t.to(dtype)  # noqa: E731
     return HybridState(state.linear.to(dtype), f(state.k), f(state.v), f(state.log_k), state.valid,
-                       f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink)
+                       f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink, state.sinks_held)
