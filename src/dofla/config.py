@@ -52,8 +52,7 @@ class AttentionConfig:
     name: str = "linear"
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
-    # the linear kernel's chunk: fastest of 16..256 on this project's CPU at T = 16K
-    # (benchmarks/bench_attention.py); auto: measured once per machine (dofla.attention.tuning)
+    # linear kernel's chunk (128: fastest here, benchmarks/); auto: timed once per machine (attention.tuning)
     chunk_size: Any = 128
     gate: str = "none"  # linear: none | scalar (a per-head decay of the state, trained by distill=kl)
 

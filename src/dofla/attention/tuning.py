@@ -11,7 +11,6 @@ to float rounding (``tests/unit/test_attention.py``).
 """
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dofla.attention.linear import linear_attention_chunked
+from dofla.record import read_json, write_json
 
 CANDIDATES = (32, 64, 128, 256)
 FILE = "chunk_size.json"
@@ -72,23 +72,12 @@ def best_chunk_size(heads: int, features: int, value_dim: int, device: torch.dev
     or measured now (a second or so) and written there."""
     path = Path(cache_dir) / FILE
     key = tuning_key(device, heads, features, value_dim, length)
-    known = _read(path)
+    known = read_json(path)
+    known = known if isinstance(known, dict) else {}  # missing or unreadable: measured and rewritten
     if key in known:
         return int(known[key]["chunk_size"])
     seconds = measure(heads, features, value_dim, device, length)
     best = min(seconds, key=seconds.get)
     known[key] = {"chunk_size": best, "seconds": {str(c): round(s, 6) for c, s in seconds.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-    tmp.replace(path)
+    write_json(path, known)
     return best
-
-
-def _read(path: Path) -> dict:
-    """The remembered measurements; an unreadable file counts as none (it is rewritten)."""
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
