@@ -1,295 +1,292 @@
-"""What distilling at the paper's scale costs: counted FLOPs per token → GPU days, and disk.
+"""What the paper's cells cost on one GPU: FLOPs by dtype, memory traffic, peak memory, hours.
 
-A ``train.source=stream`` step is one teacher forward without gradients (stopped at the deepest
-layer's capture) plus, for every layer, its feature-map forward, ``layer_loss`` (default softmax:
-(L, L) attention per head), backward and Adam step. FLOPs are counted with
-``torch.utils.flop_counter.FlopCounterMode`` on the real code: the teacher from its config under
-``FakeTensorMode`` (shapes only, nothing computed), one layer's loss step really run on CPU on one
-head of random q, k (heads are independent, so × H). Beside each count is a plain analytic
-reference. Predicted time = FLOPs / (peak × MFU); a calibration row turns this CPU's measured
-streaming rate into the FLOP/s it achieved.
+For each paper cell (GPT-2: L = 1024, C = 64, batch 128; Pythia-1B: L = 2048, C = 128, batch 64),
+loss (softmax, l2, direct) and ``precision`` (fp32, tf32, bf16), the pipeline's own training step
+(:func:`dofla.train.capacity.stream_step` / ``direct_step``: the code the run executes, under its
+precision: the teacher's bfloat16 copy and autocast for bf16, float64 for l2) runs once on this CPU
+on 1- and 2-layer cuts of the teacher (random weights, one sequence) under :class:`StepCounter`:
+every matmul-like op's FLOPs (``torch.utils.flop_counter``'s formulas) by the dtype it ran in, and
+the bytes every op writes. A stack of identical layers is affine in depth, so the whole model's
+counts per token follow. Then, per GPU:
 
-    python -m studies.cost_model [--tokens 362e6] [--mfu 0.4 0.25] [--measured-tps 285] [--out PATH]
+- **predicted time** = Σ matmul FLOPs / (peak for its dtype × MFU) + the bytes every other op writes,
+  written once and read once at the memory bandwidth (eager elementwise kernels are memory-bound);
+- **floor** = Σ over ops of max(FLOPs / peak, 2 × bytes written / bandwidth): the eager step at 100 %
+  of both, no op faster than its own traffic;
+- **memory**: the memory preflight's trace at this precision (``dofla.train.capacity``), at the whole
+  batch and at the micro-batch ``train.micro_batch_size=auto`` picks on the GPU.
+
+    python -m studies.cost_model [--teachers gpt2,pythia-1b] [--losses softmax,l2,direct]
+                                 [--precisions fp32,tf32,bf16] [--tokens 362e6] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from benchmarks.common import Row, markdown, matmul_gflops, set_threads
 from dofla.feature_maps import build_layer_feature_map
-from dofla.models import get_adapter
-from dofla.train import LayerTrainConfig, layer_loss, teacher_qk
+from dofla.models import convert
+from dofla.precision import configure_matmul, teacher_dtype
+from dofla.train import LayerTrainConfig, capacity
+from studies.paper_memory import TEACHERS, Teacher, on_meta
 
-PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's GPT-2 run)
-GPUS = {"A100": 312e12, "H100 SXM": 989e12}  # bf16 dense peak FLOP/s
-FP32_PEAK = {"A100": 19.5e12, "H100 SXM": 67e12}  # plain fp32 (no TF32): how dofla loads teachers today
-BANDWIDTH = {"A100": 2.0e12, "H100 SXM": 3.35e12}  # HBM bytes/s (A100 40 GB SXM, H100 SXM)
-CACHE_TOKENS = 8192  # data.cache_tokens default when training streams (dofla.stages.data)
-DAY = 86400.0
+PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's runs)
+GIB = 2**30
 
 
-def sdpa_cpu_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    """FlopCounterMode has no formula for CPU's fused SDPA: QKᵀ and PV over the full (L, L)."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory: int  # bytes, nominal
+    bandwidth: float  # HBM bytes/s
+    peaks: dict  # dense matmul FLOP/s by kind: float64, float32 (no TF32), tf32, bfloat16
 
 
-def flop_counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping={
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_flops})
+GPUS = [Gpu("H100 SXM 80GB", 80 * 10**9, 3.35e12,
+            {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12}),
+        Gpu("A100 SXM 80GB", 80 * 10**9, 2.039e12,
+            {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12})]
 
 
-class ElementCounter(TorchDispatchMode):
-    """Elements written by every op that is neither a matmul-like op (FlopCounterMode counts
-    those) nor a view: the elementwise work (exp, log, softmax, masks) FLOP counts leave out."""
+def sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """CPU's fused SDPA has no formula in torch's registry: QKᵀ and PV over the full (L, L)."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu}
+
+
+@dataclass
+class Op:
+    kind: str  # the dtype its FLOPs run in ("" for ops without FLOPs)
+    flops: int
+    written: int  # bytes of its outputs
+
+
+class StepCounter(TorchDispatchMode):
+    """Every op under it: FLOPs by the dtype of its first tensor input (matmul-like ops: the formulas
+    of ``torch.utils.flop_counter``), and the bytes of its outputs (views write nothing)."""
 
     def __init__(self):
         super().__init__()
-        self.elements = 0
+        self.ops: list[Op] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket not in flop_registry and not func.is_view:
-            self.elements += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        formula = FORMULAS.get(func.overloadpacket)
+        if formula is None:
+            self.ops.append(Op("", 0, written))
+        else:
+            first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            self.ops.append(Op(str(first.dtype).removeprefix("torch."), formula(*args, **kwargs, out_val=out), written))
         return out
 
 
-def teacher_config(name: str):
-    """Random-init configs: GPT-2 small, Pythia-1B, and SmolLM2-135M (the numbers of the embedded
-    model's converted config.json). Nothing is downloaded."""
-    if name == "gpt2":
-        return GPT2Config()
-    if name == "pythia-1b":
-        return GPTNeoXConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8,
-                             intermediate_size=8192, vocab_size=50304, rotary_pct=0.25,
-                             max_position_embeddings=2048)
-    if name == "smollm2-135m":
-        return LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                           head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-                           max_position_embeddings=8192)
-    raise ValueError(f"unknown model {name!r}; choose gpt2, pythia-1b or smollm2-135m")
-
-
-def fake_model(config):
-    """(model, fake mode): the teacher with fake weights (shapes only, no memory, no compute)."""
-    config._attn_implementation = "sdpa"
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        model = AutoModelForCausalLM.from_config(config).eval()
-    return model, mode
-
-
-def teacher_flops(model, mode, seq_len: int, stream: bool = True) -> int:
-    """Counted FLOPs of one (1, seq_len) teacher forward without gradients: the streaming step's
-    ``teacher_qk`` over every layer (stops at the last layer's capture), or the full forward."""
-    with mode, torch.no_grad():
-        ids = torch.zeros(1, seq_len, dtype=torch.long)
-        with flop_counter() as counter:
-            if stream:
-                layers = list(range(get_adapter(model).geometry(model.config).num_layers))
-                teacher_qk(model, get_adapter(model).attention_modules(model), ids, layers)
-            else:
-                model(input_ids=ids, use_cache=False)
-    return counter.get_total_flops()
-
-
-def linear_params(model) -> int:
-    """Weights of every matrix inside the decoder layers (embeddings and the LM head excluded)."""
-    n = get_adapter(model).geometry(model.config).num_layers
-    stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n)
-    return sum(p.numel() for p in stack.parameters() if p.dim() == 2)
-
-
-def teacher_flops_reference(model, seq_len: int) -> int:
-    """Full forward per sequence: 2·(layer matrices) + 2·V·D (LM head) per token, plus QKᵀ and PV
-    over the full (L, L) per layer: 4·L·H·d per token."""
-    g = get_adapter(model).geometry(model.config)
-    lm_head = model.get_output_embeddings().weight
-    per_token = 2 * linear_params(model) + 2 * lm_head.numel() + 4 * seq_len * g.num_heads * g.head_dim * g.num_layers
-    return per_token * seq_len
+def peak_for(gpu: Gpu, kind: str, precision: str) -> float:
+    """The matmul peak an op of dtype ``kind`` gets under ``precision`` (tf32 turns float32 into TF32)."""
+    kind = {"float16": "bfloat16"}.get(kind, kind)
+    return gpu.peaks["tf32" if kind == "float32" and precision == "tf32" else kind]
 
 
 @dataclass
-class LossCount:
-    flops: int  # one (1, H, L, d) layer step: features, loss, backward (× H from one head)
-    elements: int  # written by elementwise ops in that step (× H)
+class Seconds:
+    """One step's GPU seconds: matmul FLOPs at peak (divide by MFU), the other ops' traffic, the floor."""
+    matmul: float
+    traffic: float
+    floor: float
+
+    def predicted(self, mfu: float) -> float:
+        return self.matmul / mfu + self.traffic
 
 
-def layer_step_count(num_heads: int, head_dim: int, features: int, seq_len: int, seed: int = 0) -> LossCount:
-    """Counts of one layer's training step at batch 1: learned PRF features of q and k, the real
-    ``layer_loss`` (softmax), backward. Run on one head of random q, k (N(0, 1): the fast
-    stabiliser path; real activations may add exact rows), then × ``num_heads``."""
-    fmap = build_layer_feature_map("learned_prf", 1, head_dim, features, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(1, 1, seq_len, head_dim, generator=gen) for _ in range(2))
-    elements = ElementCounter()
-    with flop_counter() as counter, elements:
-        layer_loss(fmap, q, k, LayerTrainConfig()).backward()
-    return LossCount(counter.get_total_flops() * num_heads, elements.elements * num_heads)
+def seconds(ops: list[Op], gpu: Gpu, precision: str) -> Seconds:
+    matmul = sum(op.flops / peak_for(gpu, op.kind, precision) for op in ops if op.flops)
+    traffic = sum(2 * op.written / gpu.bandwidth for op in ops if not op.flops)
+    floor = sum(max(op.flops / peak_for(gpu, op.kind, precision) if op.flops else 0.0, 2 * op.written / gpu.bandwidth)
+                for op in ops)
+    return Seconds(matmul, traffic, floor)
 
 
-def layer_step_reference(num_heads: int, head_dim: int, features: int, seq_len: int, block: int = 128) -> int:
-    """Per sequence: teacher logits 2·L²·d (no gradient); features 2·2·L·d·M forward and as much
-    backward (only z has a gradient); student kernel over causal key blocks of 128, P pairs,
-    2·P·M forward and 4·P·M backward. × H heads."""
-    pairs = sum((seq_len - start) * min(block, seq_len - start) for start in range(0, seq_len, block))
-    per_head = 2 * seq_len**2 * head_dim + 8 * seq_len * head_dim * features + 6 * pairs * features
-    return per_head * num_heads
+def counted(step) -> list[Op]:
+    """The ops of ``step()`` (one training step of a cut)."""
+    with capacity.quiet(), StepCounter() as counter:
+        step()
+    return counter.ops
 
 
 @dataclass
-class StepCost:
-    """Per-token costs of one streaming step (FLOPs; elements; bytes)."""
-
-    name: str
-    seq_len: int
-    features: int
-    layers: int
-    teacher: float  # counted: the streaming teacher forward (teacher_qk)
-    teacher_full: float  # counted: the full forward, LM head included
-    teacher_reference: float  # analytic, full forward
-    loss: float  # counted: every layer's training step
-    loss_reference: float  # analytic, every layer
-    elements: float  # elementwise outputs of every layer's step
-    cache_bytes: int  # fp16 q, k, v of every layer
-
-    @property
-    def total(self) -> float:
-        return self.teacher + self.loss
+class CellCost:
+    teacher: Teacher
+    loss: str
+    precision: str
+    flops: dict  # per token, by dtype, whole model
+    written: float  # bytes per token, whole model
+    per_gpu: dict  # gpu name -> Seconds per token, whole model
+    peak: capacity.Peak | None = None
+    count_seconds: float = 0.0
+    fits: dict = field(default_factory=dict)  # gpu name -> micro-batch auto picks (None: not even 1)
 
 
-def step_cost(name: str, seq_len: int, features: int | None = None) -> StepCost:
-    """Per-token costs of ``name`` at context ``seq_len``; M = head_dim (budget=head_dim) unless given."""
-    model, mode = fake_model(teacher_config(name))
-    g = get_adapter(model).geometry(model.config)
-    m = features or g.head_dim
-    step = layer_step_count(g.num_heads, g.head_dim, m, seq_len)
-    per_layer = g.num_layers / seq_len
-    return StepCost(
-        name, seq_len, m, g.num_layers,
-        teacher=teacher_flops(model, mode, seq_len) / seq_len,
-        teacher_full=teacher_flops(model, mode, seq_len, stream=False) / seq_len,
-        teacher_reference=teacher_flops_reference(model, seq_len) / seq_len,
-        loss=step.flops * per_layer,
-        loss_reference=layer_step_reference(g.num_heads, g.head_dim, m, seq_len) * per_layer,
-        elements=step.elements * per_layer,
-        cache_bytes=g.num_layers * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim * 2)
+def train_config(t: Teacher, loss: str, precision: str) -> LayerTrainConfig:
+    return LayerTrainConfig(loss="softmax" if loss == "direct" else loss, batch_size=t.batch, precision=precision)
 
 
-def fmt_time(seconds: float) -> str:
-    return f"{seconds / 3600:.2f} h" if seconds < DAY else f"{seconds / DAY:.2f} d"
+def steps_of(t: Teacher, loss: str, precision: str):
+    """The cell's training step builder (``step(depth, micro)``), its teacher (meta weights), feature
+    maps, train config and the features' bytes."""
+    teacher = on_meta(t.config())
+    layers, heads = teacher.config.num_hidden_layers, teacher.config.num_attention_heads
+    head_dim = teacher.config.hidden_size // heads
+    maps = [build_layer_feature_map("learned_prf", heads, head_dim, t.budget, seed=i) for i in range(layers)]
+    cfg = train_config(t, loss, precision)
+    features = sum(capacity.module_bytes(m) for m in maps)
+    if loss == "direct":
+        return capacity.direct_step(lambda cut: convert(cut, feature_map="learned_prf",
+                                                        dims=[t.budget] * cut.config.num_hidden_layers),
+                                    teacher, cfg, t.seq_len, steps=1), teacher, maps, cfg, features
+    dtype = getattr(torch, teacher_dtype(precision, "float32"))
+    return capacity.stream_step(teacher, maps, list(range(layers)), cfg, t.seq_len, dtype, steps=1), \
+        teacher, maps, cfg, features
 
 
-def fmt_bytes(n: float) -> str:
-    units = ["B", "KB", "MB", "GB", "TB", "PB"]
-    power = min(len(units) - 1, int(math.log10(max(n, 1)) // 3))
-    return f"{n / 1000**power:.1f} {units[power]}"
+def cell_cost(t: Teacher, loss: str, precision: str, memory: bool = True) -> CellCost:
+    """Count the cell's step on 1- and 2-layer cuts (one sequence) and extrapolate to the whole model."""
+    configure_matmul(precision)
+    started = time.perf_counter()
+    step, teacher, maps, cfg, features = steps_of(t, loss, precision)
+    depth = teacher.config.num_hidden_layers
+    ops = {n: counted(step(n, 1)) for n in (1, 2)}
+    per_token = 1 / t.seq_len
+    kinds = {op.kind for n in ops for op in ops[n] if op.flops}
+    flops = {kind: per_token * capacity.in_depth(*(sum(op.flops for op in ops[n] if op.kind == kind) for n in (1, 2)),
+                                                 depth) for kind in sorted(kinds)}
+    written = per_token * capacity.in_depth(*(sum(op.written for op in ops[n]) for n in (1, 2)), depth)
+    per_gpu = {}
+    for gpu in GPUS:
+        one, two = (seconds(ops[n], gpu, precision) for n in (1, 2))
+        per_gpu[gpu.name] = Seconds(*(per_token * capacity.in_depth(getattr(one, f), getattr(two, f), depth)
+                                      for f in ("matmul", "traffic", "floor")))
+    cost = CellCost(t, loss, precision, flops, written, per_gpu, count_seconds=time.perf_counter() - started)
+    if memory:
+        cost.peak = memory_peak(t, loss, teacher, maps, cfg, features)
+        cost.fits = {gpu.name: capacity.largest_fitting(cost.peak, t.batch, int(gpu.memory * 0.9) - GIB) for gpu in GPUS}
+    configure_matmul("fp32")
+    return cost
 
 
-def flops_table(costs: list[StepCost]) -> str:
-    """Per-token FLOPs: counted beside the analytic reference."""
-    lines = ["| teacher | L | M | teacher stream fwd | teacher full fwd (counted / analytic) | all layers' loss steps "
-             "(counted / analytic) | step total | elementwise outputs (elements) | cache q,k,v (fp16, bytes) |", "|" + "---|" * 9]
+def memory_peak(t: Teacher, loss: str, teacher, maps, cfg, features: int) -> capacity.Peak:
+    """What the memory preflight predicts for the cell at this precision (its trace, at micro-batch 1)."""
+    cfg = replace(cfg, micro_batch_size=1)
+    if loss == "direct":
+        return capacity.direct_step_peak(
+            lambda cut: convert(cut, feature_map="learned_prf", dims=[t.budget] * cut.config.num_hidden_layers),
+            teacher, teacher.config.num_hidden_layers, cfg, t.seq_len, 2 * capacity.module_bytes(teacher) + features)
+    dtype = teacher_dtype(cfg.precision, "float32")
+    capture = sum(p.numel() for p in teacher.parameters()) * 2 if dtype != "float32" else 0
+    return capacity.stream_step_peak(teacher, maps, list(range(len(maps))), cfg, t.seq_len, capture,
+                                     getattr(torch, dtype))
+
+
+def fmt_time(hours: float) -> str:
+    return f"{hours:.2f} h" if hours < 48 else f"{hours / 24:.1f} d"
+
+
+def fmt_flops(flops: dict) -> str:
+    short = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return " + ".join(f"{v / 1e9:.2f} G {short.get(k, k)}" for k, v in flops.items() if v >= 5e6) or "0"
+
+
+def counts_table(costs: list[CellCost]) -> str:
+    lines = ["| teacher | L | C | loss | precision | FLOPs per token (by dtype) | bytes written per token | count time |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in costs:
-        lines.append(
-            f"| {c.name} | {c.seq_len} | {c.features} | {c.teacher / 1e6:.1f} M | {c.teacher_full / 1e6:.1f} M / "
-            f"{c.teacher_reference / 1e6:.1f} M | {c.loss / 1e6:.1f} M / {c.loss_reference / 1e6:.1f} M | "
-            f"{c.total / 1e6:.1f} M | {c.elements / 1e6:.2f} M | {c.cache_bytes / 1e3:.1f} KB |")
+        lines.append(f"| {c.teacher.name} | {c.teacher.seq_len} | {c.teacher.budget} | {c.loss} | {c.precision} "
+                     f"| {fmt_flops(c.flops)} | {c.written / 1e6:.1f} MB | {c.count_seconds:.0f} s |")
     return "\n".join(lines)
 
 
-def time_rows(cost: StepCost, tokens: float, paper_days: float, mfus: list[float]) -> list[Row]:
-    """Predicted wall time per GPU and MFU, against the paper's reported time."""
-    rows = []
-    for gpu, peak in GPUS.items():
-        floor = cost.elements * tokens * 8 / BANDWIDTH[gpu]  # fp32, each element written once, read once
-        for mfu in mfus:
-            seconds = cost.total * tokens / (peak * mfu)
-            ratio = seconds / (paper_days * DAY)
-            rows.append(Row(
-                f"{cost.name} stream, {tokens / 1e6:.0f}M tok, L={cost.seq_len}, M={cost.features}: {gpu} @ {mfu:.0%} MFU",
-                f"paper: {paper_days:g} day", f"{paper_days * 24:g} h", fmt_time(seconds), ratio, None,
-                f"{cost.total * tokens:.2e} FLOP; all-fp32 as loaded today "
-                f"{fmt_time(cost.total * tokens / (FP32_PEAK[gpu] * mfu))}; elementwise traffic floor {fmt_time(floor)}"))
-    return rows
+def hours_table(costs: list[CellCost], tokens: float, mfus: list[float]) -> str:
+    head = " | ".join(f"predicted @ {m:.0%} MFU" for m in mfus)
+    lines = [f"| teacher | loss | precision | GPU | {head} | of which traffic | floor | peak memory, whole batch "
+             "| micro-batch `auto` picks |", "|" + "---|" * (8 + len(mfus))]
+    for c in costs:
+        for gpu in GPUS:
+            s = c.per_gpu[gpu.name]
+            times = " | ".join(fmt_time(s.predicted(m) * tokens / 3600) for m in mfus)
+            memory = f"{c.peak.at(c.teacher.batch).bytes / GIB:.0f} GiB" if c.peak else "not traced"
+            fits = c.fits.get(gpu.name, "–") if c.peak else "–"
+            lines.append(f"| {c.teacher.name} | {c.loss} | {c.precision} | {gpu.name} | {times} "
+                         f"| {fmt_time(s.traffic * tokens / 3600)} | {fmt_time(s.floor * tokens / 3600)} | {memory} "
+                         f"| {'does not fit' if fits is None else fits} |")
+    return "\n".join(lines)
 
 
-def disk_row(cost: StepCost, tokens: float) -> Row:
-    everything, bounded = cost.cache_bytes * tokens, cost.cache_bytes * CACHE_TOKENS
-    return Row(f"{cost.name} disk: train.source=cache of all {tokens / 1e6:.0f}M tokens",
-               f"train.source=stream, bounded cache of {CACHE_TOKENS} tokens", "", f"{fmt_bytes(everything)} vs "
-               f"{fmt_bytes(bounded)}", everything / bounded, None, f"{cost.cache_bytes} B/token (fp16 q, k, v)")
+NOTES = """How to read it:
+- One cell = one pass of the paper's tokens (`--tokens`) through the layerwise stage (softmax, l2: the
+  streamed step, teacher forward + every layer's loss and update) or `direct` (the student's forward
+  and backward). Held-out evaluations, Algorithm 1, the fine-tuning and data loading are not counted.
+- The step runs on this CPU: under bf16, CPU autocast decides which ops run in bfloat16, which
+  follows CUDA's lists for matmuls, softmax and log-sum-exp (both keep reductions in float32). `l2`
+  computes in float64 under every precision, so its FLOPs run at the float64 peak.
+- Peaks (dense, no sparsity), by the dtype an op runs in: H100 SXM fp64 / fp32 67, TF32 494.7,
+  bf16 989.4 TFLOP/s, 3.35 TB/s; A100 SXM fp64 / fp32 19.5, TF32 156, bf16 312 TFLOP/s, 2.04 TB/s.
+  MFU applies to matmuls only; every other op moves its output through memory once each way at full
+  bandwidth. Inputs and weights that stay in cache are not charged; fused kernels (`train.compile`)
+  move less than this, so the traffic term is an eager-execution estimate, not a bound on compiled code.
+- Peak memory is the preflight's (tensor storage; it keeps 10 % and 1 GiB of the GPU free for the
+  CUDA context and fragmentation: 80 GB nominal → 66 GiB usable). No GPU has run any of this: every
+  figure here is a prediction."""
 
 
-def calibration_row(cost: StepCost, tokens_per_s: float, threads: int) -> Row:
-    """This CPU's achieved FLOP/s in the measured streaming run against its matmul rate now."""
-    achieved = cost.total * tokens_per_s
-    peak = matmul_gflops(1024) * 1e9 * threads
-    return Row(f"calibration: {cost.name} stream step (L={cost.seq_len}, M={cost.features}) "
-               f"{cost.total / 1e6:.0f} MFLOP/token × {tokens_per_s:g} tok/s measured on this CPU",
-               f"fp32 1024² matmul rate now, 1 thread × {threads}", f"{peak / 1e9:.0f} GFLOP/s",
-               f"{achieved / 1e9:.1f} GFLOP/s", achieved / peak, None,
-               "ratio = this CPU's MFU in the real pipeline (the load of other jobs lowers the matmul rate)")
-
-
-# (teacher, context, paper's wall time in days): the paper's two runs; Pythia also at the
-# repo's paper_pythia1b context (data.seq_len=2048)
-RUNS = [("gpt2", 1024, 0.5), ("pythia-1b", 1024, 1.0), ("pythia-1b", 2048, 1.0)]
-
-NOTES = """Assumptions:
-- FLOPs counted by torch.utils.flop_counter.FlopCounterMode (matmuls and SDPA; QKᵀ and PV over the full
-  (L, L), as the counter does; a causal flash kernel does about half). The teacher runs on fake tensors
-  (FakeTensorMode: shapes only); one layer's loss step really runs on CPU on one head of N(0, 1) q, k, × H.
-- A streaming step = teacher forward without gradients up to the last layer's capture (no LM head, no last
-  MLP) + every layer's learned-PRF features, softmax loss, backward (only z, α have gradients; the counter
-  counts the backward that autograd runs, about 2× forward for the student kernel, 1× for the features).
-  Adam (H·M·(d+1) parameters per layer), held-out evaluations and data loading are neglected.
-- Elementwise work (exp, log, softmax, masks over (L, L) per head) has no FLOPs in the counter; its
-  column counts the elements those ops write, and the traffic floor takes 8 bytes each (fp32, written
-  once, read once) at HBM bandwidth (A100 2.0 TB/s, H100 SXM 3.35 TB/s). It is a floor, not a prediction.
-- Time = FLOPs / (bf16 dense peak × MFU): A100 312, H100 SXM 989 TFLOP/s, MFU 40 % and 25 %. This
-  assumes a bf16 teacher and bf16/TF32 loss matmuls. Today load_teacher loads fp32 and the loss runs in
-  fp32 without TF32, so the note's "all-fp32" time uses the fp32 peaks (A100 19.5, H100 SXM 67 TFLOP/s).
-- Feature dim M = head_dim (budget=head_dim): 64 for GPT-2, 256 for Pythia-1B (8 heads of 256).
-- Pythia-1B uses the same 362M tokens as GPT-2 (the paper gives ~1 day, not its token count).
-- Disk: train.source=cache writes fp16 q, k, v of every layer for every token; streaming caches only
-  data.cache_tokens (default 8,192) for the DoF allocation and held-out loss."""
-
-
-def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> list[CellCost]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--teachers", default="gpt2,pythia-1b")
+    parser.add_argument("--losses", default="softmax,l2,direct")
+    parser.add_argument("--precisions", default="fp32,tf32,bf16")
     parser.add_argument("--tokens", type=float, default=PAPER_TOKENS, help="distillation tokens (default 362e6)")
-    parser.add_argument("--mfu", type=float, nargs="+", default=[0.4, 0.25], help="model FLOP utilisations")
-    parser.add_argument("--measured-tps", type=float, default=285.0,
-                        help="train.source=stream tokens/s measured on this CPU (SmolLM2-135M, L=512, M=64)")
-    parser.add_argument("--measured-threads", type=int, default=2, help="threads of that measurement")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for the counting here")
+    parser.add_argument("--mfu", type=float, nargs="+", default=[0.4, 0.25], help="matmul FLOP utilisations")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory traces (minutes per cell)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables as markdown here")
     args = parser.parse_args(argv)
-    if args.tokens <= 0 or args.measured_tps <= 0 or not all(0 < m <= 1 for m in args.mfu):
-        parser.error("--tokens and --measured-tps must be positive and every --mfu in (0, 1]")
-    set_threads(args.threads)
-    costs = [step_cost(name, seq_len) for name, seq_len, _ in RUNS]
-    rows = [r for c, (_, _, days) in zip(costs, RUNS) for r in time_rows(c, args.tokens, days, args.mfu)]
-    rows += [disk_row(c, args.tokens) for c in costs[:2]]
-    calibration = step_cost("smollm2-135m", 512, features=64)
-    rows.append(calibration_row(calibration, args.measured_tps, args.measured_threads))
-    report = (f"## Per token: FLOPs (counted / analytic), elementwise outputs, cache bytes\n\n{flops_table(costs + [calibration])}\n\n"
-              f"## Predicted wall time, disk, calibration\n\n{markdown(rows)}\n\n{NOTES}\n")
+    chosen = [t for t in TEACHERS if t.name in args.teachers.split(",")]
+    losses, precisions = args.losses.split(","), args.precisions.split(",")
+    if not chosen or not set(losses) <= {"softmax", "l2", "direct"} or not set(precisions) <= {"fp32", "tf32", "bf16"} \
+            or args.tokens <= 0 or not all(0 < m <= 1 for m in args.mfu):
+        parser.error("--teachers from gpt2,pythia-1b; --losses from softmax,l2,direct; --precisions from "
+                     "fp32,tf32,bf16; --tokens positive; every --mfu in (0, 1]")
+    costs = []
+    traced: dict = {}
+    for t in chosen:
+        for loss in losses:
+            for precision in precisions:
+                # tf32 changes no tensor and no dtype: its memory is fp32's
+                twin = traced.get((t.name, loss, "fp32")) if precision == "tf32" else None
+                cost = cell_cost(t, loss, precision, memory=not args.no_memory and twin is None)
+                if twin is not None:
+                    cost.peak, cost.fits = twin.peak, twin.fits
+                traced[t.name, loss, precision] = cost
+                costs.append(cost)
+                print(f"{t.name} {loss} {precision}: {fmt_flops(cost.flops)} FLOPs/token, "
+                      f"{cost.written / 1e6:.1f} MB/token ({cost.count_seconds:.0f} s)", flush=True)
+    report = (f"## Per token (whole model, counted)\n\n{counts_table(costs)}\n\n"
+              f"## One pass of {args.tokens / 1e6:.0f}M tokens on one GPU\n\n"
+              f"{hours_table(costs, args.tokens, args.mfu)}\n\n{NOTES}\n")
     print(report)
     if args.out is not None:
-        args.out.write_text("# Cost model: distillation at the paper's scale\n\n"
-                            "`python -m studies.cost_model --out studies/results/cost_model.md`\n\n" + report)
-    return rows
+        args.out.write_text("# Cost model: the paper's cells on one GPU\n\n"
+                            f"`python -m studies.cost_model --out {args.out}`\n\n" + report)
+    return costs
 
 
 if __name__ == "__main__":

@@ -59,6 +59,21 @@ def test_the_streamed_step_peak_extrapolates_from_one_and_two_layers(loss, micro
     assert predicted.bytes == pytest.approx(measured, rel=0.1)
 
 
+def test_under_bf16_the_trace_runs_the_teachers_bfloat16_copy_as_the_stream_does():
+    teacher = build_tiny_model("llama", seed=0, num_layers=4)
+    heads, d = teacher.config.num_attention_heads, teacher.config.hidden_size // teacher.config.num_attention_heads
+    maps = [build_feature_map("learned_prf", heads, d, 16, seed=i) for i in range(4)]
+    cfg = LayerTrainConfig(loss="softmax", batch_size=4, micro_batch_size=2, precision="bf16")
+    copy16 = copy.deepcopy(teacher).to(torch.bfloat16)  # what dofla.stages.data hands the stream under bf16
+    capture = capacity.module_bytes(copy16)
+    predicted = capacity.stream_step_peak(teacher, maps, [0, 1, 2, 3], cfg, 48, capture, torch.bfloat16)
+    measured = full_stream_peak(copy16, [copy.deepcopy(m) for m in maps], [0, 1, 2, 3], cfg, 4, 48)
+    measured += capacity.module_bytes(teacher)  # the fp32 teacher stays loaded beside its copy
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+    fp32 = capacity.stream_step_peak(teacher, maps, [0, 1, 2, 3], cfg, 48, capture)
+    assert predicted.bytes < fp32.bytes  # the copy's activations are half the size
+
+
 def test_the_direct_step_peak_extrapolates_from_one_and_two_layers():
     teacher = build_tiny_model("llama", seed=0, num_layers=4)
 

@@ -1,64 +1,103 @@
-"""The cost model's counted FLOPs against its analytic references, on tiny configs (seconds)."""
+"""The cost model (studies/cost_model.py): its op counter against torch's FLOP counter, the depth
+extrapolation against a deeper cut counted directly, the precision's dtypes, the GPU arithmetic."""
+from dataclasses import dataclass
+
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from studies.cost_model import (ElementCounter, fake_model, flop_counter, layer_step_count, layer_step_reference,
-                                   teacher_config, teacher_flops, teacher_flops_reference)
-from dofla.feature_maps import build_layer_feature_map
-from dofla.models.tiny import TINY_ARCHITECTURES, TINY_FAMILIES, TINY_VOCAB
-from dofla.train.layerwise import LayerTrainConfig, layer_loss
-
-TOLERANCE = 0.01  # both count the same matmuls; only a missed or extra op can move them apart
+from dofla.models.tiny import TINY_FAMILIES, TINY_VOCAB
+from dofla.train import capacity
+from studies.cost_model import Gpu, Op, StepCounter, cell_cost, counted, main, seconds, steps_of
+from studies.paper_memory import Teacher
 
 
-def tiny_config(arch: str, layers: int = 3):
-    _, config = TINY_FAMILIES[arch](layers)
-    config.vocab_size = TINY_VOCAB
-    return config
+@dataclass
+class TinyTeacher(Teacher):
+    arch: str = "llama"
+
+    def config(self):
+        _, config = TINY_FAMILIES[self.arch](4)
+        config.vocab_size = TINY_VOCAB
+        return config
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_teacher_forward_count_matches_two_params_plus_attention(arch):
-    model, mode = fake_model(tiny_config(arch))
-    counted = teacher_flops(model, mode, seq_len=96, stream=False)
-    assert counted == pytest.approx(teacher_flops_reference(model, 96), rel=TOLERANCE)
+TINY = TinyTeacher("tiny", seq_len=96, budget=8, batch=4, micro=2)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_streaming_teacher_skips_the_lm_head_and_last_layer_tail(arch):
-    model, mode = fake_model(tiny_config(arch))
-    full, stream = (teacher_flops(model, mode, 96, stream=s) for s in (False, True))
-    lm_head = 2 * model.get_output_embeddings().weight.numel() * 96
-    assert 0.5 * (full - lm_head) < stream < full - lm_head
+def ops_at(teacher: Teacher, loss: str, precision: str, depth: int) -> list[Op]:
+    step = steps_of(teacher, loss, precision)[0]
+    torch.manual_seed(0)  # the same random batch and features for every count of a cell
+    return counted(step(depth, 1))
 
 
-@pytest.mark.parametrize("seq_len", [128, 200])  # 200: a partial last key block
-def test_layer_step_count_matches_reference(seq_len):
-    counted = layer_step_count(num_heads=3, head_dim=16, features=8, seq_len=seq_len).flops
-    assert counted == pytest.approx(layer_step_reference(3, 16, 8, seq_len), rel=TOLERANCE)
+def flops(ops: list[Op], kind: str | None = None) -> int:
+    return sum(op.flops for op in ops if kind is None or op.kind == kind)
 
 
-def test_one_head_times_heads_equals_counting_all_heads():
-    heads, d, m, length = 3, 16, 8, 160
-    fmap = build_layer_feature_map("learned_prf", heads, d, m, seed=0)
-    q, k = torch.randn(1, heads, length, d), torch.randn(1, heads, length, d)
-    with flop_counter() as counter:
-        layer_loss(fmap, q, k, LayerTrainConfig()).backward()
-    assert layer_step_count(heads, d, m, length).flops == pytest.approx(counter.get_total_flops(), rel=TOLERANCE)
+def test_the_counter_files_flops_under_the_dtype_they_run_in_and_skips_views():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with StepCounter() as plain:
+        (a @ b).t().exp()
+    assert [(op.kind, op.flops, op.written) for op in plain.ops] == [("float32", 2 * 8 * 16 * 4, 32 * 4), ("", 0, 32 * 4)]
+    with StepCounter() as mixed, torch.autocast("cpu", dtype=torch.bfloat16):
+        a @ b
+    assert [(op.kind, op.flops) for op in mixed.ops if op.flops] == [("bfloat16", 2 * 8 * 16 * 4)]
+    assert [op.written for op in mixed.ops if op.flops] == [32 * 2]  # a bfloat16 output
 
 
-def test_elementwise_work_grows_quadratically_with_context():
-    short, long = (layer_step_count(1, 16, 8, n).elements for n in (256, 512))
-    assert 3.0 < long / short < 4.2
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("loss", ["softmax", "direct"])
+def test_its_flops_equal_torchs_flop_counter_on_the_real_step(arch, loss):
+    teacher = TinyTeacher("tiny", 96, 8, 4, 2, arch)
+    step = steps_of(teacher, loss, "fp32")[0]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(step(2, 1))
+    reference = FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(q, k, v)})
+    with capacity.quiet(), reference:
+        runs[0]()
+    ours = counted(runs[1])
+    assert flops(ours) == reference.get_total_flops() > 0
 
 
-def test_element_counter_skips_views_and_matmuls():
-    a = torch.randn(8, 8)
-    with ElementCounter() as counter:
-        (a @ a).t().exp()
-    assert counter.elements == 64
+@pytest.mark.parametrize("loss", ["softmax", "l2", "direct"])
+def test_counts_are_affine_in_depth_so_two_cuts_predict_a_third(loss):
+    one, two, three = (ops_at(TINY, loss, "fp32", n) for n in (1, 2, 3))
+    assert capacity.in_depth(flops(one), flops(two), 3) == pytest.approx(flops(three), rel=1e-6)
+    written = [sum(op.written for op in ops) for ops in (one, two, three)]
+    assert capacity.in_depth(written[0], written[1], 3) == pytest.approx(written[2], rel=0.01)
 
 
-def test_unknown_model_is_refused_by_name():
-    with pytest.raises(ValueError, match="unknown model 'gpt3'"):
-        teacher_config("gpt3")
+def test_the_precision_decides_the_dtypes_and_l2_moves_the_most_bytes():
+    fp32, bf16, l2 = ops_at(TINY, "softmax", "fp32", 1), ops_at(TINY, "softmax", "bf16", 1), ops_at(TINY, "l2", "fp32", 1)
+    assert flops(fp32, "float32") == flops(fp32) > 0
+    assert flops(bf16, "bfloat16") > 0.9 * flops(bf16)  # the teacher's bfloat16 copy and the autocast loss
+    assert flops(bf16) == pytest.approx(flops(fp32), rel=0.01)  # the same arithmetic, cheaper numbers
+    assert sum(op.written for op in l2) > 2 * sum(op.written for op in fp32)  # its float64 (L, L) terms
+
+
+def test_gpu_seconds_charge_matmuls_at_their_dtypes_peak_and_other_ops_their_traffic():
+    gpu = Gpu("toy", 10**9, bandwidth=1e9, peaks={"float64": 1e9, "float32": 2e9, "tf32": 8e9, "bfloat16": 16e9})
+    ops = [Op("float32", 8e9, 10**8), Op("bfloat16", 16e9, 10**6), Op("", 0, 10**9)]
+    s = seconds(ops, gpu, "fp32")
+    assert (s.matmul, s.traffic) == (pytest.approx(4 + 1), pytest.approx(2.0))
+    assert s.floor == pytest.approx(max(4, 0.2) + max(1, 0.002) + 2)
+    assert s.predicted(0.5) == pytest.approx(5 / 0.5 + 2)
+    assert seconds(ops, gpu, "tf32").matmul == pytest.approx(1 + 1)  # float32 matmuls on TensorFloat-32
+
+
+def test_a_cell_costs_positive_hours_and_fits_a_big_gpu_at_its_whole_batch():
+    cost = cell_cost(TINY, "softmax", "bf16")
+    assert set(cost.flops) >= {"bfloat16"} and cost.written > 0
+    for s in cost.per_gpu.values():
+        assert 0 < s.floor and 0 < s.predicted(0.4)
+    assert cost.peak.bytes > 0 and set(cost.fits.values()) == {TINY.batch}
+
+
+def test_bad_arguments_are_refused_before_any_counting(capsys):
+    with pytest.raises(SystemExit):
+        main(["--losses", "cosine"])
+    assert "--losses from softmax,l2,direct" in capsys.readouterr().err

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import torch
+
 from dofla import distributed
 from dofla.errors import DoflaError
 from dofla.record import write_json
@@ -48,10 +50,11 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
               if dims[i] and any(p.requires_grad for p in maps[i].parameters())]
     if not layers:
         return None
-    half = teacher_dtype(cfg.precision, cfg.train.teacher_dtype) != "float32"
-    capture = sum(p.numel() for p in teacher.parameters()) * 2 if half else 0
-    if ctx.source == "stream":
-        return capacity.stream_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, capture)
+    dtype = teacher_dtype(cfg.precision, cfg.train.teacher_dtype)
+    capture = sum(p.numel() for p in teacher.parameters()) * 2 if dtype != "float32" else 0
+    if ctx.source == "stream":  # the teacher's distillation forwards run in its `dtype` copy
+        return capacity.stream_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, capture,
+                                         getattr(torch, dtype))
     return capacity.cached_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, ctx.geometry)
 
 

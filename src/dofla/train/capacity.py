@@ -17,6 +17,7 @@ extrapolation against the traced peak of the full step at its real micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import weakref
@@ -57,18 +58,24 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
-def traced_peak(step) -> int:
-    """Peak live tensor bytes created while ``step()`` runs (its progress bars hidden)."""
+@contextlib.contextmanager
+def quiet():
+    """Progress bars hidden (``TQDM_DISABLE``) while a step runs only to be traced or counted."""
     hidden = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"
     try:
-        with PeakTracker() as tracker:
-            step()
+        yield
     finally:
         if hidden is None:
             os.environ.pop("TQDM_DISABLE")
         else:
             os.environ["TQDM_DISABLE"] = hidden
+
+
+def traced_peak(step) -> int:
+    """Peak live tensor bytes created while ``step()`` runs (its progress bars hidden)."""
+    with quiet(), PeakTracker() as tracker:
+        step()
     return tracker.peak
 
 
@@ -115,24 +122,32 @@ def _fit(stage: str, trace, layers: int, weights: int, micro_batch: int) -> Peak
     per_sample = {n: max(0, t[n, 2] - t[n, 1]) for n in (1, 2)}
     fixed = {n: max(0, t[n, 1] - per_sample[n]) for n in (1, 2)}
 
-    def at(values: dict) -> int:
-        return max(0, values[1] + (layers - 1) * (values[2] - values[1]))
-
-    return Peak(stage, weights + at(fixed), at(per_sample), micro_batch)
+    return Peak(stage, weights + max(0, in_depth(fixed[1], fixed[2], layers)),
+                max(0, in_depth(per_sample[1], per_sample[2], layers)), micro_batch)
 
 
-def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, capture_bytes: int = 0) -> Peak:
-    """The streamed layerwise step (``dofla.train.stream``) of ``layers`` at ``cfg.micro_batch_size``:
-    the teacher's weights (and its half-precision capture copy, ``capture_bytes``), every trained
-    layer's features and their Adam state, one teacher forward's captured q, k (v) and one layer's loss."""
+def in_depth(one: float, two: float, layers: int) -> float:
+    """A quantity of a stack of identical layers (affine in depth) at ``layers``, from its values at 1 and 2."""
+    return one + (layers - 1) * (two - one)
+
+
+def stream_step(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, dtype=torch.float32,
+                steps: int = 2):
+    """``step(depth, micro)``: a callable that runs ``steps`` streamed layerwise steps
+    (``dofla.train.stream``) on a ``depth``-layer cut of ``teacher`` in ``dtype`` (its distillation
+    copy's) at ``micro`` random sequences: one teacher forward, every layer's loss and backward, one
+    Adam step per layer (each layer has the widest of ``layers``' features). The memory trace and the
+    cost model (``studies/cost_model.py``) run it."""
     from dofla.train.layerwise import param_groups
     from dofla.train.live import Live
     from dofla.train.stream import _train_step
 
     widest = _widest(feature_maps, layers)
-    models = {n: cut_to(teacher, n) for n in (1, 2)}
+    models: dict[int, torch.nn.Module] = {}
 
-    def trace(depth: int, micro: int) -> int:
+    def step(depth: int, micro: int):
+        if depth not in models:
+            models[depth] = cut_to(teacher, depth).to(dtype)
         model = models[depth]
         maps = [copy.deepcopy(feature_maps[widest]) for _ in range(depth)]
         optimizers = {i: torch.optim.Adam(param_groups(maps[i], cfg)) for i in range(depth) if list(maps[i].parameters())}
@@ -141,11 +156,22 @@ def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
         ids = torch.randint(0, model.config.vocab_size, (micro, seq_len))
         whole = replace(cfg, micro_batch_size=None, skip_nonfinite=True)
         lrs = {i: [g["lr"] for g in opt.param_groups] for i, opt in optimizers.items()}
-        return traced_peak(lambda: [_train_step(model, _attention_modules(model), ids, maps, optimizers, lrs, state,
-                                                whole, Live(None, 1, 0)) for _ in range(2)])
+        return lambda: [_train_step(model, _attention_modules(model), ids, maps, optimizers, lrs, state, whole,
+                                    Live(None, 1, 0)) for _ in range(steps)]
 
+    return step
+
+
+def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, capture_bytes: int = 0,
+                     dtype=torch.float32) -> Peak:
+    """The streamed layerwise step (``dofla.train.stream``) of ``layers`` at ``cfg.micro_batch_size``:
+    the teacher's weights (and its half-precision capture copy, ``capture_bytes``, whose forward runs
+    in ``dtype``), every trained layer's features and their Adam state, one teacher forward's captured
+    q, k (v) and one layer's loss."""
+    step = stream_step(teacher, feature_maps, layers, cfg, seq_len, dtype)
     weights = module_bytes(teacher) + capture_bytes + sum(module_bytes(feature_maps[i]) for i in layers)
-    return _fit("train", trace, len(layers), weights, cfg.micro_batch_size or cfg.batch_size)
+    return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), len(layers), weights,
+                cfg.micro_batch_size or cfg.batch_size)
 
 
 def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, geometry) -> Peak:
@@ -177,20 +203,30 @@ def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size)
 
 
+def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2):
+    """``step(depth, micro)``: a callable that runs ``steps`` end-to-end (``direct``) steps of the
+    student of a ``depth``-layer cut of ``teacher`` (``student_of(cut)`` converts it) at ``micro``
+    random sequences."""
+    from dofla.train import train_direct
+
+    students: dict[int, torch.nn.Module] = {}
+
+    def step(depth: int, micro: int):
+        if depth not in students:
+            students[depth] = student_of(cut_to(teacher, depth))
+        student = copy.deepcopy(students[depth])
+        tokens = torch.randint(0, student.config.vocab_size, (micro, seq_len))
+        return lambda: train_direct(student, tokens, replace(cfg, steps=steps, batch_size=micro, micro_batch_size=None))
+
+    return step
+
+
 def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weights: int) -> Peak:
     """End-to-end (``direct``) training at ``cfg.micro_batch_size``; ``student_of(model)`` converts a
     cut teacher into its student; ``weights``: the teacher's and the student's bytes (both stay loaded)."""
-    from dofla.train import train_direct
-
-    students = {n: student_of(cut_to(teacher, n)) for n in (1, 2)}
-
-    def trace(depth: int, micro: int) -> int:
-        student = copy.deepcopy(students[depth])
-        tokens = torch.randint(0, student.config.vocab_size, (micro, seq_len))
-        return traced_peak(lambda: train_direct(student, tokens, replace(cfg, steps=2, batch_size=micro,
-                                                                         micro_batch_size=None)))
-
-    return _fit("train", trace, layers, weights, cfg.micro_batch_size or cfg.batch_size)
+    step = direct_step(student_of, teacher, cfg, seq_len)
+    return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
+                cfg.micro_batch_size or cfg.batch_size)
 
 
 def _widest(feature_maps: list, layers: list[int]) -> int:
