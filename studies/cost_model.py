@@ -27,10 +27,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from benchmarks.counting import Op, StepCounter
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models import convert
 from dofla.precision import configure_matmul, teacher_dtype
@@ -53,44 +51,6 @@ GPUS = [Gpu("H100 SXM 80GB", 80 * 10**9, 3.35e12,
             {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12}),
         Gpu("A100 SXM 80GB", 80 * 10**9, 2.039e12,
             {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12})]
-
-
-def sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
-    """CPU's fused SDPA has no formula in torch's registry: QKᵀ and PV over the full (L, L)."""
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-FORMULAS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu}
-
-
-@dataclass
-class Op:
-    kind: str  # the dtype its FLOPs run in ("" for ops without FLOPs)
-    flops: int
-    written: int  # bytes of its outputs
-
-
-class StepCounter(TorchDispatchMode):
-    """Every op under it: FLOPs by the dtype of its first tensor input (matmul-like ops: the formulas
-    of ``torch.utils.flop_counter``), and the bytes of its outputs (views write nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[Op] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        formula = FORMULAS.get(func.overloadpacket)
-        if formula is None:
-            self.ops.append(Op("", 0, written))
-        else:
-            first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-            self.ops.append(Op(str(first.dtype).removeprefix("torch."), formula(*args, **kwargs, out_val=out), written))
-        return out
 
 
 def peak_for(gpu: Gpu, kind: str, precision: str) -> float:
@@ -232,6 +192,21 @@ def hours_table(costs: list[CellCost], tokens: float, mfus: list[float]) -> str:
     return "\n".join(lines)
 
 
+def disk_table(teachers: list[Teacher], tokens: float) -> str:
+    """What ``train.source=cache`` would write (fp16 q, k, v of every layer for every token) against
+    streaming's bounded sample (``data.cache_tokens``, default 8,192)."""
+    lines = ["| teacher | bytes per token (fp16 q, k, v, every layer) | `train.source=cache`, all tokens "
+             "| `train.source=stream` (8,192 tokens cached) |", "|---|---|---|---|"]
+    for t in teachers:
+        c = t.config()
+        heads = c.num_attention_heads
+        per_token = c.num_hidden_layers * (heads + 2 * getattr(c, "num_key_value_heads", heads)) \
+            * (c.hidden_size // heads) * 2
+        lines.append(f"| {t.name} | {per_token / 1e3:.1f} KB | {per_token * tokens / 1e12:.1f} TB "
+                     f"| {per_token * 8192 / 1e9:.2f} GB |")
+    return "\n".join(lines)
+
+
 NOTES = """How to read it:
 - One cell = one pass of the paper's tokens (`--tokens`) through the layerwise stage (softmax, l2: the
   streamed step, teacher forward + every layer's loss and update) or `direct` (the student's forward
@@ -281,7 +256,8 @@ def main(argv: list[str] | None = None) -> list[CellCost]:
                       f"{cost.written / 1e6:.1f} MB/token ({cost.count_seconds:.0f} s)", flush=True)
     report = (f"## Per token (whole model, counted)\n\n{counts_table(costs)}\n\n"
               f"## One pass of {args.tokens / 1e6:.0f}M tokens on one GPU\n\n"
-              f"{hours_table(costs, args.tokens, args.mfu)}\n\n{NOTES}\n")
+              f"{hours_table(costs, args.tokens, args.mfu)}\n\n{NOTES}\n\n"
+              f"## Disk: caching every token's activations against streaming\n\n{disk_table(chosen, args.tokens)}\n")
     print(report)
     if args.out is not None:
         args.out.write_text("# Cost model: the paper's cells on one GPU\n\n"

@@ -8,7 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from dofla.models.tiny import TINY_FAMILIES, TINY_VOCAB
 from dofla.train import capacity
-from studies.cost_model import Gpu, Op, StepCounter, cell_cost, counted, main, seconds, steps_of
+from benchmarks.counting import Op, StepCounter
+from studies.cost_model import Gpu, cell_cost, counted, main, seconds, steps_of
 from studies.paper_memory import Teacher
 
 
@@ -101,3 +102,11 @@ def test_bad_arguments_are_refused_before_any_counting(capsys):
     with pytest.raises(SystemExit):
         main(["--losses", "cosine"])
     assert "--losses from softmax,l2,direct" in capsys.readouterr().err
+
+
+def test_the_disk_table_counts_fp16_q_k_v_of_every_layer():
+    from studies.cost_model import disk_table
+    from studies.paper_memory import TEACHERS
+
+    gpt2 = disk_table(TEACHERS[:1], 1e6).splitlines()[2]
+    assert "| gpt2 | 55.3 KB | 0.1 TB | 0.45 GB |" == gpt2  # 12 layers × (12 + 2 × 12) heads × 64 × 2 bytes
