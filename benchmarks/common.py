@@ -74,6 +74,13 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / timeit(lambda: a @ b, repeats=repeats, best=True) / 1e9
 
 
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's memory bandwidth (bytes/s) for a large copy, read plus write, measured now."""
+    a = torch.ones(megabytes * 2**20 // 4)
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / timeit(lambda: b.copy_(a), repeats=repeats, best=True)
+
+
 def _status_mib(field: str) -> float | None:
     try:
         for line in open("/proc/self/status"):

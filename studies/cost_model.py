@@ -98,8 +98,9 @@ class CellCost:
     fits: dict = field(default_factory=dict)  # gpu name -> micro-batch auto picks (None: not even 1)
 
 
-def train_config(t: Teacher, loss: str, precision: str) -> LayerTrainConfig:
-    return LayerTrainConfig(loss="softmax" if loss == "direct" else loss, batch_size=t.batch, precision=precision)
+def student_of(t: Teacher):
+    """``direct``'s student of a cut teacher: learned PRF at the cell's budget in every layer."""
+    return lambda cut: convert(cut, feature_map="learned_prf", dims=[t.budget] * cut.config.num_hidden_layers)
 
 
 def steps_of(t: Teacher, loss: str, precision: str):
@@ -109,15 +110,14 @@ def steps_of(t: Teacher, loss: str, precision: str):
     layers, heads = teacher.config.num_hidden_layers, teacher.config.num_attention_heads
     head_dim = teacher.config.hidden_size // heads
     maps = [build_layer_feature_map("learned_prf", heads, head_dim, t.budget, seed=i) for i in range(layers)]
-    cfg = train_config(t, loss, precision)
+    cfg = LayerTrainConfig(loss="softmax" if loss == "direct" else loss, batch_size=t.batch, precision=precision)
     features = sum(capacity.module_bytes(m) for m in maps)
     if loss == "direct":
-        return capacity.direct_step(lambda cut: convert(cut, feature_map="learned_prf",
-                                                        dims=[t.budget] * cut.config.num_hidden_layers),
-                                    teacher, cfg, t.seq_len, steps=1), teacher, maps, cfg, features
-    dtype = getattr(torch, teacher_dtype(precision, "float32"))
-    return capacity.stream_step(teacher, maps, list(range(layers)), cfg, t.seq_len, dtype, steps=1), \
-        teacher, maps, cfg, features
+        step = capacity.direct_step(student_of(t), teacher, cfg, t.seq_len, steps=1)
+    else:
+        dtype = getattr(torch, teacher_dtype(precision, "float32"))
+        step = capacity.stream_step(teacher, maps, list(range(layers)), cfg, t.seq_len, dtype, steps=1)
+    return step, teacher, maps, cfg, features
 
 
 def cell_cost(t: Teacher, loss: str, precision: str, memory: bool = True) -> CellCost:
@@ -149,9 +149,8 @@ def memory_peak(t: Teacher, loss: str, teacher, maps, cfg, features: int) -> cap
     """What the memory preflight predicts for the cell at this precision (its trace, at micro-batch 1)."""
     cfg = replace(cfg, micro_batch_size=1)
     if loss == "direct":
-        return capacity.direct_step_peak(
-            lambda cut: convert(cut, feature_map="learned_prf", dims=[t.budget] * cut.config.num_hidden_layers),
-            teacher, teacher.config.num_hidden_layers, cfg, t.seq_len, 2 * capacity.module_bytes(teacher) + features)
+        return capacity.direct_step_peak(student_of(t), teacher, teacher.config.num_hidden_layers, cfg, t.seq_len,
+                                         2 * capacity.module_bytes(teacher) + features)
     dtype = teacher_dtype(cfg.precision, "float32")
     capture = sum(p.numel() for p in teacher.parameters()) * 2 if dtype != "float32" else 0
     return capacity.stream_step_peak(teacher, maps, list(range(len(maps))), cfg, t.seq_len, capture,
@@ -190,6 +189,30 @@ def hours_table(costs: list[CellCost], tokens: float, mfus: list[float]) -> str:
                          f"| {fmt_time(s.traffic * tokens / 3600)} | {fmt_time(s.floor * tokens / 3600)} | {memory} "
                          f"| {'does not fit' if fits is None else fits} |")
     return "\n".join(lines)
+
+
+def calibration(loss: str = "softmax", t: Teacher | None = None, repeats: int = 3) -> str:
+    """The model against this CPU: a 2-layer cut of SmolLM2's streamed step (``t``; L = 512, M = 64,
+    one sequence, fp32) timed, against its prediction from this CPU's measured 2048² matmul rate and
+    copy bandwidth in place of a GPU's peaks (at 100 %: no MFU)."""
+    from benchmarks.common import copy_bandwidth, matmul_gflops, timeit
+
+    t = t or Teacher("smollm2-135m", 512, 64, 4, 4)
+    torch.manual_seed(0)
+    run = steps_of(t, loss, "fp32")[0](2, 1)
+    ops = counted(run)
+    with capacity.quiet():
+        measured = timeit(run, repeats=repeats, best=True)
+    rate, bandwidth = matmul_gflops() * 1e9, copy_bandwidth()
+    cpu = Gpu("this CPU", 0, bandwidth, dict.fromkeys(("float64", "float32", "tf32", "bfloat16"), rate))
+    s = seconds(ops, cpu, "fp32")
+    return (f"| {t.name}, 2 layers, L = {t.seq_len}, M = {t.budget}, {loss}, fp32, {torch.get_num_threads()} threads "
+            f"| {rate / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s | {s.matmul * 1e3:.0f} + {s.traffic * 1e3:.0f} = "
+            f"{s.predicted(1.0) * 1e3:.0f} ms | {measured * 1e3:.0f} ms | {measured / s.predicted(1.0):.2f} |")
+
+
+CALIBRATION_HEAD = ("| step | this CPU: 2048² matmul, copy bandwidth | predicted: matmuls + other ops' traffic "
+                    "| measured | measured / predicted |\n|---|---|---|---|---|")
 
 
 def disk_table(teachers: list[Teacher], tokens: float) -> str:
@@ -233,7 +256,15 @@ def main(argv: list[str] | None = None) -> list[CellCost]:
     parser.add_argument("--mfu", type=float, nargs="+", default=[0.4, 0.25], help="matmul FLOP utilisations")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory traces (minutes per cell)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables as markdown here")
+    parser.add_argument("--calibrate", action="store_true", help="only the check against this CPU (a minute)")
     args = parser.parse_args(argv)
+    if args.calibrate:
+        text = "\n".join([CALIBRATION_HEAD] + [calibration(loss) for loss in ("softmax", "l2")])
+        print(text)
+        if args.out is not None:
+            args.out.write_text("# Cost model against this CPU\n\n"
+                                f"`python -m studies.cost_model --calibrate --out {args.out}`\n\n{text}\n")
+        return []
     chosen = [t for t in TEACHERS if t.name in args.teachers.split(",")]
     losses, precisions = args.losses.split(","), args.precisions.split(",")
     if not chosen or not set(losses) <= {"softmax", "l2", "direct"} or not set(precisions) <= {"fp32", "tf32", "bf16"} \

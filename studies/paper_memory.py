@@ -36,10 +36,14 @@ class Teacher:
     micro: int
 
     def config(self):
-        from transformers import GPT2Config, GPTNeoXConfig
+        from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
 
         if self.name == "gpt2":
             return GPT2Config()  # GPT-2 small: 12 layers, 12 heads of 64, vocab 50,257
+        if self.name == "smollm2-135m":  # the embedded model's shapes (the cost model's CPU check)
+            return LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                               num_hidden_layers=30, vocab_size=49152, tie_word_embeddings=True,
+                               max_position_embeddings=8192)
         return GPTNeoXConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192,
                              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048,
                              use_parallel_residual=True, tie_word_embeddings=False)  # Pythia-1B

@@ -110,3 +110,12 @@ def test_the_disk_table_counts_fp16_q_k_v_of_every_layer():
 
     gpt2 = disk_table(TEACHERS[:1], 1e6).splitlines()[2]
     assert "| gpt2 | 55.3 KB | 0.1 TB | 0.45 GB |" == gpt2  # 12 layers × (12 + 2 × 12) heads × 64 × 2 bytes
+
+
+def test_the_cpu_check_times_the_step_it_predicts():
+    from studies.cost_model import CALIBRATION_HEAD, calibration
+
+    row = calibration("softmax", TINY, repeats=1)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == len(CALIBRATION_HEAD.splitlines()[0].strip("|").split("|"))
+    assert cells[0].startswith("tiny, 2 layers, L = 96, M = 8, softmax") and float(cells[-1]) > 0
