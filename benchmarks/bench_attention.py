@@ -103,9 +103,16 @@ def breakdown_row(log_q, log_k, v, t: int, reps: int, gflops: float) -> Row:
                f"fp32 2048² matmul {gflops:.0f} GFLOP/s; the kernel as called {whole * 1e3:.0f} ms", "explains the ≥ 50% miss",
                f"matmuls {t_mm * 1e3:.0f} ms ({len(matmuls)} ops, {flops / 1e9:.2f} GFLOP: {ceiling:.0f} GFLOP/s); "
                f"other ops {t_other * 1e3:.0f} ms ({len(others)} ops, {sum(op.written for op in others) / 1e6:.0f} MB "
-               f"written); Python between them {(whole - t_mm - t_other) * 1e3:.0f} ms", ceiling / gflops, None,
+               f"written); {python(whole - t_mm - t_other)}", ceiling / gflops, None,
                "ratio = the kernel's matmuls alone against a 2048² matmul: the most the kernel could reach "
                "if nothing else took time")
+
+
+def python(rest: float) -> str:
+    """The kernel's time beyond its replayed ops: the Python between them (or none: the replay, whose
+    ops find colder caches than the kernel's, took longer than the kernel itself)."""
+    return f"Python between them {rest * 1e3:.0f} ms" if rest > 0 else \
+        f"no time left for Python between them (the replay took {-rest * 1e3:.0f} ms longer than the kernel)"
 
 
 def memory_point(kind: str, t: int) -> dict:

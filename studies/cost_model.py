@@ -234,9 +234,12 @@ NOTES = """How to read it:
 - One cell = one pass of the paper's tokens (`--tokens`) through the layerwise stage (softmax, l2: the
   streamed step, teacher forward + every layer's loss and update) or `direct` (the student's forward
   and backward). Held-out evaluations, Algorithm 1, the fine-tuning and data loading are not counted.
-- The step runs on this CPU: under bf16, CPU autocast decides which ops run in bfloat16, which
-  follows CUDA's lists for matmuls, softmax and log-sum-exp (both keep reductions in float32). `l2`
-  computes in float64 under every precision, so its FLOPs run at the float64 peak.
+- The step runs on this CPU. Under bf16 the teacher's forward runs in its bfloat16 copy and the
+  matmuls under autocast (CPU's and CUDA's autocast agree on matmuls); the losses upcast every
+  matmul's output before their exp / log / sums (`dofla.attention.stable`), so their elementwise work
+  and its traffic stay float32 (float64 for `l2`) under every precision, on any device. That is why
+  bf16 moves about as many bytes as fp32 and, for Pythia-1B's softmax cell, needs more memory per
+  sequence (the bfloat16 copies kept for backward come on top of the float32 terms).
 - Peaks (dense, no sparsity), by the dtype an op runs in: H100 SXM fp64 / fp32 67, TF32 494.7,
   bf16 989.4 TFLOP/s, 3.35 TB/s; A100 SXM fp64 / fp32 19.5, TF32 156, bf16 312 TFLOP/s, 2.04 TB/s.
   MFU applies to matmuls only; every other op moves its output through memory once each way at full

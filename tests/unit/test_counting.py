@@ -2,7 +2,7 @@
 time breakdown row built from them."""
 import torch
 
-from benchmarks.bench_attention import breakdown_row, inputs
+from benchmarks.bench_attention import breakdown_row, inputs, python
 from benchmarks.counting import StepCounter, replay
 
 
@@ -33,3 +33,4 @@ def test_the_breakdown_row_splits_the_kernel_into_matmuls_other_ops_and_python()
         row = breakdown_row(fm.log_features(q), fm.log_features(k), v, 512, reps=1, gflops=100.0)
     assert row.ratio > 0 and row.ok is None
     assert "matmuls" in row.measured and "other ops" in row.measured and "Python between them" in row.measured
+    assert python(0.002) == "Python between them 2 ms" and python(-0.003).startswith("no time left for Python")
