@@ -6,8 +6,8 @@ For GPT-2 (L = 1024, C = 64, batch 128) and Pythia-1B (L = 2048, C = 128, batch 
 its configuration (weights on the meta device: nothing is downloaded), it predicts the train
 stage's peak for the streamed layerwise losses (softmax, l2) and for ``direct``, at the whole
 batch, at the experiment's micro-batch and at micro-batch 1, in fp32: the trace runs the real step
-of 1- and 2-layer cuts on this CPU (:mod:`dofla.train.capacity`). bf16 halves the activations and
-is not traced here (CPU bfloat16 is slow); the fp32 figure is its upper bound. Every layer gets the
+of 1- and 2-layer cuts on this CPU (:mod:`dofla.train.capacity`). Other precisions are traced by
+``studies.cost_model`` (bf16 is not always smaller: the losses keep float32 terms). Every layer gets the
 budget's dim (``fix``); ``dof`` moves individual layers, not the per-layer peak of the widest one
 by much at these budgets. It prints markdown; ``--out`` writes it with the command on top.
 """
