@@ -31,8 +31,7 @@ import torch
 from benchmarks.counting import Op, StepCounter
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models import convert
-from dofla.precision import configure_matmul, teacher_dtype
-from dofla.train import LayerTrainConfig, capacity
+from dofla.train import LayerTrainConfig, capacity, configure_matmul, teacher_dtype
 from studies.paper_memory import TEACHERS, Teacher, on_meta
 
 PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's runs)
