@@ -139,7 +139,7 @@ def cell_cost(t: Teacher, loss: str, precision: str, memory: bool = True) -> Cel
     cost = CellCost(t, loss, precision, flops, written, per_gpu, count_seconds=time.perf_counter() - started)
     if memory:
         cost.peak = memory_peak(t, loss, teacher, maps, cfg, features)
-        cost.fits = {gpu.name: capacity.largest_fitting(cost.peak, t.batch, int(gpu.memory * 0.9) - GIB) for gpu in GPUS}
+        cost.fits = {gpu.name: capacity.largest_fitting(cost.peak, t.batch, capacity.usable(gpu.memory)) for gpu in GPUS}
     configure_matmul("fp32")
     return cost
 
@@ -150,10 +150,9 @@ def memory_peak(t: Teacher, loss: str, teacher, maps, cfg, features: int) -> cap
     if loss == "direct":
         return capacity.direct_step_peak(student_of(t), teacher, teacher.config.num_hidden_layers, cfg, t.seq_len,
                                          2 * capacity.module_bytes(teacher) + features)
-    dtype = teacher_dtype(cfg.precision, "float32")
-    capture = sum(p.numel() for p in teacher.parameters()) * 2 if dtype != "float32" else 0
-    return capacity.stream_step_peak(teacher, maps, list(range(len(maps))), cfg, t.seq_len, capture,
-                                     getattr(torch, dtype))
+    dtype = getattr(torch, teacher_dtype(cfg.precision, "float32"))
+    return capacity.stream_step_peak(teacher, maps, list(range(len(maps))), cfg, t.seq_len,
+                                     capacity.copy_bytes(teacher, dtype), dtype)
 
 
 def fmt_time(hours: float) -> str:

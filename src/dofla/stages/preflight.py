@@ -50,11 +50,10 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
               if dims[i] and any(p.requires_grad for p in maps[i].parameters())]
     if not layers:
         return None
-    dtype = teacher_dtype(cfg.precision, cfg.train.teacher_dtype)
-    capture = sum(p.numel() for p in teacher.parameters()) * 2 if dtype != "float32" else 0
+    dtype = getattr(torch, teacher_dtype(cfg.precision, cfg.train.teacher_dtype))
     if ctx.source == "stream":  # the teacher's distillation forwards run in its `dtype` copy
-        return capacity.stream_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, capture,
-                                         getattr(torch, dtype))
+        return capacity.stream_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len,
+                                         capacity.copy_bytes(teacher, dtype), dtype)
     return capacity.cached_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, ctx.geometry)
 
 

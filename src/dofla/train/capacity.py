@@ -162,6 +162,11 @@ def stream_step(teacher, feature_maps: list, layers: list[int], cfg, seq_len: in
     return step
 
 
+def copy_bytes(teacher, dtype: torch.dtype) -> int:
+    """Bytes of the teacher's distillation copy in ``dtype`` (none for float32: the teacher itself runs)."""
+    return 0 if dtype == torch.float32 else sum(p.numel() for p in teacher.parameters()) * dtype.itemsize
+
+
 def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, capture_bytes: int = 0,
                      dtype=torch.float32) -> Peak:
     """The streamed layerwise step (``dofla.train.stream``) of ``layers`` at ``cfg.micro_batch_size``:
@@ -246,12 +251,17 @@ def largest_fitting(peak: Peak, batch_size: int, limit: int) -> int | None:
     return max(fitting) if fitting else None
 
 
+def usable(total: int) -> int:
+    """What the preflight plans against on a GPU of ``total`` bytes: 10 % and 1 GiB are kept free for the
+    CUDA context, cuBLAS workspaces and the allocator's fragmentation."""
+    return int(total * 0.9) - 2**30
+
+
 def device_memory(device: torch.device) -> int:
     """Bytes the preflight plans against: a CUDA device's total memory less 10 % and 1 GiB (the CUDA
     context, cuBLAS workspaces and the allocator's fragmentation), or the host's available memory."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * 0.9) - 2**30
+        return usable(torch.cuda.get_device_properties(device).total_memory)
     try:
         with open("/proc/meminfo") as handle:
             info = dict(line.split(":", 1) for line in handle)
