@@ -7,7 +7,9 @@ map parameters trainable.
 
     python -m benchmarks.bench_training [--seq-len 512] [--repeats 2] [--threads N] [--quick]
 
-With a C++ compiler, a last row times the softmax step with the loss compiled (``train.compile``).
+With a C++ compiler, a row times the softmax step with the loss compiled (``train.compile``). The
+last row times the distill stage's KL step with the LM head in chunks (``distill.logit_chunk``)
+against the whole logits, with each one's traced peak memory.
 """
 from __future__ import annotations
 
@@ -86,7 +88,29 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         f"{trainable / 1e6:.2f}M trainable params; optimizer step not timed on either side"))
     if "softmax" in args.losses.split(",") and cxx_compiler() is not None:
         rows.append(compiled_row(layer_maps, acts, length, args.repeats))
+    rows.append(chunked_kl_row(student, ids, args.repeats))
     return rows
+
+
+def chunked_kl_row(student, ids, repeats: int, chunk: int = 128) -> Row:
+    """The distill stage's KL step (teacher forward, student forward and backward, features and
+    attention trainable) with ``distill.logit_chunk=chunk`` against the whole logits: time and peak."""
+    from dofla.train.capacity import traced_peak
+    from dofla.train.distill import DistillSchedule, accumulate, prepare_trainable
+
+    teacher, _ = load_teacher(EMBEDDED)
+    model, _ = prepare_trainable(student, ["features", "attention"])
+    model.eval()
+    results = {}
+    for c in (0, chunk):
+        s = DistillSchedule(steps=1, micro_batch_size=1, lr=1e-4, feature_lr=1e-3, logit_chunk=c)
+        step = lambda: (model.zero_grad(set_to_none=True), accumulate(model, teacher, ids, s))  # noqa: E731
+        results[c] = timeit(step, repeats=repeats), traced_peak(step)
+    (whole, whole_peak), (chunked, chunked_peak) = results[0], results[chunk]
+    return Row(f"distill KL step, LM head in chunks of {chunk} (distill.logit_chunk, L={ids.shape[1]})",
+               "the whole logits", "≥ 0.9× (memory, not speed)",
+               f"chunked {chunked:.2f} s vs whole {whole:.2f} s", whole / chunked, chunked <= whole / 0.9,
+               f"peak {chunked_peak / 2**20:.0f} MiB vs {whole_peak / 2**20:.0f} MiB of activations")
 
 
 def compiled_row(layer_maps, acts, length: int, repeats: int) -> Row:

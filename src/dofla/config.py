@@ -172,7 +172,12 @@ class DistillConfig:
     tokens: int = 65536  # distillation tokens (one pass over fresh text)
     seq_len: Optional[int] = None  # None: data.seq_len
     batch_size: int = 4  # effective batch (sequences per optimiser step)
-    micro_batch_size: Optional[int] = None  # sequences per forward/backward (None: batch_size)
+    # sequences per forward/backward (None: batch_size); auto: the largest that fits the device, from
+    # the memory preflight (train.preflight and train.memory_limit_gb apply to this stage too)
+    micro_batch_size: Any = None
+    # positions per chunk of the LM head in the KL: only one chunk's logits are alive at a time (the
+    # memory of long sequences over large vocabularies), the same result; 0: the whole sequence at once
+    logit_chunk: int = 0
     train: List[str] = field(default_factory=lambda: ["features", "attention"])  # features | attention | lora
     lr: float = 1e-4  # attention projections, LoRA
     feature_lr: float = 1e-3  # feature maps
@@ -294,6 +299,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("train", "hybrid_target"): "hybrid",
     ("distill", "window_dropout"): 0.0,
     ("distill", "window_dropout_end"): None,
+    ("distill", "logit_chunk"): 0,
     ("attention", "gate"): "none",
 }
 # Config sections added later: a run recorded without one ran with its defaults.

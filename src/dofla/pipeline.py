@@ -62,11 +62,12 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         report.log_allocation(tracker, estimate, dims)
     if "train" not in plan and "assemble" not in plan:
         return {}
-    # Each layer's features, layerwise (cache or stream) or end to end (direct), after the memory
-    # preflight: the stage's peak on this device from a trace of its step (micro_batch_size=auto).
+    # The memory preflight of the train and distill stages, before either runs: each stage's peak on
+    # this device from a trace of its step (micro_batch_size=auto picks the largest that fits).
+    ctx = preflight.run(ctx, dims, plan)
+    # Each layer's features, layerwise (cache or stream) or end to end (direct).
     trained = train.TrainResult()
     if "train" in plan:
-        ctx = preflight.run(ctx, dims)
         with timer("train"):
             trained = train.run(ctx, activations, dims, tokens, tracker if main else None)
         if trained.direct is None and main:

@@ -97,10 +97,13 @@ def _validate_distill(cfg: RunConfig) -> None:
     for key in ("tokens", "batch_size", "lr", "feature_lr", "temperature", "lora_rank", "checkpoint_every",
                 "log_every"):
         positive(f"distill.{key}", getattr(d, key))
-    for key in ("seq_len", "micro_batch_size"):
-        if getattr(d, key) is not None:
-            positive(f"distill.{key}", getattr(d, key))
-    require(d.micro_batch_size is None or d.batch_size % d.micro_batch_size == 0,
+    if d.seq_len is not None:
+        positive("distill.seq_len", d.seq_len)
+    require(isinstance(d.logit_chunk, int) and d.logit_chunk >= 0,
+            f"distill.logit_chunk={d.logit_chunk!r} must be 0 (the whole sequence) or a number of positions")
+    if d.micro_batch_size not in (None, "auto"):
+        positive("distill.micro_batch_size", d.micro_batch_size)
+    require(d.micro_batch_size in (None, "auto") or d.batch_size % d.micro_batch_size == 0,
             f"distill.micro_batch_size={d.micro_batch_size} does not divide distill.batch_size={d.batch_size}; "
             "choose a divisor so every micro-batch has the same size")
     unknown = [t for t in d.train if t not in TRAINABLE]

@@ -88,6 +88,28 @@ def test_the_direct_step_peak_extrapolates_from_one_and_two_layers():
     assert predicted.bytes == pytest.approx(measured, rel=0.1)
 
 
+@pytest.mark.parametrize("train", [["features", "attention"], ["lora"]])
+def test_the_distill_step_peak_extrapolates_from_one_and_two_layers(train):
+    from dofla.train.distill import DistillSchedule, train_kl
+
+    teacher = build_tiny_model("llama", seed=0, num_layers=4)
+
+    def student_of(model):
+        return convert(copy.deepcopy(model), feature_map="hedgehog", dims=[16] * model.config.num_hidden_layers)
+
+    student = student_of(teacher)
+    s = DistillSchedule(steps=2, micro_batch_size=2, lr=1e-4, feature_lr=1e-3)
+    weights = capacity.module_bytes(teacher) + capacity.module_bytes(student)
+    predicted = capacity.kl_step_peak(student_of, teacher, 4, s, train, (4, 8), 40, weights, batch_size=4)
+    assert predicted.stage == "distill" and predicted.micro_batch == 2
+    tokens = torch.randint(0, teacher.config.vocab_size, (4, 40))
+    batches = type("Batches", (), {"batch_tokens": tokens.numel(), "next_batch": lambda self: tokens,
+                                   "state": lambda self: {}, "restore": lambda self, state: None})()
+    measured = capacity.traced_peak(lambda: train_kl(student, teacher, batches, train, s, lora=(4, 8))) + weights
+    assert predicted.bytes == pytest.approx(measured, rel=0.1)
+    assert predicted.per_sample > 40 * teacher.config.vocab_size * 4  # at least the student's logits
+
+
 def test_the_largest_micro_batch_that_fits_divides_the_batch():
     peak = capacity.Peak("train", fixed=100, per_sample=10, micro_batch=8)
     assert peak.bytes == 180 and peak.at(2).bytes == 120
@@ -158,7 +180,7 @@ def test_the_preflight_refuses_a_micro_batch_that_cannot_fit_and_names_one_that_
     out = capsys.readouterr().out
     assert "memory preflight" in out and "at micro-batch 8" in out and (tmp_path / "run" / "layers").exists()
     # a limit between the fixed part and the whole batch: refused before any training step, naming the fix
-    record = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    record = json.loads((tmp_path / "run" / "preflight.json").read_text())["train"]
     assert record["predicted"] == record["fixed"] + 8 * record["per_sample"] and record["fits"] == 8
     limit = (record["fixed"] + 3 * record["per_sample"]) / 2**30  # micro-batch 2 fits, 4 does not
     with pytest.raises(DoesNotFitError, match=r"train.micro_batch_size=8 needs .* train.micro_batch_size=2 fits"):
@@ -174,3 +196,29 @@ def test_untrained_features_need_no_preflight_and_auto_trains_nothing(tmp_path, 
     tiny_run(tmp_path, "train.micro_batch_size=auto", "+variant=performer")
     out = capsys.readouterr().out
     assert "memory preflight" not in out and not (tmp_path / "run" / "preflight.json").exists()
+
+
+def distill_run(tmp_path, *overrides):
+    return tiny_run(tmp_path, "stages=[cache,allocate,train,assemble,distill]", "distill=kl", "distill.tokens=256",
+                    "distill.batch_size=4", "distill.seq_len=64", *overrides)
+
+
+def test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_batch(tmp_path, capsys):
+    from dofla.stages.preflight import DoesNotFitError
+
+    distill_run(tmp_path)
+    out = capsys.readouterr().out
+    assert "the distill stage needs" in out and (tmp_path / "run" / "student_distilled").exists()
+    record = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    assert set(record) == {"train", "distill"} and record["distill"]["fits"] == 4
+    d = record["distill"]
+    limit = (d["fixed"] + 3 * d["per_sample"]) / 2**30  # the distill stage fits at 2, not at 4
+    t = record["train"]
+    assert limit > (t["fixed"] + t["per_sample"]) / 2**30  # while the train stage fits at micro-batch 1
+    fit = ["train.micro_batch_size=auto", f"train.memory_limit_gb={limit}"]
+    with pytest.raises(DoesNotFitError, match=r"distill.micro_batch_size=4 needs .* distill.micro_batch_size=2 fits"):
+        distill_run(tmp_path / "refused", "distill.micro_batch_size=4", *fit)
+    assert not (tmp_path / "refused" / "run" / "layers").exists()  # refused before the train stage ran
+    distill_run(tmp_path / "auto", "distill.micro_batch_size=auto", *fit)
+    assert "distill.micro_batch_size=auto: 2 (of batch 4)" in capsys.readouterr().out
+    assert (tmp_path / "auto" / "run" / "student_distilled").exists()

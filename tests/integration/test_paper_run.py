@@ -47,7 +47,7 @@ def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
         if name == "performer":  # random fixed features: nothing trains, no step to size
             assert not (run / "preflight.json").exists()
         else:
-            preflight = json.loads((run / "preflight.json").read_text())  # a tiny model: the whole batch fits
+            preflight = json.loads((run / "preflight.json").read_text())["train"]  # a tiny model: the whole batch fits
             assert preflight["micro_batch"] == preflight["fits"] == 128 and preflight["predicted"] < preflight["limit"]
         metrics = json.loads((run / "metrics.json").read_text())
         assert metrics["eval/student_ppl"] > 0

@@ -44,7 +44,7 @@ OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
     # prepared tokens are the text path's tokens, read faster
     "data": ("prepared", "prefetch"),
-    "distill": ("micro_batch_size", "checkpoint_every", "log_every"),
+    "distill": ("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every"),
 }
 
 

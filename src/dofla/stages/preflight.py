@@ -1,6 +1,7 @@
-"""The memory preflight before the train stage: its predicted peak on this run's device, printed;
-a micro-batch that cannot fit is refused, naming the one that would; ``train.micro_batch_size=auto``
-picks the largest that fits. The prediction traces the stage's own step (:mod:`dofla.train.capacity`).
+"""The memory preflight before the train stage: the predicted peaks of the train and distill stages
+on this run's device, printed; a micro-batch that cannot fit is refused, naming the one that would
+(before either stage trains); ``train.micro_batch_size=auto`` / ``distill.micro_batch_size=auto``
+pick the largest that fits. Each prediction traces its stage's own step (:mod:`dofla.train.capacity`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def size(num_bytes: float) -> str:
 
 
 class DoesNotFitError(DoflaError):
-    """The train stage cannot fit the device at the configured micro-batch."""
+    """A training stage cannot fit the device at the configured micro-batch."""
 
 
 def predict(ctx: RunContext, dims: list, micro_batch: int | None):
@@ -57,20 +58,58 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
     return capacity.cached_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, ctx.geometry)
 
 
-def run(ctx: RunContext, dims: list) -> RunContext:
-    """Check the train stage's memory; returns ``ctx`` with ``train.micro_batch_size`` resolved."""
+def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None):
+    """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)."""
+    from dofla.stages.distill import schedule
+    from dofla.stages.train import build_feature_maps, make_student
     from dofla.train import capacity
+
+    cfg, teacher, d = ctx.cfg, ctx.teacher, ctx.cfg.distill
+    # loaded while it runs: the teacher, and the student (the teacher's weights and the features)
+    features = sum(capacity.module_bytes(m) for m in build_feature_maps(cfg, ctx.geometry, dims) if m is not None)
+    return capacity.kl_step_peak(
+        lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
+        replace(schedule(ctx, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
+        d.seq_len or cfg.data.seq_len, 2 * capacity.module_bytes(teacher) + features, d.batch_size)
+
+
+def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
+    """Check the memory of the training stages in ``plan`` (train, distill) before either runs; returns
+    ``ctx`` with their ``micro_batch_size`` resolved."""
     from dofla.train.losses import end_to_end
 
     cfg = ctx.cfg
-    auto = cfg.train.micro_batch_size == "auto"
-    if not (cfg.train.preflight or auto) or not any(dims):
-        return ctx
-    # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
-    # process traces its own share
-    batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
-    if train_split(cfg, distributed.world(), ctx.source) == "data":
-        batch //= distributed.world()
+    records = {}
+    if "train" in plan and any(dims):
+        # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
+        # process traces its own share
+        batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
+        if train_split(cfg, distributed.world(), ctx.source) == "data":
+            batch //= distributed.world()
+        micro = check(ctx, "train", lambda m: predict(ctx, dims, m), batch, records)
+        if micro != cfg.train.micro_batch_size:
+            ctx = replace(ctx, cfg=replace(ctx.cfg, train=replace(ctx.cfg.train, micro_batch_size=micro)))
+    partial = cfg.train.layers is not None and len(set(cfg.train.layers)) < ctx.geometry.num_layers
+    if cfg.distill.name != "none" and {"assemble", "distill"} <= set(plan) and not partial:
+        batch = cfg.distill.batch_size // distributed.world()  # every rank trains on its rows of each batch
+        micro = check(ctx, "distill", lambda m: predict_distill(ctx, dims, m), batch, records)
+        if micro != cfg.distill.micro_batch_size:
+            ctx = replace(ctx, cfg=replace(ctx.cfg, distill=replace(ctx.cfg.distill, micro_batch_size=micro)))
+    if records and distributed.is_main():
+        write_json(ctx.out_dir / "preflight.json", records)
+    return ctx
+
+
+def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
+    """One stage's preflight (``<stage>.micro_batch_size``): prints its peak, records it in ``records``,
+    refuses what cannot fit; returns the micro-batch to run (None: the whole batch)."""
+    from dofla.train import capacity
+
+    cfg = ctx.cfg
+    setting = getattr(cfg, stage).micro_batch_size
+    auto, name = setting == "auto", f"{stage}.micro_batch_size"
+    if not (cfg.train.preflight or auto):
+        return setting
     device = next(ctx.teacher.parameters()).device
     limit = int(cfg.train.memory_limit_gb * GIB) if cfg.train.memory_limit_gb else capacity.device_memory(device)
     where = f"{cfg.train.memory_limit_gb:g} GiB (train.memory_limit_gb)" if cfg.train.memory_limit_gb else \
@@ -78,32 +117,30 @@ def run(ctx: RunContext, dims: list) -> RunContext:
     started = time.perf_counter()
     try:
         with distributed.alone():
-            peak = predict(ctx, dims, 1)
+            peak = predict_at(1)
     except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, train anyway
         if auto:
-            raise DoesNotFitError(f"train.micro_batch_size=auto needs the memory preflight, which failed here "
-                               f"({type(err).__name__}: {err}); set train.micro_batch_size to a number") from err
-        print(f"dofla: memory preflight skipped ({type(err).__name__}: {err})", flush=True)
-        return ctx
+            raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
+                                  f"({type(err).__name__}: {err}); set {name} to a number") from err
+        print(f"dofla: memory preflight of the {stage} stage skipped ({type(err).__name__}: {err})", flush=True)
+        return setting
     if peak is None:  # nothing trains: no step to size
-        return replace(ctx, cfg=replace(cfg, train=replace(cfg.train, micro_batch_size=None))) if auto else ctx
+        return None if auto else setting
     fitting = capacity.largest_fitting(peak, batch, limit)
-    micro = fitting if auto else (cfg.train.micro_batch_size or batch)
+    micro = fitting if auto else (setting or batch)
     need = peak.at(micro or 1)
-    print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the train stage needs "
+    print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the {stage} stage needs "
           f"≈ {size(need.bytes)} at micro-batch {micro or 1} ({size(need.fixed)} weights and optimiser state + "
           f"{micro or 1} × {size(need.per_sample)} per sequence); {where}", flush=True)
-    if distributed.is_main():
-        write_json(ctx.out_dir / "preflight.json", {"stage": "train", "micro_batch": micro, "batch": batch,
-                                                   "fixed": peak.fixed, "per_sample": peak.per_sample,
-                                                   "predicted": need.bytes, "limit": limit, "fits": fitting})
+    records[stage] = {"micro_batch": micro, "batch": batch, "fixed": peak.fixed, "per_sample": peak.per_sample,
+                      "predicted": need.bytes, "limit": limit, "fits": fitting}
     if fitting is None:
-        raise DoesNotFitError(f"the train stage does not fit {where} even at micro-batch 1 (≈ {size(need.bytes)}); "
-                              "use precision=bf16, a shorter data.seq_len, fewer features or a larger device")
+        raise DoesNotFitError(f"the {stage} stage does not fit {where} even at micro-batch 1 (≈ {size(need.bytes)}); "
+                              "use precision=bf16, a shorter sequence length, fewer features or a larger device")
     if micro > fitting:
-        raise DoesNotFitError(f"train.micro_batch_size={micro} needs ≈ {size(need.bytes)}, more than {where}; "
-                              f"train.micro_batch_size={fitting} fits (≈ {size(peak.at(fitting).bytes)}), "
-                              "or train.micro_batch_size=auto picks it")
+        raise DoesNotFitError(f"{name}={micro} needs ≈ {size(need.bytes)}, more than {where}; "
+                              f"{name}={fitting} fits (≈ {size(peak.at(fitting).bytes)}), "
+                              f"or {name}=auto picks it")
     if auto:
-        print(f"dofla: train.micro_batch_size=auto: {micro} (of batch {batch})", flush=True)
-    return replace(ctx, cfg=replace(cfg, train=replace(cfg.train, micro_batch_size=micro if micro < batch else None)))
+        print(f"dofla: {name}=auto: {micro} (of batch {batch})", flush=True)
+    return micro if micro < batch else None

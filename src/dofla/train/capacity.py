@@ -1,4 +1,4 @@
-"""Peak memory of the training stage, predicted before it runs, from a trace of its own step.
+"""Peak memory of the train and distill stages, predicted before they run, from a trace of their own step.
 
 The stage's real step code runs twice (the second step holds the optimiser's state) on the CPU, on
 copies of the teacher cut to 1 and to 2 layers (random weights, the run's sequence length and
@@ -21,6 +21,7 @@ import contextlib
 import copy
 import os
 import weakref
+from types import SimpleNamespace
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,16 +61,17 @@ class PeakTracker(TorchDispatchMode):
 
 @contextlib.contextmanager
 def quiet():
-    """Progress bars hidden (``TQDM_DISABLE``) while a step runs only to be traced or counted."""
-    hidden = os.environ.get("TQDM_DISABLE")
+    """Progress bars hidden (``TQDM_DISABLE``) and fault injection off (``DOFLA_KILL_AT``) while a step
+    runs only to be traced or counted."""
+    saved = {name: os.environ.pop(name, None) for name in ("TQDM_DISABLE", "DOFLA_KILL_AT")}
     os.environ["TQDM_DISABLE"] = "1"
     try:
         yield
     finally:
-        if hidden is None:
-            os.environ.pop("TQDM_DISABLE")
-        else:
-            os.environ["TQDM_DISABLE"] = hidden
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def traced_peak(step) -> int:
@@ -208,22 +210,30 @@ def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size)
 
 
-def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2):
-    """``step(depth, micro)``: a callable that runs ``steps`` end-to-end (``direct``) steps of the
-    student of a ``depth``-layer cut of ``teacher`` (``student_of(cut)`` converts it) at ``micro``
-    random sequences."""
-    from dofla.train import train_direct
-
-    students: dict[int, torch.nn.Module] = {}
+def model_step(student_of, teacher, seq_len: int, run):
+    """``step(depth, micro)``: a callable that runs ``run(student, cut, tokens)`` on a fresh copy of the
+    student of a ``depth``-layer cut of ``teacher`` (``student_of(cut)`` converts it), the cut teacher,
+    and ``micro`` random sequences: a step of a stage that trains the whole student."""
+    models: dict[int, tuple] = {}
 
     def step(depth: int, micro: int):
-        if depth not in students:
-            students[depth] = student_of(cut_to(teacher, depth))
-        student = copy.deepcopy(students[depth])
+        if depth not in models:
+            cut = cut_to(teacher, depth)
+            models[depth] = (cut, student_of(cut))
+        cut, student = models[depth]
+        student = copy.deepcopy(student)
         tokens = torch.randint(0, student.config.vocab_size, (micro, seq_len))
-        return lambda: train_direct(student, tokens, replace(cfg, steps=steps, batch_size=micro, micro_batch_size=None))
+        return lambda: run(student, cut, tokens)
 
     return step
+
+
+def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2):
+    """``steps`` end-to-end (``direct``) steps (:func:`model_step`)."""
+    from dofla.train import train_direct
+
+    return model_step(student_of, teacher, seq_len, lambda student, _, tokens: train_direct(
+        student, tokens, replace(cfg, steps=steps, batch_size=len(tokens), micro_batch_size=None)))
 
 
 def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weights: int) -> Peak:
@@ -232,6 +242,24 @@ def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weight
     step = direct_step(student_of, teacher, cfg, seq_len)
     return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
                 cfg.micro_batch_size or cfg.batch_size)
+
+
+def kl_step_peak(student_of, teacher, layers: int, schedule, train: list[str], lora: tuple[int, int],
+                 seq_len: int, weights: int, batch_size: int) -> Peak:
+    """The distill stage (``distill=kl``, :func:`dofla.train.distill.train_kl`: the teacher's forward, the
+    student's forward and backward, the KL on their logits, AdamW on what ``train`` names) at
+    ``schedule.micro_batch_size``; ``weights``: the teacher's and the student's bytes."""
+    from dofla.train.distill import train_kl
+
+    def run(student, cut, tokens):
+        batches = SimpleNamespace(next_batch=lambda: tokens, state=dict, restore=lambda _: None,
+                                  batch_tokens=tokens.numel())  # the same batch every step
+        train_kl(student, cut, batches, train, replace(schedule, steps=2, micro_batch_size=len(tokens),
+                                                               log_every=2, warmup_steps=0), lora=lora)
+
+    step = model_step(student_of, teacher, seq_len, run)
+    return _fit("distill", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
+                schedule.micro_batch_size or batch_size)
 
 
 def _widest(feature_maps: list, layers: list[int]) -> int:

@@ -32,6 +32,7 @@ from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.precision import autocast
+from dofla.train.logit_chunks import check_head, chunked_kl_backward
 from dofla.train.step import lr_factor, micro_batches
 
 TRAINABLE = ("features", "attention", "lora", "gate")
@@ -55,6 +56,7 @@ class DistillSchedule:
     window_dropout: float = 0.0  # hybrid layers: probability of running without window and sinks
     window_dropout_end: float | None = None  # linear schedule to this by the last step (None: constant)
     seed: int = 0  # which layers drop their window at each step
+    logit_chunk: int = 0  # positions per LM-head chunk of the KL (0: the whole sequence; dofla.train.logit_chunks)
 
 
 def window_dropout_rate(step: int, s: DistillSchedule) -> float:
@@ -187,6 +189,9 @@ def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch
     no host synchronisation)."""
     total = torch.zeros((), device=batch.device)
     for micro, share in micro_batches(batch, s):
+        if s.logit_chunk:
+            total += chunked_kl_backward(model, teacher, micro, s.logit_chunk, s.temperature, s.precision, share) * share
+            continue
         with torch.no_grad(), autocast(s.precision, batch.device):
             target = teacher(input_ids=micro, use_cache=False).logits
         with autocast(s.precision, batch.device):
@@ -243,6 +248,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
         if values:
             bar.set_postfix(kl=f"{values[-1]:.4f}")
 
+    start = step
     for step in range(step, s.steps):
         kill_point(f"distill:step{step}")
         try:
@@ -251,6 +257,8 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
             print(f"dofla: the data ran out after {tokens:,} distillation tokens ({step} of {s.steps} steps); "
                   "the stage ends here and records the tokens used", flush=True)
             break
+        if s.logit_chunk and step == start:  # the chunked head must be the model's own
+            check_head(model, batch)
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
