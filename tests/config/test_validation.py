@@ -57,6 +57,8 @@ BAD_BEFORE_MODEL = [
     ({"distill__name": "kl", "distill__temperature": 0}, "distill.temperature"),
     ({"distill__name": "kl", "distill__schedule": "linear"}, "distill.schedule"),
     ({"distill__name": "kl", "distill__offset": -1}, "distill.offset"),
+    ({"distill__name": "kl", "distill__micro_batch_size": "big"}, "distill.micro_batch_size"),
+    ({"distill__name": "kl", "distill__logit_chunk": -1}, "distill.logit_chunk"),
     ({"data__num_tokens": 100, "data__seq_len": 512}, "data.num_tokens"),
     ({"stages": ["cache", "trian"]}, "stages"),
     ({"logger__name": "tensorboard"}, "logger.name"),
