@@ -222,3 +222,5 @@ def test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_bat
     distill_run(tmp_path / "auto", "distill.micro_batch_size=auto", *fit)
     assert "distill.micro_batch_size=auto: 2 (of batch 4)" in capsys.readouterr().out
     assert (tmp_path / "auto" / "run" / "student_distilled").exists()
+    with pytest.raises(DoesNotFitError, match="distill stage does not fit .* use distill.logit_chunk=256"):
+        distill_run(tmp_path / "tiny", *fit[:1], f"train.memory_limit_gb={(t['fixed'] + t['per_sample']) / 2**30}")

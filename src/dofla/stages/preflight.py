@@ -135,8 +135,9 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     records[stage] = {"micro_batch": micro, "batch": batch, "fixed": peak.fixed, "per_sample": peak.per_sample,
                       "predicted": need.bytes, "limit": limit, "fits": fitting}
     if fitting is None:
+        chunk = "distill.logit_chunk=256, " if stage == "distill" and not cfg.distill.logit_chunk else ""
         raise DoesNotFitError(f"the {stage} stage does not fit {where} even at micro-batch 1 (≈ {size(need.bytes)}); "
-                              "use precision=bf16, a shorter sequence length, fewer features or a larger device")
+                              f"use {chunk}precision=bf16, a shorter sequence length, fewer features or a larger device")
     if micro > fitting:
         raise DoesNotFitError(f"{name}={micro} needs ≈ {size(need.bytes)}, more than {where}; "
                               f"{name}={fitting} fits (≈ {size(peak.at(fitting).bytes)}), "
