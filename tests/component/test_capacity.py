@@ -224,3 +224,17 @@ def test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_bat
     assert (tmp_path / "auto" / "run" / "student_distilled").exists()
     with pytest.raises(DoesNotFitError, match="distill stage does not fit .* use distill.logit_chunk=256"):
         distill_run(tmp_path / "tiny", *fit[:1], f"train.memory_limit_gb={(t['fixed'] + t['per_sample']) / 2**30}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_what_stays_loaded_is_counted_without_building_the_student(arch):
+    """The direct and distill predictions count teacher + student from the features alone (no copy of
+    the teacher on the device just to weigh it)."""
+    from dofla.feature_maps import build_layer_feature_map
+    from dofla.stages.preflight import loaded_bytes
+
+    teacher = build_tiny_model(arch, seed=0)
+    g = get_adapter(teacher).geometry(teacher.config)
+    maps = [build_layer_feature_map("hedgehog", g.num_heads, g.head_dim, 16, seed=i) for i in range(g.num_layers)]
+    student = convert(copy.deepcopy(teacher), feature_map="hedgehog", dims=[16] * g.num_layers)
+    assert loaded_bytes(teacher, maps) == capacity.module_bytes(teacher) + capacity.module_bytes(student)

@@ -40,13 +40,12 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
     # compiler); inductor's fused kernels usually hold fewer buffers, so the eager peak plans safe
     train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch,
                         compile=False)
+    maps = build_feature_maps(cfg, ctx.geometry, dims)
     if end_to_end(cfg.loss.name):
-        student = make_student(cfg, teacher, dims)
         return capacity.direct_step_peak(
             lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher,
             ctx.geometry.num_layers, replace(train_cfg, batch_size=cfg.train.direct_batch_size), cfg.data.seq_len,
-            capacity.module_bytes(teacher) + capacity.module_bytes(student))
-    maps = build_feature_maps(cfg, ctx.geometry, dims)
+            loaded_bytes(teacher, maps))
     layers = [i for i in linear_layers(cfg, ctx.geometry)
               if dims[i] and any(p.requires_grad for p in maps[i].parameters())]
     if not layers:
@@ -58,6 +57,14 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
     return capacity.cached_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, ctx.geometry)
 
 
+def loaded_bytes(teacher, maps: list) -> int:
+    """What stays loaded while the whole student trains: the teacher, and the student (the teacher's
+    weights and every layer's features), counted without building the student."""
+    from dofla.train import capacity
+
+    return 2 * capacity.module_bytes(teacher) + sum(capacity.module_bytes(m) for m in maps if m is not None)
+
+
 def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None):
     """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)."""
     from dofla.stages.distill import schedule
@@ -65,12 +72,10 @@ def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None):
     from dofla.train import capacity
 
     cfg, teacher, d = ctx.cfg, ctx.teacher, ctx.cfg.distill
-    # loaded while it runs: the teacher, and the student (the teacher's weights and the features)
-    features = sum(capacity.module_bytes(m) for m in build_feature_maps(cfg, ctx.geometry, dims) if m is not None)
     return capacity.kl_step_peak(
         lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
         replace(schedule(ctx, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
-        d.seq_len or cfg.data.seq_len, 2 * capacity.module_bytes(teacher) + features, d.batch_size)
+        d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)), d.batch_size)
 
 
 def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
