@@ -92,7 +92,10 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
         if groups:
             optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
             base_lrs[i] = [g["lr"] for g in groups]
-    train = {k: v for k, v in asdict(cfg).items() if k != "log_every"}  # logging: not what is learnt
+    # what is learnt: not logging, checkpointing, the micro-batch (a requeued job on another GPU may
+    # get another `auto`) or compilation, so a checkpoint is resumed across those
+    train = {k: v for k, v in asdict(cfg).items() if k not in ("log_every", "checkpoint_every", "micro_batch_size",
+                                                              "compile")}
     meta = {"settings": meta, "train": train, "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
