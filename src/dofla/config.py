@@ -28,16 +28,12 @@ class DataConfig:
     # tokens whose activations are cached when training streams: Algorithm 1's sample and the
     # held-out set of the layerwise trainer (None: min(num_tokens, 8192)); the cache path caches all
     cache_tokens: Optional[int] = None
-    # batches a worker thread reads (and tokenises) ahead of the training step (0: none); the
-    # batches and the resume point are the same either way (dofla.data.prefetch)
-    prefetch: int = 2
+    prefetch: int = 2  # batches a thread reads ahead of the step (0: none); same batches (dofla.data.prefetch)
     heldout_tokens: int = 4096  # for held-out perplexity and attention error
-    # read the tokens dofla-prepare wrote for this data and tokenizer: auto (when they exist), require
-    # (fail before loading when they do not), off (always tokenise the source's text)
+    # dofla-prepare's tokens for this data and tokenizer: auto (when they exist), require, off (tokenise)
     prepared: str = "auto"
-    # None: read the training split in its own order; a seed: its sequences in that seed's random
-    # order (prepared data only), so the cached sample (Algorithm 1's) is a random sample of the whole
-    # split, the same in every run with this seed, and the stream one pass over the rest
+    # None: the training split in its own order; a seed: its sequences in that seed's random order
+    # (prepared data only): the cached sample is a random sample of the split, the stream the rest
     shuffle_seed: Optional[int] = None
 
 
@@ -52,8 +48,7 @@ class AttentionConfig:
     name: str = "linear"
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
-    # linear kernel's chunk (128: fastest here, benchmarks/); auto: timed once per machine (attention.tuning)
-    chunk_size: Any = 128
+    chunk_size: Any = 128  # linear kernel's chunk (128: fastest here); auto: timed once per machine
     gate: str = "none"  # linear: none | scalar (a per-head decay of the state, trained by distill=kl)
 
 
@@ -109,11 +104,14 @@ class StepConfig:
     checkpoint_every: int = 50
     log_every: int = 10  # live curves: losses, tokens/s and ETA to the tracker (one host sync) this often
     skip_nonfinite: bool = False
-    # sequences per forward/backward; the gradients of batch_size / micro_batch_size micro-batches
-    # are accumulated into one step of the full batch (None: the whole batch at once). Lowers the
-    # peak memory, not the result (equal up to float rounding). auto: the largest that fits the
-    # device, from the memory preflight (dofla.train.capacity)
+    # sequences per forward/backward, gradients accumulated to the full batch's (None: all at once):
+    # lowers the peak memory, not the result; auto: the largest that fits (dofla.train.capacity)
     micro_batch_size: Any = None
+
+
+# Training settings that change how a step runs, not what it learns: out of the artifact keys
+# (dofla.stages.keys) and of stream checkpoints, which a requeued job resumes across them
+NOT_LEARNT = ("checkpoint_every", "log_every", "micro_batch_size", "compile")
 
 
 @dataclass
@@ -172,12 +170,8 @@ class DistillConfig:
     tokens: int = 65536  # distillation tokens (one pass over fresh text)
     seq_len: Optional[int] = None  # None: data.seq_len
     batch_size: int = 4  # effective batch (sequences per optimiser step)
-    # sequences per forward/backward (None: batch_size); auto: the largest that fits the device, from
-    # the memory preflight (train.preflight and train.memory_limit_gb apply to this stage too)
-    micro_batch_size: Any = None
-    # positions per chunk of the LM head in the KL: only one chunk's logits are alive at a time (the
-    # memory of long sequences over large vocabularies), the same result; 0: the whole sequence at once
-    logit_chunk: int = 0
+    micro_batch_size: Any = None  # sequences per forward/backward (None: batch_size; auto: what fits)
+    logit_chunk: int = 0  # positions per LM-head chunk of the KL (0: whole; dofla.train.logit_chunks)
     train: List[str] = field(default_factory=lambda: ["features", "attention"])  # features | attention | lora
     lr: float = 1e-4  # attention projections, LoRA
     feature_lr: float = 1e-3  # feature maps

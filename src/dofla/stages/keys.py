@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 
 from dofla.artifacts import canonical
-from dofla.config import LEGACY_VALUES, RunConfig
+from dofla.config import LEGACY_VALUES, NOT_LEARNT, RunConfig
 from dofla.precision import teacher_dtype
 
 # bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
@@ -39,8 +39,7 @@ IN_KEY: dict[str, tuple[str, ...]] = {
 }
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     # which job trains a layer, where it writes, how often it checkpoints: not what it learns
-    "train": ("layers", "layer_dir", "checkpoint_every", "log_every", "cache_limit_gb", "micro_batch_size",
-              "preflight", "memory_limit_gb", "parallel", "compile"),
+    "train": ("layers", "layer_dir", "cache_limit_gb", "preflight", "memory_limit_gb", "parallel", *NOT_LEARNT),
     # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
     # prepared tokens are the text path's tokens, read faster
     "data": ("prepared", "prefetch"),

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
+from dofla.config import NOT_LEARNT
 from dofla.data.sources import DataError
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.faults import kill_point
@@ -92,10 +93,7 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
         if groups:
             optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
             base_lrs[i] = [g["lr"] for g in groups]
-    # what is learnt: not logging, checkpointing, the micro-batch (a requeued job on another GPU may
-    # get another `auto`) or compilation, so a checkpoint is resumed across those
-    train = {k: v for k, v in asdict(cfg).items() if k not in ("log_every", "checkpoint_every", "micro_batch_size",
-                                                              "compile")}
+    train = {k: v for k, v in asdict(cfg).items() if k not in NOT_LEARNT}  # what is learnt
     meta = {"settings": meta, "train": train, "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
     ckpt = load_checkpoint(checkpoint_path, meta)
     if ckpt is not None:
