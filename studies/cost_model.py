@@ -11,8 +11,7 @@ counts per token follow. Then, per GPU:
 
 - **predicted time** = Σ matmul FLOPs / (peak for its dtype × MFU) + the bytes every other op writes,
   written once and read once at the memory bandwidth (eager elementwise kernels are memory-bound);
-- **floor** = Σ over ops of max(FLOPs / peak, 2 × bytes written / bandwidth): the eager step at 100 %
-  of both, no op faster than its own traffic;
+- **floor** = Σ over ops of max(FLOPs / peak, 2 × bytes written / bandwidth): no op faster than its traffic;
 - **memory**: the memory preflight's trace at this precision (``dofla.train.capacity``), at the whole
   batch and at the micro-batch ``train.micro_batch_size=auto`` picks on the GPU.
 
