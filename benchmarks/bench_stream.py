@@ -3,16 +3,20 @@
 A streaming step is one teacher forward without gradients (stopped after the deepest trained
 layer) plus, for every layer, the softmax loss of its learned PRF features on that layer's q, k,
 its backward and its Adam step. The reference is a plain full teacher forward (no capture) on
-the same (B, L) batches of the embedded corpus. Target: streaming ≥ 60 % of forward-only tokens/s.
+the same (B, L) batches of the embedded corpus. Target: streaming ≥ 80 % of forward-only tokens/s
+(issue #25). This shared machine's speed drifts by ±20 % between minutes, so the two are measured in
+``--rounds`` interleaved rounds (forward, then a streaming run, on the same batches) and the row
+reports the median round's ratio with the range.
 A second row runs ``train.source=cache`` at equal tokens: write every layer's q/k/v of the same
 batches to an activation cache, then train each layer from it for the same number of steps.
 
     python -m benchmarks.bench_stream [--model embedded:smollm2-135m-instruct] [--batch-size 1]
-        [--seq-len 512] [--steps 4] [--features 64] [--threads N] [--quick]
+        [--seq-len 512] [--steps 4] [--rounds 3] [--features 64] [--threads N] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved forward/streaming rounds (median)")
     args = parser.parse_args(argv)
     threads = set_threads(args.threads)
     if args.quick:
@@ -91,20 +96,25 @@ def main(argv: list[str] | None = None) -> list[Row]:
     teacher, tokenizer = load_teacher(args.model)
     stream = corpus_stream(tokenizer, args.batch_size, args.seq_len)
     batches = [stream.next_batch() for _ in range(args.steps)]
-    t_forward = forward_seconds(teacher, batches)
-    result = streaming_run(teacher, tokenizer, args, steps=args.steps)
     tokens = args.steps * args.batch_size * args.seq_len
-    fwd_rate, stream_rate = tokens / t_forward, result.tokens / result.seconds
+    rounds = []  # (forward tok/s, streaming tok/s, teacher share of the streaming step)
+    for _ in range(1 if args.quick else args.rounds):
+        t_forward = forward_seconds(teacher, batches)
+        result = streaming_run(teacher, tokenizer, args, steps=args.steps)
+        rounds.append((tokens / t_forward, result.tokens / result.seconds, result.teacher_seconds / result.seconds))
+    ratios = sorted(stream / forward for forward, stream, _ in rounds)
+    fwd_rate, stream_rate, teacher_share = min(rounds, key=lambda r: abs(r[1] / r[0] - statistics.median(ratios)))
     ratio = stream_rate / fwd_rate
     layers = len(result.summaries)
     shape = f"B={args.batch_size}, L={args.seq_len}, {args.steps} steps, {layers} layers, M={args.features}"
     build_s, train_s, nbytes = cache_run(teacher, batches, args)
     cache_rate = tokens / (build_s + train_s)
     return [Row(f"streaming step throughput ({args.model}, {shape})",
-                "teacher forward alone, same batches", "≥ 60 %",
-                f"stream {stream_rate:.0f} tok/s vs forward {fwd_rate:.0f} tok/s", ratio, ratio >= 0.6,
-                f"teacher part of a streaming step {result.teacher_seconds / result.seconds:.0%} "
-                f"(early exit skips the LM head); {threads} threads"),
+                "teacher forward alone, same batches", "≥ 80 %",
+                f"stream {stream_rate:.0f} tok/s vs forward {fwd_rate:.0f} tok/s (median of {len(rounds)} "
+                f"interleaved rounds; ratios {ratios[0]:.2f}–{ratios[-1]:.2f})", ratio, ratio >= 0.8,
+                f"teacher part of a streaming step {teacher_share:.0%} (early exit skips the LM head); "
+                f"each run's seconds include its first step and a final held-out evaluation; {threads} threads"),
             Row(f"train.source=cache at equal tokens ({tokens} tokens)", "streaming, same batches and steps",
                 "disk grows with tokens; stream none", f"cache {cache_rate:.0f} tok/s (build {build_s:.1f} s + train "
                 f"{train_s:.1f} s, {nbytes / 2**20:.1f} MiB on disk = {nbytes / tokens / 1024:.0f} KiB/token) vs "

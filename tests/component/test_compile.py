@@ -51,8 +51,10 @@ def test_a_compiled_layer_training_lands_where_the_eager_one_does():
     assert compiled.final_heldout_loss < compiled.initial_heldout_loss
     assert compiled.initial_heldout_loss == pytest.approx(eager.initial_heldout_loss, rel=1e-5)
     assert compiled.final_heldout_loss == pytest.approx(eager.final_heldout_loss, rel=1e-3)
+    # 30 Adam steps turn float-rounding differences of the gradient (equal to 1e-4 above) into up to
+    # ~1e-2 on a weight whose gradient sits near zero: Adam divides by its running magnitude
     for name, value in eager.state_dict.items():
-        torch.testing.assert_close(compiled.state_dict[name], value, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(compiled.state_dict[name], value, rtol=2e-2, atol=1e-3)
 
 
 def test_compiling_changes_no_artifact_key():

@@ -63,9 +63,13 @@ def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor
 
 def teacher_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """(B, H, L, L) q·k/sqrt(d); with ``softcap`` (Gemma 2) softcap·tanh(logits/softcap)."""
+    _check_softcap(softcap)
+    return exact_logits(q, k, softcap)
+
+
+def _check_softcap(softcap: float | None) -> None:
     if softcap is not None and not softcap > 0:
         raise ValueError(f"loss option softcap={softcap!r} must be a positive number (or None for no capping)")
-    return exact_logits(q, k, softcap)
 
 
 def _masks(length: int, causal: bool, window: int, device, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,26 +108,57 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, si
 
     Without a window CE_i = log Σ_{j≤i} K̂_ij − Σ_j p_ij log K̂_ij, with K̂ from the causal
     stabiliser (a row's scale uses only keys it sees, so a huge later key cannot zero a row's loss
-    or gradient) and its normaliser from per-block row sums: no (L, L) log-softmax.
+    or gradient) and its normaliser from per-block row sums: no (L, L) log-softmax. The teacher's
+    p is built on the same pieces of rows and keys (:func:`_teacher_weighted`): neither side ever
+    forms the whole (L, L) matrix, and the keys a row cannot see are never computed.
     """
     _check_sinks(window, sinks)
     if window > 0:
         return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window, sinks, softcap)
-    s = teacher_logits(q, k, softcap)
-    visible, _ = _masks(s.shape[-1], causal, window, s.device)
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     if not causal:
+        p = torch.softmax(teacher_logits(q, k, softcap), dim=-1)
         log_kernel, log_norm = _student(log_q, log_k, causal, window)
         return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
-    length = s.shape[-1]
-    cross, parts = s.new_zeros(s.shape[:-1]), []
-    for row0, start, scores, r, _ in kernel_slabs(log_q, log_k):  # p is 0 on hidden keys: no mask needed
-        rows = scores.shape[2]
-        p_slab = p[:, :, row0:row0 + rows, start:start + scores.shape[-1]]
-        slab = (p_slab * _log_floor(scores)).sum(-1) + (r * p_slab.sum(-1, keepdim=True)).squeeze(-1)
-        cross = cross + torch.nn.functional.pad(slab, (row0, length - row0 - rows))
+    _check_softcap(softcap)
+    qs = q * q.shape[-1] ** -0.5  # the teacher's scale on q once, not on every logit
+    pieces, parts = [], []
+    for row0, start, scores, r, diagonal in kernel_slabs(log_q, log_k):
+        rows, n = scores.shape[2], scores.shape[3]
+        e, m = _teacher_piece(qs[:, :, row0:row0 + rows], k[:, :, start:start + n], softcap, diagonal)
+        z = e.sum(-1, keepdim=True)
+        pieces.append((row0, m, z, (e * _log_floor(scores)).sum(-1, keepdim=True) + r * z))
         parts.append((row0, r + _log_floor(scores.sum(-1, keepdim=True))))
-    return (merge_normaliser(parts, length, s).squeeze(-1) - cross).mean()
+    length = log_q.shape[2]
+    return (merge_normaliser(parts, length, log_q) - _teacher_weighted(pieces, length)).mean()
+
+
+@torch.no_grad()
+def _teacher_piece(q, k, softcap, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, m) for the teacher's logits s of a piece of rows against a block of keys (q already
+    scaled): m (B, H, R, 1) the row maxima in the piece, e = exp(s − m), 0 on the hidden keys of a
+    diagonal piece (row a sees keys 0..a)."""
+    s = widened(q @ k.transpose(-1, -2))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if diagonal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    return s.sub_(m).exp_(), m
+
+
+def _teacher_weighted(pieces: list, length: int) -> torch.Tensor:
+    """(B, H, L, 1) Σ_j p_ij · x_ij from per-piece (row0, m, z, x) with z = Σ e and x = Σ e·x over
+    the piece's keys: the teacher's softmax p_ij = e_ij e^{m − M_i} / Σ_pieces z e^{m − M_i}, M_i the
+    row's largest logit, assembled per row without ever forming the (L, L) attention."""
+    pad = torch.nn.functional.pad
+
+    def column(index, value):
+        return torch.cat([pad(piece[index], (0, 0, piece[0], length - piece[0] - piece[index].shape[2]), value=value)
+                          for piece in pieces], dim=-1)
+
+    m, z, x = column(1, float("-inf")), column(2, 0.0), column(3, 0.0)
+    w = torch.exp(m - m.amax(-1, keepdim=True))
+    return (w * x).sum(-1, keepdim=True) / (w * z).sum(-1, keepdim=True)
 
 
 def _hybrid_student(log_q, log_k, s, causal, window, sinks):
