@@ -189,12 +189,11 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
     floor = log_q.new_full((b, h, m), fmin)
     starts = block_starts(length, block, lag)
     ahead = fast_path_flags(log_q, log_k, block, lag) if decide_ahead(log_q) else [None] * len(starts)
-    for start, fast in zip(starts, ahead):
+    rows, keys = _pieces(log_q, log_k, lag, block, len(starts))
+    for start, fast, lq, lk in zip(starts, ahead, rows, keys):
         first = start + lag  # first row that sees key `start`
-        lk = log_k[:, :, start:start + block]
-        diag = min(lk.shape[2], length - first)
-        blk = stable_block(log_q[:, :, first:first + diag], lk, torch.arange(1, diag + 1, device=lk.device), floor,
-                           first_sees=True, fast=fast)
+        diag = lq.shape[2]
+        blk = stable_block(lq, lk, torch.arange(1, diag + 1, device=lk.device), floor, first_sees=True, fast=fast)
         yield first, start, blk.scores, blk.row_scale, True
         later = log_q[:, :, first + diag:]
         if later.shape[2]:
@@ -202,6 +201,17 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
             r_late = (later.detach() + c).amax(-1, keepdim=True).clamp_min(fmin)
             s_late = widened(torch.exp(later - r_late + c) @ blk.keys.transpose(-1, -2))
             yield first + diag, start, s_late, r_late, False
+
+
+def _pieces(log_q: torch.Tensor, log_k: torch.Tensor, lag: int, block: int, count: int):
+    """Each block's diagonal rows (lag + b·block ..) and keys (b·block ..), cut by one split of
+    each tensor: under autograd a split's backward is one concatenation, where a slice per block
+    zero-fills and adds a whole (B, H, L, M) gradient."""
+    length, keys = log_q.shape[2], log_k.shape[2]
+    row_sizes = [lag] + [min(block, length - lag - b * block) for b in range(count)]
+    key_sizes = [min(block, keys - b * block) for b in range(count)]
+    return (log_q.split(row_sizes + [length - sum(row_sizes)], 2)[1:count + 1],
+            log_k.split(key_sizes + [keys - sum(key_sizes)], 2)[:count])
 
 
 def merge_normaliser(parts: list[tuple[int, torch.Tensor]], length: int, like: torch.Tensor) -> torch.Tensor:
