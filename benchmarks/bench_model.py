@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import Row, add_common_args, finish, set_threads, timeit
+from benchmarks.common import Row, add_common_args, finish, paired_ratio, set_threads, timeit
 from dofla.config import AllocationConfig, AttentionConfig
 from dofla.dof import allocate_dims, allocate_head_dims
 from dofla.feature_maps import mean_dim
@@ -79,10 +79,9 @@ def prefill_rows(teacher, student, t: int, repeats: int) -> list[Row]:
     warm = token_ids(min(t, 256))
     for m in (teacher, student):
         prefill(m, warm)
-    t_teacher = timeit(lambda: prefill(teacher, ids), repeats=repeats, warmup=0)
-    t_student = timeit(lambda: prefill(student, ids), repeats=repeats, warmup=0)
-    r = t_teacher / t_student
-    how = f"median of {repeats}" if repeats > 1 else "1 run"
+    t_teacher, t_student, r, ratios = paired_ratio(lambda: prefill(teacher, ids), lambda: prefill(student, ids),
+                                                   repeats)
+    how = f"median of {repeats} interleaved pairs (ratios {ratios[0]:.2f}–{ratios[-1]:.2f})" if repeats > 1 else "1 run"
     return [Row(f"whole-model prefill T={t} (SmolLM2-135M, 30 layers, M=64)", "teacher, SDPA attention",
                 "≥ 3× (MLP/LM-head bound ≈ 3.5×)", f"student {t_student:.2f} s vs teacher {t_teacher:.2f} s",
                 r, r >= 3, f"use_cache=False, logits_to_keep=1, {how}")]

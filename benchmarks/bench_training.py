@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from benchmarks.common import Row, add_common_args, finish, set_threads, timeit
+from benchmarks.common import Row, add_common_args, finish, paired_ratio, set_threads, timeit
 from dofla.feature_maps import build_feature_map
 from dofla.models import EMBEDDED, convert, load_teacher
 from dofla.train.losses import LOSSES, compiled_loss
@@ -65,7 +65,7 @@ def direct_step(student, ids) -> None:
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = add_common_args(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--losses", default="softmax,l2")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -74,18 +74,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
     length = args.seq_len
     student, ids = direct_setup(length)
     trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    t_direct = timeit(lambda: direct_step(student, ids), repeats=args.repeats)
+    direct_step(student, ids)  # warm-up
     acts = cached_activations(length)
     layer_maps = [build_feature_map("learned_prf", HEADS, D, M, seed=i) for i in range(LAYERS)]
     rows = []
     for name in args.losses.split(","):
         loss = LOSSES.get(name)
-        t_layer = timeit(lambda: layerwise_step(layer_maps, acts, loss), repeats=args.repeats)
-        r = t_layer / t_direct
+        layerwise_step(layer_maps, acts, loss)  # warm-up
+        t_layer, t_direct, r, ratios = paired_ratio(lambda: layerwise_step(layer_maps, acts, loss),
+                                                    lambda: direct_step(student, ids), args.repeats)
         rows.append(Row(f"training cost per sample, layerwise {name} loss (L={length}, {LAYERS} layers)",
                         "direct: whole student fwd+bwd, feature params trainable", "≤ 1/5",
                         f"layerwise {t_layer:.2f} s vs direct {t_direct:.2f} s", r, r <= 0.2,
-                        f"{trainable / 1e6:.2f}M trainable params; optimizer step not timed on either side"))
+                        f"{trainable / 1e6:.2f}M trainable params; optimizer step not timed on either side; "
+                        f"median of {args.repeats} interleaved pairs (ratios {ratios[0]:.2f}–{ratios[-1]:.2f})"))
     if "softmax" in args.losses.split(",") and cxx_compiler() is not None:
         rows.append(compiled_row(layer_maps, acts, length, args.repeats))
     rows.append(chunked_kl_row(student, ids, args.repeats))

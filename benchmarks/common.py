@@ -68,6 +68,18 @@ def timeit(fn, repeats: int = 3, warmup: int = 1, best: bool = False) -> float:
     return min(times) if best else statistics.median(times)
 
 
+def paired_ratio(slow, fast, repeats: int) -> tuple[float, float, float, list[float]]:
+    """(median seconds of ``slow``, of ``fast``, median ratio slow/fast, sorted ratios) from
+    ``repeats`` rounds that run one call of each back to back: on a shared machine whose speed
+    drifts between minutes, the pairs see the same machine where two separate medians might not."""
+    pairs = []
+    for _ in range(max(1, repeats)):
+        pairs.append((timeit(slow, repeats=1, warmup=0), timeit(fast, repeats=1, warmup=0)))
+    ratios = sorted(a / b for a, b in pairs)
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(ratios), ratios)
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """This machine's fp32 matmul rate (GFLOP/s), measured now (best of ``repeats``)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
