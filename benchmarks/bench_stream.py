@@ -16,7 +16,6 @@ batches to an activation cache, then train each layer from it for the same numbe
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -102,8 +101,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         t_forward = forward_seconds(teacher, batches)
         result = streaming_run(teacher, tokenizer, args, steps=args.steps)
         rounds.append((tokens / t_forward, result.tokens / result.seconds, result.teacher_seconds / result.seconds))
-    ratios = sorted(stream / forward for forward, stream, _ in rounds)
-    fwd_rate, stream_rate, teacher_share = min(rounds, key=lambda r: abs(r[1] / r[0] - statistics.median(ratios)))
+    rounds.sort(key=lambda r: r[1] / r[0])
+    ratios = [stream / forward for forward, stream, _ in rounds]
+    fwd_rate, stream_rate, teacher_share = rounds[len(rounds) // 2]  # the median round
     ratio = stream_rate / fwd_rate
     layers = len(result.summaries)
     shape = f"B={args.batch_size}, L={args.seq_len}, {args.steps} steps, {layers} layers, M={args.features}"
