@@ -16,8 +16,10 @@ import math
 import torch
 
 from dofla.attention.hybrid import exact_logits
-from dofla.attention.stable import causal_log_kernel, kernel_slabs, merge_normaliser, widened
+from dofla.attention.stable import causal_log_kernel, widened
 from dofla.registry import Registry
+from dofla.train import causal_losses
+from dofla.train.causal_losses import check_softcap
 
 LOSSES: Registry = Registry("loss")
 
@@ -63,13 +65,8 @@ def log_student_kernel(log_q: torch.Tensor, log_k: torch.Tensor) -> torch.Tensor
 
 def teacher_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """(B, H, L, L) q·k/sqrt(d); with ``softcap`` (Gemma 2) softcap·tanh(logits/softcap)."""
-    _check_softcap(softcap)
+    check_softcap(softcap)
     return exact_logits(q, k, softcap)
-
-
-def _check_softcap(softcap: float | None) -> None:
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"loss option softcap={softcap!r} must be a positive number (or None for no capping)")
 
 
 def _masks(length: int, causal: bool, window: int, device, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,46 +116,7 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, si
         p = torch.softmax(teacher_logits(q, k, softcap), dim=-1)
         log_kernel, log_norm = _student(log_q, log_k, causal, window)
         return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
-    _check_softcap(softcap)
-    qs = q * q.shape[-1] ** -0.5  # the teacher's scale on q once, not on every logit
-    pieces, parts = [], []
-    for row0, start, scores, r, diagonal in kernel_slabs(log_q, log_k):
-        rows, n = scores.shape[2], scores.shape[3]
-        e, m = _teacher_piece(qs[:, :, row0:row0 + rows], k[:, :, start:start + n], softcap, diagonal)
-        z = e.sum(-1, keepdim=True)
-        pieces.append((row0, m, z, (e * _log_floor(scores)).sum(-1, keepdim=True) + r * z))
-        parts.append((row0, r + _log_floor(scores.sum(-1, keepdim=True))))
-    length = log_q.shape[2]
-    return (merge_normaliser(parts, length, log_q) - _teacher_weighted(pieces, length)).mean()
-
-
-@torch.no_grad()
-def _teacher_piece(q, k, softcap, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e, m) for the teacher's logits s of a piece of rows against a block of keys (q already
-    scaled): m (B, H, R, 1) the row maxima in the piece, e = exp(s − m), 0 on the hidden keys of a
-    diagonal piece (row a sees keys 0..a)."""
-    s = widened(q @ k.transpose(-1, -2))
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if diagonal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    return s.sub_(m).exp_(), m
-
-
-def _teacher_weighted(pieces: list, length: int) -> torch.Tensor:
-    """(B, H, L, 1) Σ_j p_ij · x_ij from per-piece (row0, m, z, x) with z = Σ e and x = Σ e·x over
-    the piece's keys: the teacher's softmax p_ij = e_ij e^{m − M_i} / Σ_pieces z e^{m − M_i}, M_i the
-    row's largest logit, assembled per row without ever forming the (L, L) attention."""
-    pad = torch.nn.functional.pad
-
-    def column(index, value):
-        return torch.cat([pad(piece[index], (0, 0, piece[0], length - piece[0] - piece[index].shape[2]), value=value)
-                          for piece in pieces], dim=-1)
-
-    m, z, x = column(1, float("-inf")), column(2, 0.0), column(3, 0.0)
-    w = torch.exp(m - m.amax(-1, keepdim=True))
-    return (w * x).sum(-1, keepdim=True) / (w * z).sum(-1, keepdim=True)
+    return causal_losses.cross_entropy(log_q, log_k, q, k, softcap, _log_floor)
 
 
 def _hybrid_student(log_q, log_k, s, causal, window, sinks):
@@ -193,10 +151,24 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
       - ``"rows"``: Σ_j (p_ij − p̂_ij)² between the normalised attention rows, each normalised over
         the keys it sees (p̂ includes the exact window/sink part of a hybrid layer). Bounded by 2
         per row; this one trains on real models.
+
+    A causal layer without a window computes every form on the causal pieces
+    (:mod:`dofla.train.causal_losses`); the (L, L) form below is its reference and the hybrid's.
     """
     if scale not in ("row_max", "none", "rows"):
         raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max', 'none' or 'rows'")
     _check_sinks(window, sinks)
+    if causal and window == 0:
+        if scale == "rows":
+            return causal_losses.l2_rows(log_q, log_k, q, k, softcap)
+        limit = ROW_MAX_LIMIT if scale == "row_max" else 300.0
+        loss = causal_losses.l2_kernel(log_q, log_k, q, k, scale, softcap, limit, _saturating_exp)
+        return loss.to(q.dtype) if scale == "row_max" else loss
+    return l2_dense(log_q, log_k, q, k, causal, window, scale, sinks, softcap)
+
+
+def l2_dense(log_q, log_k, q, k, causal, window, scale, sinks=0, softcap=None) -> torch.Tensor:
+    """:func:`l2_loss` on (L, L) matrices: hybrid and non-causal layers, and the pieces' reference."""
     s = teacher_logits(q, k, softcap)
     if scale == "rows":
         return _l2_rows(log_q, log_k, s, causal, window, sinks)
@@ -253,11 +225,19 @@ def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: 
     attention rows (for a hybrid layer the exact window/sink part included). Unlike the
     cross-entropy of ``softmax``, which must put mass on every key the teacher attends to, it
     rewards the student's rows only through what they change in the output: a hybrid's linear part
-    learns to stay small where the window already carries the output.
+    learns to stay small where the window already carries the output. A causal layer's ŷ comes
+    from its own chunked kernel and y from fused attention (:mod:`dofla.train.causal_losses`).
     """
     if v is None:
         raise ValueError("loss 'output' compares attention outputs and needs the teacher's values v")
     _check_sinks(window, sinks)
+    if causal:
+        return causal_losses.output_error(log_q, log_k, q, k, v, window, sinks, softcap)
+    return output_dense(log_q, log_k, q, k, v, causal, window, sinks, softcap)
+
+
+def output_dense(log_q, log_k, q, k, v, causal, window, sinks=0, softcap=None) -> torch.Tensor:
+    """:func:`output_loss` from the (L, L) attention rows: non-causal layers, and the reference."""
     p, p_hat = _attention_rows(log_q, log_k, teacher_logits(q, k, softcap), causal, window, sinks)
     y = widened(p @ v)
     return (widened(p_hat @ v) - y).pow(2).sum() / y.pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
