@@ -7,7 +7,9 @@ map parameters trainable.
 
     python -m benchmarks.bench_training [--seq-len 512] [--repeats 2] [--threads N] [--quick]
 
-With a C++ compiler, a row times the softmax step with the loss compiled (``train.compile``). The
+With a C++ compiler, a row times the softmax step with the loss compiled (``train.compile``). Two
+rows time the ``l2`` and ``output`` losses without (L, L) matrices (:mod:`dofla.train.causal_losses`)
+against their plain (L, L) forms on the first 4 stand-in layers, with each one's traced peak. The
 last row times the distill stage's KL step with the LM head in chunks (``distill.logit_chunk``)
 against the whole logits, with each one's traced peak memory.
 """
@@ -22,7 +24,7 @@ import torch
 from benchmarks.common import Row, add_common_args, finish, paired_ratio, set_threads, timeit
 from dofla.feature_maps import build_feature_map
 from dofla.models import EMBEDDED, convert, load_teacher
-from dofla.train.losses import LOSSES, compiled_loss
+from dofla.train.losses import LOSSES, compiled_loss, l2_dense, output_dense
 from dofla.validate_training import cxx_compiler
 
 LAYERS, HEADS, D, M = 30, 9, 64, 64
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         f"median of {args.repeats} interleaved pairs (ratios {ratios[0]:.2f}–{ratios[-1]:.2f})"))
     if "softmax" in args.losses.split(",") and cxx_compiler() is not None:
         rows.append(compiled_row(layer_maps, acts, length, args.repeats))
+    rows += causal_rows(layer_maps, acts, length, args.repeats)
     rows.append(chunked_kl_row(student, ids, args.repeats))
     return rows
 
@@ -113,6 +116,44 @@ def chunked_kl_row(student, ids, repeats: int, chunk: int = 128) -> Row:
                "the whole logits", "≥ 0.9× (memory, not speed)",
                f"chunked {chunked:.2f} s vs whole {whole:.2f} s", whole / chunked, chunked <= whole / 0.9,
                f"peak {chunked_peak / 2**20:.0f} MiB vs {whole_peak / 2**20:.0f} MiB of activations")
+
+
+# (the loss as the trainer calls it, its plain (L, L) form), each taking (log_q, log_k, q, k, v)
+CAUSAL_FORMS = {
+    "l2": (lambda lq, lk, q, k, v: LOSSES.get("l2")(lq, lk, q, k),
+           lambda lq, lk, q, k, v: l2_dense(lq, lk, q, k, True, 0, "row_max")),
+    "output": (lambda lq, lk, q, k, v: LOSSES.get("output")(lq, lk, q, k, v=v),
+               lambda lq, lk, q, k, v: output_dense(lq, lk, q, k, v, True, 0)),
+}
+
+
+def causal_rows(layer_maps, acts, length: int, repeats: int, layers: int = 4) -> list[Row]:
+    """The causal ``l2`` (on pieces) and ``output`` (chunked kernel against fused attention) losses
+    against their plain (L, L) forms: forward + backward over ``layers`` stand-in layers, interleaved
+    pairs, and the traced peak of one layer's step."""
+    from dofla.train.capacity import traced_peak
+
+    g = torch.Generator().manual_seed(1)
+    values = [torch.randn(q.shape, generator=g) for q, _ in acts[:layers]]
+
+    def steps(loss, count=layers):
+        def run():
+            for fm, (q, k), v in list(zip(layer_maps, acts, values))[:count]:
+                fm.zero_grad(set_to_none=True)
+                loss(fm.log_features(q), fm.log_features(k), q, k, v).backward()
+        return run
+
+    rows = []
+    for name, (fast, plain) in CAUSAL_FORMS.items():
+        steps(fast)(), steps(plain)()  # warm-up
+        t_plain, t_fast, r, ratios = paired_ratio(steps(plain), steps(fast), repeats)
+        peak_fast, peak_plain = traced_peak(steps(fast, 1)), traced_peak(steps(plain, 1))
+        rows.append(Row(f"{name} loss + backward, causal, without (L, L) matrices (L={length}, {layers} layers)",
+                        "its plain (L, L) form, interleaved", "faster, less memory",
+                        f"{t_fast:.2f} vs {t_plain:.2f} s; one layer's peak {peak_fast / 2**20:.0f} vs "
+                        f"{peak_plain / 2**20:.0f} MiB", r, r > 1 and peak_fast < peak_plain,
+                        f"median of {repeats} pairs (ratios {ratios[0]:.2f}–{ratios[-1]:.2f})"))
+    return rows
 
 
 def compiled_row(layer_maps, acts, length: int, repeats: int) -> Row:

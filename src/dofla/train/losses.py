@@ -106,7 +106,7 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, si
     Without a window CE_i = log Σ_{j≤i} K̂_ij − Σ_j p_ij log K̂_ij, with K̂ from the causal
     stabiliser (a row's scale uses only keys it sees, so a huge later key cannot zero a row's loss
     or gradient) and its normaliser from per-block row sums: no (L, L) log-softmax. The teacher's
-    p is built on the same pieces of rows and keys (:func:`_teacher_weighted`): neither side ever
+    p is built on the same pieces of rows and keys (:mod:`dofla.train.causal_losses`): neither side ever
     forms the whole (L, L) matrix, and the keys a row cannot see are never computed.
     """
     _check_sinks(window, sinks)
