@@ -36,6 +36,17 @@ def snapshot(run_dir: Path) -> dict:
     }
 
 
+def _same(got, want) -> bool:
+    """Equal structures, floats within 1e-6 relative (everything else exactly)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, float):
+        return isinstance(got, (int, float)) and got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    return got == want
+
+
 def test_a_tiny_run_keeps_its_artifact_keys_allocation_and_metrics(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("experiment=smoke_tiny", f"hydra.run.dir={run_dir}", f"paths.cache_dir={tmp_path / 'cache'}")
@@ -44,9 +55,11 @@ def test_a_tiny_run_keeps_its_artifact_keys_allocation_and_metrics(tmp_path):
     if os.environ.get("DOFLA_WRITE_FIXTURE"):
         FIXTURE.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = _read(FIXTURE)
-    for key in ("cache_key", "layer_meta", "layer_settings", "student_settings", "dof_settings", "measurements",
-                "allocation"):
+    for key in ("cache_key", "layer_meta", "layer_settings", "student_settings", "dof_settings", "measurements"):
         assert got[key] == want[key], key
+    # allocation.json: its dims and settings exactly; its DoF estimates (eigenvalue sums) up to BLAS
+    # rounding, which differs between machines in the last bits
+    assert _same(got["allocation"], want["allocation"]), "allocation"
     assert got["metrics"].keys() == want["metrics"].keys()
     for key, value in want["metrics"].items():  # the same machine gives the same bits; allow BLAS rounding
         assert got["metrics"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
