@@ -78,6 +78,7 @@ def teacher_weighted(pieces: list, length: int) -> torch.Tensor:
 def _slabs(log_q, log_k, q, k, softcap):
     """[(row0, scores, r, diagonal, teacher logits)] for every piece (the student's scores with
     their graph, the teacher's logits without)."""
+    check_softcap(softcap)
     qs = q * q.shape[-1] ** -0.5
     out = []
     for row0, start, scores, r, diagonal in kernel_slabs(log_q, log_k):
@@ -85,6 +86,17 @@ def _slabs(log_q, log_k, q, k, softcap):
         s = teacher_logits_piece(qs[:, :, row0:row0 + rows], k[:, :, start:start + n], softcap, diagonal)
         out.append((row0, scores, r, diagonal, s))
     return out
+
+
+def _row_max(slabs: list, length: int) -> torch.Tensor:
+    """(B, H, L, 1): the teacher's largest visible logit per row, over every piece."""
+    return per_row([(row0, s.amax(-1, keepdim=True)) for row0, *_, s in slabs], length, 1,
+                   float("-inf")).amax(-1, keepdim=True)
+
+
+def _visible_sum(row0: int, sq: torch.Tensor, diagonal: bool) -> tuple[int, torch.Tensor]:
+    """(row0, Σ over the keys each row sees) of a piece's squared errors."""
+    return row0, (sq.masked_fill(hidden(sq), 0.0) if diagonal else sq).sum(-1, keepdim=True)
 
 
 def log_student(scores: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -97,18 +109,13 @@ def l2_kernel(log_q, log_k, q, k, scale: str, softcap, limit: float, saturating_
     (both relative to the teacher's row maximum for ``row_max``), in float64, mean over rows."""
     length = log_q.shape[2]
     slabs = _slabs(log_q, log_k, q, k, softcap)
-    top = None
-    if scale == "row_max":  # the teacher's largest visible logit per row, over every piece
-        top = per_row([(row0, s.amax(-1, keepdim=True)) for row0, *_, s in slabs], length, 1,
-                      float("-inf")).amax(-1, keepdim=True).double()
+    top = _row_max(slabs, length).double() if scale == "row_max" else None
     parts = []
     for row0, scores, r, diagonal, s in slabs:
         ref = 0.0 if top is None else top[:, :, row0:row0 + s.shape[2]]
         teacher = torch.exp((s.double() - ref).clamp_max(limit))  # 0 on hidden keys
         sq = (teacher - saturating_exp(log_student(scores, r).double() - ref, limit)).pow(2)
-        if diagonal:
-            sq = sq.masked_fill(hidden(sq), 0.0)
-        parts.append((row0, sq.sum(-1, keepdim=True)))
+        parts.append(_visible_sum(row0, sq, diagonal))
     return row_sum(parts, length).mean()
 
 
@@ -116,8 +123,7 @@ def l2_rows(log_q, log_k, q, k, softcap) -> torch.Tensor:
     """The ``l2`` loss's ``rows`` form on pieces: Σ_j (p_ij − p̂_ij)² between the normalised rows."""
     length = log_q.shape[2]
     slabs = _slabs(log_q, log_k, q, k, softcap)
-    maxima = per_row([(row0, s.amax(-1, keepdim=True)) for row0, *_, s in slabs], length, 1, float("-inf"))
-    top = maxima.amax(-1, keepdim=True)
+    top = _row_max(slabs, length)
     norm = row_sum([(row0, torch.exp(s - top[:, :, row0:row0 + s.shape[2]]).sum(-1, keepdim=True))
                     for row0, *_, s in slabs], length)
     tiny = torch.finfo(log_q.dtype).tiny
@@ -128,10 +134,7 @@ def l2_rows(log_q, log_k, q, k, softcap) -> torch.Tensor:
         rows = slice(row0, row0 + s.shape[2])
         p = torch.exp(s - top[:, :, rows]) / norm[:, :, rows]
         p_hat = torch.exp(log_student(scores, r) - log_norm[:, :, rows])
-        sq = (p - p_hat).pow(2)
-        if diagonal:
-            sq = sq.masked_fill(hidden(sq), 0.0)
-        parts.append((row0, sq.sum(-1, keepdim=True)))
+        parts.append(_visible_sum(row0, (p - p_hat).pow(2), diagonal))
     return row_sum(parts, length).mean()
 
 
@@ -155,6 +158,7 @@ def output_error(log_q, log_k, q, k, v, window: int, sinks: int, softcap) -> tor
     """The ``output`` loss of a causal layer, Σ‖y − ŷ‖² / Σ‖y‖²: ŷ from the student's chunked
     kernel (linear, or hybrid with its window and sinks), y from the teacher's fused causal
     attention (``scaled_dot_product_attention``; with ``softcap`` its capped softmax, no graph)."""
+    check_softcap(softcap)
     with torch.no_grad():
         if softcap is None:
             y = widened(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
