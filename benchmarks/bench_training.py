@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import Row, add_common_args, finish, paired_ratio, set_threads, timeit
 from dofla.feature_maps import build_feature_map
 from dofla.models import EMBEDDED, convert, load_teacher
-from dofla.train.losses import LOSSES, compiled_loss, l2_dense, output_dense
+from dofla.train.losses import LOSSES, compiled_loss, l2_dense, output_dense, softmax_dense
 from dofla.validate_training import cxx_compiler
 
 LAYERS, HEADS, D, M = 30, 9, 64, 64
@@ -124,12 +124,15 @@ CAUSAL_FORMS = {
            lambda lq, lk, q, k, v: l2_dense(lq, lk, q, k, True, 0, "row_max")),
     "output": (lambda lq, lk, q, k, v: LOSSES.get("output")(lq, lk, q, k, v=v),
                lambda lq, lk, q, k, v: output_dense(lq, lk, q, k, v, True, 0)),
+    # a hybrid layer as in the README's hybrid rows (window 64, 4 sinks), with the default loss
+    "hybrid softmax": (lambda lq, lk, q, k, v: LOSSES.get("softmax")(lq, lk, q, k, window=64, sinks=4),
+                       lambda lq, lk, q, k, v: softmax_dense(lq, lk, q, k, True, 64, 4)),
 }
 
 
 def causal_rows(layer_maps, acts, length: int, repeats: int, layers: int = 4) -> list[Row]:
-    """The causal ``l2`` (on pieces) and ``output`` (chunked kernel against fused attention) losses
-    against their plain (L, L) forms: forward + backward over ``layers`` stand-in layers, interleaved
+    """The causal ``l2`` (on pieces), ``output`` (chunked kernel against fused attention) and hybrid
+    ``softmax`` (pieces and an exact band) losses against their plain (L, L) forms: forward + backward over ``layers`` stand-in layers, interleaved
     pairs, and the traced peak of one layer's step."""
     from dofla.train.capacity import traced_peak
 

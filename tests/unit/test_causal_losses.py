@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dofla.feature_maps import build_feature_map
-from dofla.train.losses import LOSSES, l2_dense, output_dense
+from dofla.train.losses import LOSSES, l2_dense, output_dense, softmax_dense
 
 
 def _qkv(t, scale=1.0, d=16, h=2, seed=0):
@@ -58,6 +58,27 @@ def test_l2_on_pieces_keeps_an_overestimating_student_finite():
     _assert_same(fm, fast, plain)
 
 
+HYBRIDS = [(16, 0, None), (16, 3, None), (16, 3, 2.0), (40, 130, None), (200, 130, None)]
+# sinks beyond a block; then window + sinks cover every row (nothing approximated, zero gradients)
+
+
+@pytest.mark.parametrize("window, sinks, softcap", HYBRIDS)
+@pytest.mark.parametrize("loss, options", [("softmax", {}), ("l2", {"scale": "row_max"}), ("l2", {"scale": "none"}),
+                                           ("l2", {"scale": "rows"})])
+def test_hybrid_losses_on_pieces_and_band_match_the_plain_forms(loss, options, window, sinks, softcap):
+    """A hybrid layer's losses: K̂'s keys on the stabiliser's pieces, the exact window and sinks on a
+    band of row blocks; value and gradients as the (L, L) forms at 300 tokens (3 blocks)."""
+    q, k, _ = _qkv(300, scale=1.2)
+    fm = build_feature_map("learned_prf", 2, 16, 24)
+    dense = softmax_dense if loss == "softmax" else (
+        lambda lq, lk, q_, k_, *a, **kw: l2_dense(lq, lk, q_, k_, a[0], a[1], options["scale"], *a[2:], **kw))
+    fast = lambda: LOSSES.get(loss)(fm.log_features(q), fm.log_features(k), q, k, window=window,  # noqa: E731
+                                    sinks=sinks, softcap=softcap, **options)
+    plain = lambda: dense(fm.log_features(q), fm.log_features(k), q, k, True, window, sinks,  # noqa: E731
+                          softcap=softcap)
+    _assert_same(fm, fast, plain)
+
+
 @pytest.mark.parametrize("window, sinks, softcap", [(0, 0, None), (0, 0, 2.0), (16, 0, None), (16, 2, None),
                                                     (16, 2, 2.0)])
 def test_output_loss_from_chunked_kernels_matches_the_attention_rows(window, sinks, softcap):
@@ -87,3 +108,17 @@ def test_pieces_hold_less_memory_than_the_plain_forms():
     out_plain = peak(lambda lq, lk: output_dense(lq, lk, q, k, v, True, 0))
     assert l2_fast < 0.6 * l2_plain
     assert out_fast < 0.2 * out_plain
+
+
+def test_hybrid_softmax_on_pieces_holds_less_memory_than_the_plain_form():
+    from dofla.train.capacity import traced_peak
+
+    q, k, _ = _qkv(512, d=16)
+    fm = build_feature_map("learned_prf", 2, 16, 16)
+
+    def peak(fn):
+        return traced_peak(lambda: fn(fm.log_features(q), fm.log_features(k)).backward())
+
+    fast = peak(lambda lq, lk: LOSSES.get("softmax")(lq, lk, q, k, window=64, sinks=4))
+    plain = peak(lambda lq, lk: softmax_dense(lq, lk, q, k, True, 64, 4))
+    assert fast < 0.6 * plain

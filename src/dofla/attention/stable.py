@@ -188,6 +188,8 @@ def kernel_slabs(log_q: torch.Tensor, log_k: torch.Tensor, lag: int = 0, block: 
     fmin = torch.finfo(log_q.dtype).min
     floor = log_q.new_full((b, h, m), fmin)
     starts = block_starts(length, block, lag)
+    if not starts:  # every row's keys are within the lag: nothing to approximate
+        return
     ahead = fast_path_flags(log_q, log_k, block, lag) if decide_ahead(log_q) else [None] * len(starts)
     rows, keys = _pieces(log_q, log_k, lag, block, len(starts))
     for start, fast, lq, lk in zip(starts, ahead, rows, keys):

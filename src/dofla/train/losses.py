@@ -107,16 +107,22 @@ def softmax_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, si
     stabiliser (a row's scale uses only keys it sees, so a huge later key cannot zero a row's loss
     or gradient) and its normaliser from per-block row sums: no (L, L) log-softmax. The teacher's
     p is built on the same pieces of rows and keys (:mod:`dofla.train.causal_losses`): neither side ever
-    forms the whole (L, L) matrix, and the keys a row cannot see are never computed.
+    forms the whole (L, L) matrix, and the keys a row cannot see are never computed. A hybrid
+    layer's exact keys join both sums with the teacher's logits.
     """
     _check_sinks(window, sinks)
+    if causal:
+        return causal_losses.cross_entropy(log_q, log_k, q, k, softcap, _log_floor, window, sinks)
+    return softmax_dense(log_q, log_k, q, k, causal, window, sinks, softcap)
+
+
+def softmax_dense(log_q, log_k, q, k, causal, window, sinks=0, softcap=None) -> torch.Tensor:
+    """:func:`softmax_loss` on (L, L) matrices: non-causal layers, and the pieces' reference."""
     if window > 0:
         return _hybrid_softmax_loss(log_q, log_k, q, k, causal, window, sinks, softcap)
-    if not causal:
-        p = torch.softmax(teacher_logits(q, k, softcap), dim=-1)
-        log_kernel, log_norm = _student(log_q, log_k, causal, window)
-        return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
-    return causal_losses.cross_entropy(log_q, log_k, q, k, softcap, _log_floor)
+    p = torch.softmax(teacher_logits(q, k, softcap), dim=-1)
+    log_kernel, log_norm = _student(log_q, log_k, causal, window)
+    return (log_norm.squeeze(-1) - (p * log_kernel).sum(-1)).mean()
 
 
 def _hybrid_student(log_q, log_k, s, causal, window, sinks):
@@ -152,23 +158,23 @@ def l2_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, scale: str
         the keys it sees (p̂ includes the exact window/sink part of a hybrid layer). Bounded by 2
         per row; this one trains on real models.
 
-    A causal layer without a window computes every form on the causal pieces
-    (:mod:`dofla.train.causal_losses`); the (L, L) form below is its reference and the hybrid's.
+    A causal layer computes every form on the causal pieces (:mod:`dofla.train.causal_losses`);
+    the (L, L) form below is their reference and the non-causal layers'.
     """
     if scale not in ("row_max", "none", "rows"):
         raise ValueError(f"l2 loss option scale={scale!r} must be 'row_max', 'none' or 'rows'")
     _check_sinks(window, sinks)
-    if causal and window == 0:
+    if causal:
         if scale == "rows":
-            return causal_losses.l2_rows(log_q, log_k, q, k, softcap)
+            return causal_losses.l2_rows(log_q, log_k, q, k, softcap, window, sinks)
         limit = ROW_MAX_LIMIT if scale == "row_max" else 300.0
-        loss = causal_losses.l2_kernel(log_q, log_k, q, k, scale, softcap, limit, _saturating_exp)
+        loss = causal_losses.l2_kernel(log_q, log_k, q, k, scale, softcap, limit, _saturating_exp, window, sinks)
         return loss.to(q.dtype) if scale == "row_max" else loss
     return l2_dense(log_q, log_k, q, k, causal, window, scale, sinks, softcap)
 
 
 def l2_dense(log_q, log_k, q, k, causal, window, scale, sinks=0, softcap=None) -> torch.Tensor:
-    """:func:`l2_loss` on (L, L) matrices: hybrid and non-causal layers, and the pieces' reference."""
+    """:func:`l2_loss` on (L, L) matrices: non-causal layers, and the pieces' reference."""
     s = teacher_logits(q, k, softcap)
     if scale == "rows":
         return _l2_rows(log_q, log_k, s, causal, window, sinks)
