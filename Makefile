@@ -16,7 +16,7 @@ COMPAT_TESTS := tests/component/test_student.py tests/component/test_student_att
 COMPAT_VENV ?= .venv-compat
 COMPAT_PINS ?=
 
-.PHONY: install run test test-fast bench lock compat clean-venv
+.PHONY: install run test test-fast test-all test-long bench lock compat clean-venv
 
 install: $(VENV)/.installed
 
@@ -41,7 +41,15 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not grid and not long" $(PYTEST_ARGS)
+
+# everything but the paper grid: make test plus the long tier (more kill points, launchers and run
+# variants through the real CLI)
+test-all: install
+	$(PY) -m pytest -m "not grid" $(PYTEST_ARGS)
+
+test-long: install
+	$(PY) -m pytest -m long $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py

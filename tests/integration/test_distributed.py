@@ -67,6 +67,7 @@ def test_two_processes_equal_one_layerwise(tmp_path):
     assert all(m2[k] == pytest.approx(m1[k], rel=1e-9) for k in m1)
 
 
+@pytest.mark.long
 def test_two_processes_equal_one_direct(tmp_path):
     single, ddp = _both(tmp_path, "loss=direct", "train.direct_batch_size=2")
     for layer in ("layer_00.pt", "layer_01.pt"):
@@ -89,6 +90,7 @@ def _layer_states(run_dir):
             for layer in ("layer_00.pt", "layer_01.pt")}
 
 
+@pytest.mark.long
 def test_two_processes_split_every_streamed_batch(tmp_path):
     """train.parallel=auto on a stream: each rank runs the teacher on 2 of the 4 rows (one micro-batch at a
     time), the layers' gradients are averaged; the one-process run at batch 4 takes the same steps."""
@@ -108,6 +110,7 @@ def test_two_processes_split_every_streamed_batch(tmp_path):
     assert all(m2[k] == pytest.approx(m1[k], rel=1e-4) for k in m1)
 
 
+@pytest.mark.long
 def test_two_processes_can_still_split_the_layers_of_a_stream(tmp_path):
     """train.parallel=layers: each rank streams the whole batch for its own layers (exactly one process's result)."""
     single, ddp = _both(tmp_path, *STREAM, "train.parallel=layers")
@@ -116,6 +119,7 @@ def test_two_processes_can_still_split_the_layers_of_a_stream(tmp_path):
     assert all(torch.equal(one[layer][k], two[layer][k]) for layer in one for k in one[layer])
 
 
+@pytest.mark.long
 def test_two_processes_distil_like_one(tmp_path):
     """distill=kl under torchrun: each rank its row of every 2-row batch, gradients averaged, rank 0 writes."""
     single, ddp = _both(tmp_path, "distill=kl", "distill.tokens=1024", "distill.batch_size=2")
@@ -128,6 +132,7 @@ def test_two_processes_distil_like_one(tmp_path):
     assert all(m2[k] == pytest.approx(m1[k], rel=1e-4) for k in m1)
 
 
+@pytest.mark.long
 def test_streamed_batch_that_cannot_be_split_is_one_sentence(tmp_path):
     result = torchrun("experiment=smoke_tiny", *STREAM[:3], "train.batch_size=3",
                       f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}")
@@ -136,6 +141,7 @@ def test_streamed_batch_that_cannot_be_split_is_one_sentence(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.long
 def test_direct_batch_that_cannot_be_split_is_one_sentence(tmp_path):
     result = torchrun("experiment=smoke_tiny", "loss=direct", "train.direct_batch_size=1",
                       f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}")

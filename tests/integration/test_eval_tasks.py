@@ -56,6 +56,7 @@ def test_tasks_protocol_and_mqar_in_one_run(tmp_path, offline_env):
     assert "mmlu_dev_offline" in (run / "report.md").read_text()
 
 
+@pytest.mark.long
 def test_only_unavailable_tasks_asked_stops_before_any_model_loads(tmp_path, offline_env):
     result = run_cli(*_args(tmp_path, "eval.tasks=[piqa,wsc]", "eval.perplexity=false",
                             "eval.attention_error=false"))
@@ -64,12 +65,14 @@ def test_only_unavailable_tasks_asked_stops_before_any_model_loads(tmp_path, off
     assert "Traceback" not in result.stderr and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.long
 def test_unknown_task_name_is_one_sentence(tmp_path):
     result = run_cli(*_args(tmp_path, "eval.tasks=[piqaa]"))
     assert result.returncode == 2
     assert "unknown lm-eval task(s) ['piqaa']" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.long
 def test_teacher_scores_are_computed_once_per_teacher(tmp_path):
     (tmp_path / "tasks").mkdir()
     tasks = write_local_tasks(tmp_path / "tasks")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from dofla.cli import prepare_main
 from tests.config.test_configs import PAPER
 from tests.conftest import write_local_tasks
@@ -16,6 +18,7 @@ from tests.integration.test_pipeline import run_cli
 WORDS = "in the beginning god created heaven and earth light darkness water firmament said let there be".split()
 
 
+@pytest.mark.long
 def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
     rng = random.Random(0)
     corpus = tmp_path / "wiki.jsonl"

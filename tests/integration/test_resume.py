@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-KILL_POINTS = ["cache:batch1", "dof:layer1", "train:layer1:step4", "assemble", "eval:student", "eval:attention"]
+# two kill points run by default (the cache and inside training), the rest in the long tier
+KILL_POINTS = ["cache:batch1", "train:layer1:step4"] + [
+    pytest.param(point, marks=pytest.mark.long) for point in ("dof:layer1", "assemble", "eval:student", "eval:attention")]
 
 
 def _run(run_dir, cache_dir, kill_at=None, extra=()):
@@ -53,6 +55,7 @@ DISTILL = ["distill=kl", "distill.tokens=1024", "distill.batch_size=2", "distill
            "distill.checkpoint_every=3"]
 
 
+@pytest.mark.long
 def test_a_run_killed_inside_distillation_resumes_from_its_checkpoint(tmp_path):
     base = tmp_path / "base"
     assert _run(base / "run", base / "cache", extra=DISTILL).returncode == 0
@@ -76,6 +79,7 @@ def _sweep(sweep_dir, cache_dir, kill_at=None):
     return subprocess.run([sys.executable, "-m", "dofla", *args], capture_output=True, text=True, timeout=900, env=env)
 
 
+@pytest.mark.long
 def test_a_killed_sweep_relaunched_into_its_directory_resumes_every_cell(tmp_path):
     """The cluster recipe (docs/guide/sweeps_and_clusters.md): the same -m command with the same
     hydra.sweep.dir, after the sweep died inside its first cell, resumes that cell and runs the

@@ -65,6 +65,7 @@ def test_streaming_run_caches_only_the_sample_and_reports_tokens(streamed):
     assert all(layer["tokens"] == metrics["train/tokens"] for layer in summary.values())
 
 
+@pytest.mark.long
 def test_a_compiled_streaming_run_learns_the_eager_runs_features(streamed, tmp_path):
     """``train.compile=true`` through the real CLI: the same streamed steps, the loss compiled."""
     run_dir, result = _run(tmp_path, *STREAM, "train.compile=true", name="compiled")
@@ -75,6 +76,7 @@ def test_a_compiled_streaming_run_learns_the_eager_runs_features(streamed, tmp_p
             torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4, msg=name)
 
 
+@pytest.mark.long
 def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     baseline, _ = streamed
     run_dir, killed = _run(tmp_path, *STREAM, env={"DOFLA_KILL_AT": "stream:step5"})
@@ -84,6 +86,7 @@ def test_killed_streaming_run_resumes_to_the_same_result(streamed, tmp_path):
     assert _metrics(run_dir) == _metrics(baseline)
 
 
+@pytest.mark.long
 def test_a_killed_streaming_run_never_resumes_under_other_settings(tmp_path):
     """Killed at step 5, then re-run in the same directory with another loss and learning rate: the
     checkpoint is ignored and the result is that of a fresh run with the new settings."""
@@ -119,6 +122,7 @@ DIRECT_STREAM = ["loss=direct", "train.source=stream", "data.num_tokens=1024", "
                  "train.direct_batch_size=2", "train.checkpoint_every=2"]
 
 
+@pytest.mark.long
 def test_direct_training_streams_one_pass_and_resumes_after_a_kill(tmp_path):
     baseline, result = _run(tmp_path, *DIRECT_STREAM, name="baseline")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -194,6 +198,7 @@ def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it(tmp
     assert compare([run_dir, run_dir]).splitlines()[-1].endswith("| +0.0000 ± 0.0000 |")
 
 
+@pytest.mark.long
 def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(tmp_path):
     """``train.hybrid_target=full``: the layerwise stage trains exactly the linear layers (one shared
     layer directory, nothing retrained); window dropout then distils the hybrid."""
@@ -224,6 +229,7 @@ def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(t
     assert not rows[-1].endswith("| +0.0000 ± 0.0000 |")  # removing the linear part changes the loss
 
 
+@pytest.mark.long
 def test_a_gated_run_shares_the_linear_layers_and_distils_the_gate(tmp_path):
     layers = tmp_path / "layers"
     _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", name="linear")

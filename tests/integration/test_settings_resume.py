@@ -46,6 +46,7 @@ def base(tmp_path_factory):
     return root
 
 
+@pytest.mark.long
 def test_jobs_of_other_settings_sharing_layer_dir_keep_their_own_layers(base, tmp_path):
     shared, cache = tmp_path / "layers", base / "cache"
     first = run_cli(*_args(tmp_path / "a", cache, f"train.layer_dir={shared}"))
@@ -88,6 +89,7 @@ def test_changed_training_setting_in_the_same_run_dir_redoes_what_depends_on_it(
     assert new["eval/student_ppl"] != old["eval/student_ppl"]
 
 
+@pytest.mark.long
 def test_changed_eval_settings_recompute_instead_of_returning_stale_metrics(base, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base / "run", run)

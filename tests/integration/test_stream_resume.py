@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 SCRIPT = """
@@ -82,6 +83,7 @@ def test_killed_streaming_run_resumes_to_identical_features(tmp_path):
             assert resumed_summary[key] == summary[key], (layer, key)
 
 
+@pytest.mark.long
 def test_a_run_resumed_at_another_micro_batch_continues_from_its_checkpoint(tmp_path):
     """A requeued job on another GPU may get another ``micro_batch_size=auto``: the micro-batch changes
     the peak memory, not what is learnt, so the checkpoint is resumed (equal up to float rounding)."""
