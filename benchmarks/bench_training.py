@@ -132,8 +132,9 @@ CAUSAL_FORMS = {
 
 def causal_rows(layer_maps, acts, length: int, repeats: int, layers: int = 4) -> list[Row]:
     """The causal ``l2`` (on pieces), ``output`` (chunked kernel against fused attention) and hybrid
-    ``softmax`` (pieces and an exact band) losses against their plain (L, L) forms: forward + backward over ``layers`` stand-in layers, interleaved
-    pairs, and the traced peak of one layer's step."""
+    ``softmax`` (pieces and an exact band) losses against their plain (L, L) forms: forward +
+    backward over ``layers`` stand-in layers, interleaved pairs, and the traced peak of one layer's
+    step."""
     from dofla.train.capacity import traced_peak
 
     g = torch.Generator().manual_seed(1)

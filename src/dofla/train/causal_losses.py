@@ -106,8 +106,7 @@ def _band_stats(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _row_max(slabs: list, band: list, length: int) -> torch.Tensor:
     """(B, H, L, 1): the teacher's largest visible logit per row, over every piece and band block."""
-    maxima = [(row0, s.amax(-1, keepdim=True)) for row0, *_, s in slabs] + [(row0, s.amax(-1, keepdim=True))
-                                                                          for row0, s in band]
+    maxima = [(row0, s.amax(-1, keepdim=True)) for row0, *_, s in slabs + band]
     return per_row(maxima, length, 1, float("-inf")).amax(-1, keepdim=True)
 
 
@@ -175,9 +174,8 @@ def cross_entropy(log_q, log_k, q, k, softcap, log_floor, window: int = 0, sinks
     (:func:`exact_band`)."""
     pieces, parts = [], []
     for row0, scores, r, diagonal, s in _linear_pieces(log_q, log_k, q, k, softcap, window, sinks):
-        with torch.no_grad():
-            m = s.amax(-1, keepdim=True)
-            e = s.sub_(m).exp_()
+        m = s.amax(-1, keepdim=True)
+        e = s.sub_(m).exp_()  # the teacher's logits carry no graph: in place
         z = e.sum(-1, keepdim=True)
         pieces.append((row0, m, z, (e * log_floor(scores)).sum(-1, keepdim=True) + r * z))
         parts.append((row0, r + log_floor(scores.sum(-1, keepdim=True))))
