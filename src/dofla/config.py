@@ -49,7 +49,7 @@ class AttentionConfig:
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
     chunk_size: Any = 128  # linear kernel's chunk (128: fastest here); auto: timed once per machine
-    gate: str = "none"  # linear: none | scalar (a per-head decay of the state, trained by distill=kl)
+    gate: str = "none"  # linear, hybrid: none | scalar (a per-head decay of the linear state, trained by distill=kl)
 
 
 @dataclass

@@ -59,9 +59,9 @@ def _validate_gate(cfg: RunConfig) -> None:
     one_of("attention.gate", a.gate, GATES)
     if a.gate == "none":
         return
-    require(a.name == "linear" and a.window == 0 and cfg.feature_map.name != "softmax",
-            f"attention.gate={a.gate} decays a pure linear layer's state; attention={a.name} (window {a.window}) "
-            "has no such layer, use attention=linear or attention.gate=none")
+    require(a.name in ("linear", "hybrid") and cfg.feature_map.name != "softmax",
+            f"attention.gate={a.gate} decays a linear state (linear or hybrid layers); attention={a.name} with "
+            f"feature_map={cfg.feature_map.name} has none, use attention=linear or hybrid, or attention.gate=none")
     require(d.name == "kl" and "gate" in d.train, f"attention.gate={a.gate} starts closed (the ungated student) "
             f"and only the distill stage trains it: set distill=kl and name gate in distill.train (now "
             f"distill={d.name}, distill.train={list(d.train)})")

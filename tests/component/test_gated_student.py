@@ -1,5 +1,5 @@
-"""A gated student (``gate="scalar"``) on tiny GPT-2 / GPT-NeoX / Llama: closed it is the ungated
-student exactly; open it decodes like its parallel forward, pads like a lone row, saves and loads;
+"""A gated student (``gate="scalar"``, linear or hybrid) on tiny GPT-2 / GPT-NeoX / Llama: closed it is
+the ungated student exactly; open it decodes like its parallel forward, pads like a lone row, saves and loads;
 distillation opens it and keeps it a decay."""
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ def _ids(batch=2, length=29, seed=1):
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _gated(model, seed=0):
-    return convert(model, feature_map="hedgehog", dims=[16, 16], chunk_size=4, gate="scalar", seed=seed)
+HYBRID = {"attention": "hybrid", "window": 5, "sinks": 2}
+
+
+def _gated(model, seed=0, **form):
+    return convert(model, feature_map="hedgehog", dims=[16, 16], chunk_size=4, gate="scalar", seed=seed, **form)
 
 
 def _open(student, seed=2):
@@ -37,17 +40,19 @@ def _logits(model, ids, **kwargs):
         return model(ids, use_cache=False, **kwargs).logits
 
 
-def test_a_closed_gate_is_the_ungated_student_and_an_open_one_is_not(tiny_model):
-    ungated = convert(copy.deepcopy(tiny_model), feature_map="hedgehog", dims=[16, 16], chunk_size=4)
-    gated = _gated(tiny_model)
+@pytest.mark.parametrize("form", [{}, HYBRID], ids=["linear", "hybrid"])
+def test_a_closed_gate_is_the_ungated_student_and_an_open_one_is_not(tiny_model, form):
+    ungated = convert(copy.deepcopy(tiny_model), feature_map="hedgehog", dims=[16, 16], chunk_size=4, **form)
+    gated = _gated(tiny_model, **form)
     ids = _ids()
     assert all(a.gate is not None for a in gated.student_attentions())
     assert torch.equal(_logits(gated, ids), _logits(ungated, ids))
     assert (_logits(_open(gated), ids) - _logits(ungated, ids)).abs().max() > 1e-3
 
 
-def test_an_open_gate_decodes_like_the_parallel_forward_and_saves(tiny_model, tmp_path):
-    student = _open(_gated(tiny_model))
+@pytest.mark.parametrize("form", [{}, HYBRID], ids=["linear", "hybrid"])
+def test_an_open_gate_decodes_like_the_parallel_forward_and_saves(tiny_model, tmp_path, form):
+    student = _open(_gated(tiny_model, **form))
     ids = _ids(length=21)
     full = _logits(student, ids)
     cache = RecurrentStateCache(2)
@@ -67,8 +72,9 @@ def test_an_open_gate_decodes_like_the_parallel_forward_and_saves(tiny_model, tm
     assert torch.equal(out, expected)
 
 
-def test_a_left_padded_row_equals_the_row_alone(tiny_model):
-    student = _open(_gated(tiny_model))
+@pytest.mark.parametrize("form", [{}, HYBRID], ids=["linear", "hybrid"])
+def test_a_left_padded_row_equals_the_row_alone(tiny_model, form):
+    student = _open(_gated(tiny_model, **form))
     ids = _ids(batch=1, length=15)
     pads = 4
     padded = torch.cat([torch.zeros(1, pads, dtype=ids.dtype), ids], dim=1)
@@ -78,9 +84,10 @@ def test_a_left_padded_row_equals_the_row_alone(tiny_model):
     torch.testing.assert_close(out, _logits(student, ids), rtol=1e-4, atol=1e-4)
 
 
-def test_distillation_opens_the_gate_and_keeps_it_a_decay(tiny_model):
+@pytest.mark.parametrize("form", [{}, HYBRID], ids=["linear", "hybrid"])
+def test_distillation_opens_the_gate_and_keeps_it_a_decay(tiny_model, form):
     teacher = copy.deepcopy(tiny_model).eval()
-    student = _gated(tiny_model)
+    student = _gated(tiny_model, **form)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a student that differs from its teacher, so the KL has a gradient
         for p in attention_projections(student):
@@ -96,6 +103,6 @@ def test_distillation_opens_the_gate_and_keeps_it_a_decay(tiny_model):
         prepare_trainable(ungated, ["gate"])
 
 
-def test_a_gate_needs_a_pure_linear_student(tiny_model):
-    with pytest.raises(ValueError, match="gate='scalar' decays a pure linear layer"):
-        convert(tiny_model, feature_map="hedgehog", dims=[16, 16], attention="hybrid", window=4, gate="scalar")
+def test_a_gate_needs_a_linear_state(tiny_model):
+    with pytest.raises(ValueError, match="gate='scalar' decays a linear state"):
+        convert(tiny_model, feature_map="hedgehog", dims=[16, 16], attention="sliding_window", window=4, gate="scalar")

@@ -85,8 +85,8 @@ BAD_BEFORE_MODEL = [
     ({"attention__gate": "lizard"}, "attention.gate"),
     ({"attention__gate": "scalar"}, "attention.gate"),  # no distill stage to train it
     ({"attention__gate": "scalar", "distill__name": "kl"}, "attention.gate"),  # gate not in distill.train
-    ({"attention__gate": "scalar", "attention__name": "hybrid", "attention__window": 64, "distill__name": "kl",
-      "distill__train": ["features", "gate"]}, "attention.gate"),
+    ({"attention__gate": "scalar", "attention__name": "sliding_window", "attention__window": 64, "distill__name": "kl",
+      "distill__train": ["features", "gate"]}, "attention.gate"),  # no linear state to decay
     ({"train__compile": True, "loss__name": "direct"}, "train.compile"),  # no layer loss to compile
 ]
 
@@ -124,6 +124,11 @@ def test_good_defaults_pass():
     validate_config(cfg)
     validate_against_model(cfg, num_layers=30, head_dim=64, max_positions=2048)
     assert dataclasses.asdict(cfg)["allocation"]["policy"] == "dof"
+
+
+@pytest.mark.parametrize("form", [{}, {"attention__name": "hybrid", "attention__window": 64}], ids=["linear", "hybrid"])
+def test_a_gate_distilled_by_kl_passes_on_linear_and_hybrid_layers(form):
+    validate_config(_cfg(attention__gate="scalar", distill__name="kl", distill__train=["features", "gate"], **form))
 
 
 def test_unwritable_output_dir(tmp_path):

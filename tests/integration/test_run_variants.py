@@ -230,12 +230,14 @@ def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(t
 
 
 @pytest.mark.long
-def test_a_gated_run_shares_the_linear_layers_and_distils_the_gate(tmp_path):
+@pytest.mark.parametrize("form", [(), ("attention=hybrid", "attention.window=8", "attention.sinks=2")],
+                         ids=["linear", "hybrid"])
+def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
     layers = tmp_path / "layers"
-    _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", name="linear")
+    _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", *form, name="ungated")
     assert result.returncode == 0, result.stderr[-3000:]
     written = {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")}
-    run_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "attention.gate=scalar",
+    run_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "attention.gate=scalar", *form,
                            "distill=kl", "distill.tokens=256", "distill.batch_size=2",
                            "distill.train=[features,attention,gate]", "eval.tasks=[]", name="gated")
     assert result.returncode == 0, result.stderr[-3000:]

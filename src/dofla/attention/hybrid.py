@@ -12,7 +12,9 @@ is positional (the last W positions, pads included), the sinks are counted in va
 left-padded row has the same sinks as the same row alone (as in :mod:`dofla.attention.sliding`).
 
 PRF-type features estimate the same kernel, so both parts share one scale. W = 0 is pure linear
-attention (the paper's setting). Decoding keeps the last W keys/values plus the linear state of
+attention (the paper's setting). A decay gate (``log_decay`` a_t ≤ 0 per head and token,
+:mod:`dofla.attention.gate`) weights an older key by exp(a_{j+1} + … + a_i), as in gated linear
+attention; the exact part does not decay. Decoding keeps the last W keys/values plus the linear state of
 the older tokens and the sinks: memory O(sinks + W + M·dv) per head, not O(T). The linear
 part's row scale uses only keys that have left the row's window (:mod:`dofla.attention.stable`).
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dofla.attention.linear import LinearState, chunk_step
+from dofla.attention.linear import LinearState, carry_decay, chunk_step
 from dofla.attention.naive import log_kernel_matrix, masked_softmax
 from dofla.attention.stable import widened
 
@@ -41,7 +43,9 @@ class HybridState:
     with s ≤ sinks: row b's sinks that left the window fill its slots 0, 1, … in order.
     ``linear.length`` counts every position that left the window (pads and sinks included).
     ``sinks_held`` (a host-side bool): every row holds all its sinks, so none can be in the window any
-    more and the steps skip the sink bookkeeping without asking the device.
+    more and the steps skip the sink bookkeeping without asking the device. ``decay`` (B, H, n): the
+    gate's log decays at the window's positions (None: ungated so far); the linear state is decayed
+    up to the last position seen.
     """
 
     linear: LinearState
@@ -54,6 +58,7 @@ class HybridState:
     sink_valid: torch.Tensor
     is_sink: torch.Tensor
     sinks_held: bool = False
+    decay: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -64,10 +69,12 @@ class HybridState:
 
     def index_select(self, index: torch.Tensor) -> "HybridState":
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
-        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()), self.sinks_held)
+        decay = None if self.decay is None else pick(self.decay)
+        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()), self.sinks_held, decay)
 
     def nbytes(self) -> int:
-        return self.linear.nbytes() + sum(t.numel() * t.element_size() for t in self._tensors())
+        extra = () if self.decay is None else (self.decay,)
+        return self.linear.nbytes() + sum(t.numel() * t.element_size() for t in self._tensors() + extra)
 
 
 def _exact_mask(queries: int, keys: int, window: int, sink: torch.Tensor, device) -> torch.Tensor:
@@ -93,9 +100,11 @@ def exact_logits(q: torch.Tensor, k: torch.Tensor, softcap: float | None = None)
     return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 
-def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid=None, softcap=None) -> torch.Tensor:
+def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid=None, softcap=None,
+                      log_decay=None) -> torch.Tensor:
     """The quadratic reference's (B, H, T, T) log-kernel matrix: softmax inside the window and on
-    each row's first ``sinks`` valid keys, log K̂ elsewhere, −inf above the diagonal and on padding keys."""
+    each row's first ``sinks`` valid keys, log K̂ elsewhere (plus A_i − A_j, A the cumulative sum of
+    ``log_decay`` (B, H, T) with pads at 0), −inf above the diagonal and on padding keys."""
     b, _, t, _ = q.shape
     valid = torch.ones(b, t, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.to(torch.bool)
     exact = _exact_mask(t, t, window, _sink_keys(valid, sinks), q.device)[:, None]
@@ -103,17 +112,22 @@ def hybrid_log_scores(q, k, log_q, log_k, window: int, sinks: int = 0, key_valid
     if key_valid is not None:
         visible = visible & valid[:, None, None, :]
         log_k = log_k.masked_fill(~valid[:, None, :, None], 0.0)  # finite: no NaN grads
-    scores = torch.where(exact, exact_logits(q, k, softcap), log_kernel_matrix(log_q, log_k))
+    older = log_kernel_matrix(log_q, log_k)
+    if log_decay is not None:
+        cumulative = log_decay.masked_fill(~valid[:, None, :], 0.0).cumsum(-1)
+        older = older + cumulative[..., :, None] - cumulative[..., None, :]
+    scores = torch.where(exact, exact_logits(q, k, softcap), older)
     return scores.masked_fill(~visible, float("-inf"))
 
 
 def hybrid_attention_naive(
     q, k, v, log_q, log_k, window: int, *, sinks: int = 0, key_valid: torch.Tensor | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, log_decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quadratic reference: materialise the T×T log scores, softmax over keys, apply to v.
     A row that sees no valid key outputs 0."""
-    return masked_softmax(hybrid_log_scores(q, k, log_q, log_k, window, sinks, key_valid, softcap)).to(v.dtype) @ v
+    scores = hybrid_log_scores(q, k, log_q, log_k, window, sinks, key_valid, softcap, log_decay)
+    return masked_softmax(scores).to(v.dtype) @ v
 
 
 def _empty_state(q, v, log_k, dtype) -> HybridState:
@@ -125,19 +139,35 @@ def _empty_state(q, v, log_k, dtype) -> HybridState:
                        empty(q.shape[-1]), empty(v.shape[-1]), none, none)
 
 
-def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit, first_sees: bool):
+def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit, first_sees: bool, shift=None):
     """Linear attention of the new rows over the state and the context keys that left their window:
-    (total (B, H, C, dv+1) at row scale r, r, new LinearState without length). first_sees: limit[0] > 0."""
-    leave = lin_ok.shape[1]
+    (total (B, H, C, dv+1) at row scale r, r, new LinearState without length). first_sees: limit[0] > 0.
+    shift (B, H, n_b + C) or None: the gate's log decay of each context position counted from the
+    last position the state saw (a row reads key j at exp(shift_i − shift_j), the state at exp(shift_i))."""
+    leave, c = lin_ok.shape[1], log_q.shape[2]
     drop = ~lin_ok[:, None, :, None]
     lk = ctx_lk[:, :, :leave].masked_fill(drop, float("-inf"))
+    if shift is not None:
+        log_q, lk = log_q + shift[:, :, -c:, None], lk - shift[:, :, :leave, None]
     vals = torch.cat([ctx_v[:, :, :leave], ctx_v.new_ones(*ctx_v.shape[:2], leave, 1)], -1).masked_fill(drop, 0.0)
     kv1 = torch.cat([state.linear.kv, state.linear.k_sum[..., None]], dim=-1)
     total, r, kv1, offset = chunk_step(log_q, lk, vals, kv1, state.linear.offset, limit, first_sees=first_sees)
+    if shift is not None:  # the state now stands at the chunk's last position
+        kv1, offset = carry_decay(kv1, offset, shift[:, :, -1:])
     return total, r, LinearState(kv1[..., :-1], kv1[..., -1], offset, state.linear.length)
 
 
-def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None):
+def _gate_shift(state: HybridState, log_decay: torch.Tensor):
+    """(shift (B, H, n_b + C): the context's cumulative log decay counted from the last position the
+    state saw, the context's log decays)."""
+    n_b = state.k.shape[2]
+    held = state.decay if state.decay is not None else log_decay.new_zeros(*log_decay.shape[:2], n_b)
+    decays = torch.cat([held, log_decay], dim=-1)
+    cumulative = decays.cumsum(-1)
+    return (cumulative - cumulative[..., n_b - 1:n_b] if n_b else cumulative), decays
+
+
+def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None, log_decay=None):
     """New tokens (C of them) against [sinks ; window buffer ; new tokens]; returns (out, new state)."""
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
     ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v), (state.log_k, log_k)))
@@ -148,7 +178,8 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     limit = (torch.arange(c, device=q.device) + n_b - window + 1).clamp(0, leave)
     lin_ok = ctx_valid[:, :leave] & ~ctx_sink[:, :leave]  # a sink stays exact, never linear
     first_sees = min(max(n_b - window + 1, 0), leave) > 0  # limit[0] > 0, known without the device
-    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit, first_sees)
+    shift, decays = (None, None) if log_decay is None else _gate_shift(state, log_decay)
+    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit, first_sees, shift)
 
     exact = _exact_mask(c, n_b + c, window, ctx_sink, q.device) & ctx_valid[:, None, :]
     keys, vals = ctx_k, ctx_v
@@ -170,7 +201,7 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     if sinks and leave and not done:  # the bookkeeping reads the host: only while a sink can still leave
         held, done = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave], sinks)
     new = HybridState(linear, ctx_k[:, :, leave:], ctx_v[:, :, leave:], ctx_lk[:, :, leave:], ctx_valid[:, leave:],
-                      *held, ctx_sink[:, leave:], done)
+                      *held, ctx_sink[:, leave:], done, None if decays is None else decays[:, :, leave:])
     return out, new
 
 
@@ -205,13 +236,15 @@ def _scatter_slots(buffer, slot, x, size: int) -> torch.Tensor:
 def hybrid_attention_chunked(
     q, k, v, log_q, log_k, window: int, chunk_size: int | None = None, state: HybridState | None = None,
     *, sinks: int = 0, key_valid: torch.Tensor | None = None, softcap: float | None = None,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
     """Hybrid attention in chunks (default chunk = window); continues from ``state``.
 
     Work per chunk is O(C·(sinks + W + C)) for the exact part and O(C·M·dv) for the linear part;
     decoding one token at a time is the same call with T = 1. key_valid (B, T) bool marks the new
     tokens' real keys (False = padding); a row that sees no valid key outputs 0. ``softcap``
-    caps the exact part's logits as the teacher does (Gemma 2); None = no capping.
+    caps the exact part's logits as the teacher does (Gemma 2); None = no capping. ``log_decay``
+    (B, H, T) ≤ 0: the gate (module docstring; a pad does not decay the state); None = ungated.
     """
     if window < 1:
         raise ValueError(f"window must be ≥ 1 for hybrid attention, got {window}")
@@ -226,13 +259,18 @@ def hybrid_attention_chunked(
         key_valid = torch.ones(b, t, dtype=torch.bool, device=q.device)
     elif key_valid.shape != (b, t):
         raise ValueError(f"key_valid must be (B, T) = {(b, t)} bool for the new tokens; got {tuple(key_valid.shape)}")
+    if log_decay is not None:
+        if log_decay.shape != q.shape[:3]:
+            raise ValueError(f"log_decay must be (B, H, T) = {tuple(q.shape[:3])}; got {tuple(log_decay.shape)}")
+        log_decay = log_decay.to(dtype).masked_fill(~key_valid.to(torch.bool)[:, None, :], 0.0)
     state = _cast(state, dtype) if state is not None else _empty_state(q, v, log_k, dtype)
     chunk = chunk_size or window
     outs = []
     for start in range(0, t, chunk):
         sl = slice(start, start + chunk)
         out, state = _step(q[:, :, sl], k[:, :, sl], v[:, :, sl], log_q[:, :, sl], log_k[:, :, sl],
-                           key_valid[:, sl].to(torch.bool), state, window, sinks, softcap)
+                           key_valid[:, sl].to(torch.bool), state, window, sinks, softcap,
+                           None if log_decay is None else log_decay[:, :, sl])
         outs.append(out)
     if not outs:
         return v.new_zeros(v.shape).to(out_dtype), state
@@ -242,4 +280,5 @@ def hybrid_attention_chunked(
 def _cast(state: HybridState, dtype: torch.dtype) -> HybridState:
     f = lambda t: t.to(dtype)  # noqa: E731
     return HybridState(state.linear.to(dtype), f(state.k), f(state.v), f(state.log_k), state.valid,
-                       f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink, state.sinks_held)
+                       f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink, state.sinks_held,
+                       None if state.decay is None else f(state.decay))

@@ -111,7 +111,7 @@ def _query_features(log_q: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return torch.exp(u - shift)
 
 
-def _carry_decay(kv1: torch.Tensor, offset: torch.Tensor, decay: torch.Tensor):
+def carry_decay(kv1: torch.Tensor, offset: torch.Tensor, decay: torch.Tensor):
     """The state (kv1 (B, H, M, e) at offset (B, H, M)) decayed by e^{decay}, decay (B, H, 1): the
     offset moves by the detached decay, kv1 takes a factor of value 1 that carries its gradient."""
     fixed = decay.detach()
@@ -211,7 +211,7 @@ def linear_attention_chunked(
             lq, lk = lq + decay, lk - decay
         total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True, fast=fast)
         if log_decay is not None:
-            kv1, offset = _carry_decay(kv1, offset, decay[:, :, -1])
+            kv1, offset = carry_decay(kv1, offset, decay[:, :, -1])
         outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))
     final = LinearState(kv1[..., :dv].contiguous(), kv1[..., dv].contiguous(), offset, state.length + length)
     return torch.cat(outs, dim=2).to(out_dtype), final
@@ -233,7 +233,7 @@ def linear_attention_recurrent(
     for t in range(v.shape[2]):
         old = state
         if log_decay is not None:  # S ← e^{a_t} S before the new key
-            kv1, offset = _carry_decay(torch.cat([state.kv, state.k_sum[..., None]], -1), state.offset,
+            kv1, offset = carry_decay(torch.cat([state.kv, state.k_sum[..., None]], -1), state.offset,
                                        log_decay[:, :, t, None])
             old = LinearState(kv1[..., :-1], kv1[..., -1], offset, state.length)
         offset, scale = _advance(old, log_k[:, :, t])

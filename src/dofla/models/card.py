@@ -64,11 +64,11 @@ def _attention(spec: dict) -> str:
         return "exact softmax (reference)"
     exact = (f"; layers {', '.join(map(str, kept))} exact softmax (they keep a key/value cache when decoding)"
              if kept else "")
+    gate = ", with a per-head decay gate on the state" if spec.get("gate", "none") != "none" else ""
     if attention == "linear":
-        gate = ", with a per-head decay gate on the state" if spec.get("gate", "none") != "none" else ""
         return ("linear (every global layer)" if not kept else "linear") + gate + exact
     return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (
-        ", linear attention before" if attention == "hybrid" else "") + exact
+        ", linear attention before" + gate if attention == "hybrid" else "") + exact
 
 
 def _dims(dims: list) -> str:

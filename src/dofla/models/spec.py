@@ -22,7 +22,7 @@ class ConversionSpec:
     attention: str = "linear"  # linear | hybrid | sliding_window (specs saved before: defaults)
     sinks: int = 0
     softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
-    gate: str = "none"  # none | scalar: a per-head decay of each linear layer's state (dofla.attention.gate)
+    gate: str = "none"  # none | scalar: a per-head decay of each linear or hybrid layer's linear state
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:
@@ -42,9 +42,9 @@ def check_spec(spec: ConversionSpec) -> None:
     if spec.softmax_layers and (spec.feature_map == "softmax" or spec.attention == "sliding_window"):
         raise ValueError("softmax_layers restores layers of a linear or hybrid student to exact softmax; "
                          f"feature_map={spec.feature_map!r} with attention={spec.attention!r} has none to restore")
-    if spec.gate != "none" and (spec.attention != "linear" or spec.feature_map == "softmax"):
-        raise ValueError(f"gate={spec.gate!r} decays a pure linear layer's state; attention={spec.attention!r} "
-                         f"with feature_map={spec.feature_map!r} has none, set gate='none'")
+    if spec.gate != "none" and (spec.attention == "sliding_window" or spec.feature_map == "softmax"):
+        raise ValueError(f"gate={spec.gate!r} decays a linear state (linear or hybrid layers); attention="
+                         f"{spec.attention!r} with feature_map={spec.feature_map!r} has none, set gate='none'")
     if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
         raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
                          "attention; set sinks=0 or choose one of those")

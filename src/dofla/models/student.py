@@ -225,7 +225,8 @@ def convert(
 
     ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
     ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache);
-    ``gate="scalar"`` gives each linear layer a per-head decay of its state, starting closed (no decay).
+    ``gate="scalar"`` gives each linear or hybrid layer a per-head decay of its linear state, starting
+    closed (no decay).
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):

@@ -75,8 +75,9 @@ class StudentAttention(nn.Module):
         gate: nn.Module | None = None,
     ):
         super().__init__()
-        if gate is not None and (feature_map is None or window > 0):
-            raise ValueError("a decay gate needs a pure linear layer (a feature map, no window); drop the gate")
+        if gate is not None and feature_map is None:
+            raise ValueError("a decay gate decays a linear state: it needs a linear or hybrid layer (a feature map); "
+                             "drop the gate")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -85,7 +86,7 @@ class StudentAttention(nn.Module):
         self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid or sliding)
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
-        self.gate = gate  # linear mode: a per-head decay of the state (dofla.attention.gate), or None
+        self.gate = gate  # linear and hybrid: a per-head decay of the linear state (dofla.attention.gate), or None
         # Set by the student model's forward for the duration of a call.
         self.cache_layer: RecurrentLayer | None = None
         self.key_valid: torch.Tensor | None = None
@@ -135,7 +136,8 @@ class StudentAttention(nn.Module):
                 extra["sinks"] = self.sinks
             if self.softcap is not None:  # the exact part is the teacher's capped softmax
                 extra["softcap"] = self.softcap
-            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state, **extra)
+            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state,
+                                            log_decay=log_decay, **extra)
         # the kernels mask padded keys (no contribution) and their decay (none) from key_valid
         if state is not None and q.shape[2] == 1:
             return linear_attention_recurrent(log_q, log_k, v, state=state, key_valid=key_valid, log_decay=log_decay)
