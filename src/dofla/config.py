@@ -76,7 +76,9 @@ class AllocationConfig:
     # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
     softmax_layers: int = 0
     softmax_probe_seqs: int = 8
-    softmax_rank: str = "kl"  # kl (the measured model KL) | attention_error (each layer's own error, a proxy)
+    # kl (the measured model KL, each layer alone) | kl_greedy (one at a time, the chosen kept exact) |
+    # attention_error (each layer's own error, a proxy)
+    softmax_rank: str = "kl"
 
 
 @dataclass

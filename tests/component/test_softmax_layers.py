@@ -9,6 +9,7 @@ import torch
 
 from dofla.dof.softmax_layers import (
     choose,
+    greedy_restoration_kl,
     kv_bytes_per_token,
     probe_attention_errors,
     rank_layers,
@@ -132,3 +133,38 @@ def test_restoring_is_refused_where_there_is_nothing_to_restore():
     with pytest.raises(ValueError, match="outside 0..1"):
         restore_softmax(student, [2])
     assert [a.mode for a in student.student_attentions()] == ["linear", "linear"]
+
+
+def test_the_greedy_choice_measures_each_step_with_the_earlier_layers_kept_exact():
+    teacher = build_tiny_model("llama", seed=0, num_layers=4)
+    student = convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=[8] * 4, chunk_size=4, seed=2)
+    with torch.no_grad():  # layers 1 and 3 made useless
+        for layer in (1, 3):
+            for p in student.student_attentions()[layer].feature_map.parameters():
+                p.mul_(0).add_(torch.randn_like(p) * 3)
+    tokens = _ids(batch=3, length=16, seed=4)
+    steps = greedy_restoration_kl(student, teacher, tokens, 3, batch_size=2)
+    assert [a.mode for a in student.student_attentions()] == ["linear"] * 4  # measuring restored nothing
+    chosen = [s["layer"] for s in steps]
+    assert len(set(chosen)) == 3
+    alone = restoration_kl(student, teacher, tokens, batch_size=2)["restored"]
+    assert chosen[0] == min(alone, key=alone.get) and steps[0]["kl"] == pytest.approx(alone[chosen[0]], rel=1e-6)
+    for s in range(1, 3):  # each step's KL is the plain KL of the student with the steps so far restored
+        kept = restore_softmax(copy.deepcopy(student), chosen[:s + 1])
+        expected = kl_reference(_logits(kept, tokens), _logits(teacher, tokens)).item()
+        assert steps[s]["kl"] == pytest.approx(expected, rel=1e-3, abs=1e-7)
+        # and no other layer added at that step would have done better
+        for other in set(range(4)) - set(chosen[:s + 1]):
+            rival = restore_softmax(copy.deepcopy(student), chosen[:s] + [other])
+            assert kl_reference(_logits(rival, tokens), _logits(teacher, tokens)).item() >= steps[s]["kl"] - 1e-6
+    assert set(chosen[:2]) == {1, 3}  # the two broken layers first
+    # extended, not measured again: the stored steps are kept as given
+    planted = [{"layer": 0, "kl": -1.0}]
+    extended = greedy_restoration_kl(student, teacher, tokens, 2, batch_size=2, steps=planted)
+    assert extended[0] == planted[0] and extended[1]["layer"] != 0
+    assert rank_layers({"greedy": steps}, "kl_greedy") == chosen and choose({"greedy": steps}, 2, "kl_greedy") == \
+        sorted(chosen[:2])
+    with pytest.raises(ValueError, match="only 4 layers"):
+        greedy_restoration_kl(student, teacher, tokens, 5)
+    with pytest.raises(ValueError, match="has 3 steps"):
+        choose({"greedy": steps}, 4, "kl_greedy")

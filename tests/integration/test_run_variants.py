@@ -248,3 +248,23 @@ def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
     assert (alphas >= 0).all() and alphas.max() > 0
     assert "decay gate" in (run_dir / "student_distilled" / "README.md").read_text()
     assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])
+
+
+@pytest.mark.long
+def test_the_greedy_choice_of_exact_layers_is_extended_by_a_larger_k(tmp_path):
+    layers = tmp_path / "layers"
+    common = ("allocation=fix", "model.tiny_layers=4", f"train.layer_dir={layers}", "allocation.softmax_probe_seqs=2",
+              "allocation.softmax_rank=kl_greedy", "eval.tasks=[]")
+    first, result = _run(tmp_path, *common, "allocation.softmax_layers=2", name="k2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "chosen one after another" in result.stdout
+    (ranking,) = layers.glob(f"*/{'softmax_ranking.json'}")
+    greedy = json.loads(ranking.read_text())["measured"]["greedy"]
+    assert len(greedy) == 2 and json.loads((first / "softmax_layers.json").read_text())["layers"] == \
+        sorted(s["layer"] for s in greedy)
+    second, result = _run(tmp_path, *common, "allocation.softmax_layers=3", name="k3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    extended = json.loads(ranking.read_text())["measured"]["greedy"]
+    assert extended[:2] == greedy and len(extended) == 3  # the first two steps read, the third measured
+    modes = [a.mode for a in load_student(second / "student").student_attentions()]
+    assert modes.count("softmax") == 3

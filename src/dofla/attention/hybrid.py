@@ -14,8 +14,8 @@ left-padded row has the same sinks as the same row alone (as in :mod:`dofla.atte
 PRF-type features estimate the same kernel, so both parts share one scale. W = 0 is pure linear
 attention (the paper's setting). A decay gate (``log_decay`` a_t ≤ 0 per head and token,
 :mod:`dofla.attention.gate`) weights an older key by exp(a_{j+1} + … + a_i), as in gated linear
-attention; the exact part does not decay. Decoding keeps the last W keys/values plus the linear state of
-the older tokens and the sinks: memory O(sinks + W + M·dv) per head, not O(T). The linear
+attention; the exact part does not decay. Decoding keeps the last W keys/values plus the linear
+state of the older tokens and the sinks: memory O(sinks + W + M·dv) per head, not O(T). The linear
 part's row scale uses only keys that have left the row's window (:mod:`dofla.attention.stable`).
 
 Layouts: q, k (B, H, T, d) with q scaled so the kernel is exp(q·k/sqrt(d)); v (B, H, T, dv);

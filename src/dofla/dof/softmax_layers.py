@@ -8,13 +8,18 @@ distributions is compared with the student's own. The k layers whose restoration
 most are kept exact (:func:`dofla.models.restore_softmax`). ``rank="attention_error"`` ranks by each
 layer's own attention-output error instead (cheaper: one teacher pass; the control the measured
 ranking is compared against). Restoring one layer at a time ranks
-the layers independently; the gains of several restored together need not add up.
+the layers independently; the gains of several restored together need not add up, so
+``rank="kl_greedy"`` chooses one layer at a time with the layers already chosen kept exact
+(:func:`greedy_restoration_kl`): each step measures every remaining layer on top of the choice so far.
 
 Cost: per probe batch one teacher forward and L + 1 student forwards (the teacher's logits live
-one batch at a time, never stored). Kept layers cost a KV cache when decoding:
-:func:`kv_bytes_per_token` per token of context.
+one batch at a time, never stored); the greedy choice of k layers one teacher forward and about L
+student forwards per step. Kept layers cost a KV cache when decoding: :func:`kv_bytes_per_token`
+per token of context.
 """
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 from tqdm.auto import tqdm
@@ -52,7 +57,34 @@ def restoration_kl(student, teacher, tokens: torch.Tensor, batch_size: int = 2,
     return {"base": sums[None] / count, "restored": {i: sums[i] / count for i in layers}}
 
 
-RANKS = ("kl", "attention_error")
+@torch.no_grad()
+def greedy_restoration_kl(student, teacher, tokens: torch.Tensor, k: int, batch_size: int = 2,
+                          steps: list[dict] | None = None) -> list[dict]:
+    """The greedy choice of ``k`` layers to restore: step s keeps the layers of steps < s exact and
+    adds the one (of those with features) whose restoration then gives the lowest KL(teacher ‖ student)
+    per predicted token over ``tokens`` (S, L); ties by index. ``steps`` (from an earlier call on
+    the same student and probe) are kept and extended, not measured again.
+
+    Returns [{"layer": i, "kl": KL with it and every earlier step's layer restored}, …], k long.
+    """
+    attentions = student.student_attentions()
+    candidates = [i for i, attn in enumerate(attentions) if attn.feature_map is not None]
+    if k > len(candidates):
+        raise ValueError(f"{k} softmax layers were asked for but only {len(candidates)} layers have linear features")
+    steps = list(steps or [])[:k]
+    while len(steps) < k:
+        chosen = [s["layer"] for s in steps]
+        left = [i for i in candidates if i not in chosen]
+        with ExitStack() as kept:
+            for layer in chosen:
+                kept.enter_context(softmax_restored(student, layer))
+            kl = restoration_kl(student, teacher, tokens, batch_size, left)["restored"]
+        best = min(left, key=lambda i: (kl[i], i))
+        steps.append({"layer": best, "kl": kl[best]})
+    return steps
+
+
+RANKS = ("kl", "kl_greedy", "attention_error")
 
 
 @torch.no_grad()
@@ -68,9 +100,12 @@ def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: i
 
 def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
     """Layers, best to restore first: by ``kl``, the lowest KL with the layer restored alone (the
-    largest gain); by ``attention_error``, the largest error of the layer's own attention. Ties by index."""
+    largest gain); by ``attention_error``, the largest error of the layer's own attention; by
+    ``kl_greedy``, the order the greedy choice took them (only as many as it has measured). Ties by index."""
     if rank not in RANKS:
         raise ValueError(f"rank={rank!r} is not one of {', '.join(RANKS)}")
+    if rank == "kl_greedy":
+        return [int(step["layer"]) for step in measured["greedy"]]
     if rank == "kl":
         values = {int(i): kl for i, kl in measured["restored"].items()}
     else:
@@ -81,6 +116,9 @@ def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
 def choose(measured: dict, k: int, rank: str = "kl") -> list[int]:
     """The ``k`` best layers to restore under ``rank`` (:func:`rank_layers`), in layer order."""
     ranking = rank_layers(measured, rank)
+    if rank == "kl_greedy" and k > len(ranking):
+        raise ValueError(f"{k} softmax layers were asked for but the greedy choice has {len(ranking)} steps; "
+                         "extend it with greedy_restoration_kl")
     if k > len(ranking):
         raise ValueError(f"{k} softmax layers were asked for but only {len(ranking)} layers have linear features")
     return sorted(ranking[:k])

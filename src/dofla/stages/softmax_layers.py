@@ -5,7 +5,9 @@ It runs inside the assemble stage, once every layer's trained features are loade
 student is saved, so the distill stage trains the student with those layers exact and the saved
 student loads with them exact. The measurement depends on the trained layers and the probe, not on
 k, so it is stored beside the layers (``softmax_ranking.json`` in their settings directory): runs
-sharing ``train.layer_dir`` with another k reuse it. The run's choice goes to ``softmax_layers.json``.
+sharing ``train.layer_dir`` with another k reuse it (the greedy choice, ``softmax_rank=kl_greedy``,
+is extended step by step: a larger k measures only the steps a smaller one did not). The run's
+choice goes to ``softmax_layers.json``.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     if a.softmax_rank == "kl":
         values = ", ".join(f"{measured['restored'][str(i)]:.3f}" for i in chosen)
         why = f"restoring one alone takes the probe KL from {measured['base']:.3f} to {values}"
+    elif a.softmax_rank == "kl_greedy":
+        values = ", ".join(f"{step['layer']}: {step['kl']:.3f}" for step in measured["greedy"][:a.softmax_layers])
+        why = f"chosen one after another, each kept: the probe KL goes from {measured['base']:.3f} to {values}"
     else:
         values = ", ".join(f"{measured['attention_error'][str(i)]:.3f}" for i in chosen)
         why = f"the largest attention errors on the probe: {values}"
@@ -56,15 +61,32 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
     layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
     from dofla.dof.softmax_layers import probe_attention_errors, restoration_kl
 
+    a = cfg.allocation
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
-    needed = "restored" if cfg.allocation.softmax_rank == "kl" else "attention_error"
+    needed = "attention_error" if a.softmax_rank == "attention_error" else "restored"  # greedy: its first step
     if needed not in measured:
         measure = restoration_kl if needed == "restored" else probe_attention_errors
         new = measure(student, teacher, probe, cfg.eval.batch_size)
         measured.update({k: {str(i): x for i, x in v.items()} if isinstance(v, dict) else v for k, v in new.items()})
         write_json(path, {"settings": settings, "measured": measured})
+    if a.softmax_rank == "kl_greedy" and len(measured.get("greedy", [])) < a.softmax_layers:
+        measured["greedy"] = _greedy(student, teacher, probe, a.softmax_layers, cfg.eval.batch_size, measured)
+        write_json(path, {"settings": settings, "measured": measured})
     return measured
+
+
+def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) -> list[dict]:
+    """The greedy steps up to ``k``, extending the stored ones; the first step is the best layer of
+    the one-at-a-time measurement (the same forwards)."""
+    from dofla.dof.softmax_layers import greedy_restoration_kl
+
+    steps = measured.get("greedy") or []
+    if not steps:
+        restored = {int(i): kl for i, kl in measured["restored"].items()}
+        first = min(restored, key=lambda i: (restored[i], i))
+        steps = [{"layer": first, "kl": restored[first]}]
+    return greedy_restoration_kl(student, teacher, probe, k, batch_size, steps)
 
 
 def metrics(student) -> dict:
