@@ -79,13 +79,12 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
 def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) -> list[dict]:
     """The greedy steps up to ``k``, extending the stored ones; the first step is the best layer of
     the one-at-a-time measurement (the same forwards)."""
-    from dofla.dof.softmax_layers import greedy_restoration_kl
+    from dofla.dof.softmax_layers import greedy_restoration_kl, rank_layers
 
     steps = measured.get("greedy") or []
     if not steps:
-        restored = {int(i): kl for i, kl in measured["restored"].items()}
-        first = min(restored, key=lambda i: (restored[i], i))
-        steps = [{"layer": first, "kl": restored[first]}]
+        first = rank_layers(measured, "kl")[0]
+        steps = [{"layer": first, "kl": measured["restored"][str(first)]}]
     return greedy_restoration_kl(student, teacher, probe, k, batch_size, steps)
 
 
