@@ -49,7 +49,7 @@ class AttentionConfig:
     window: int = 0  # > 0: exact softmax over the last `window` tokens, linear attention before
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
     chunk_size: Any = 128  # linear kernel's chunk (128: fastest here); auto: timed once per machine
-    gate: str = "none"  # linear, hybrid: none | scalar (a per-head decay of the linear state, trained by distill=kl)
+    gate: str = "none"  # none | scalar (linear, hybrid: a per-head decay of the linear state, trained by distill=kl)
 
 
 @dataclass
@@ -76,9 +76,7 @@ class AllocationConfig:
     # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
     softmax_layers: int = 0
     softmax_probe_seqs: int = 8
-    # kl (the measured model KL, each layer alone) | kl_greedy (one at a time, the chosen kept exact) |
-    # attention_error (each layer's own error, a proxy)
-    softmax_rank: str = "kl"
+    softmax_rank: str = "kl"  # kl (each layer alone) | kl_greedy (chosen kept exact) | attention_error (proxy)
 
 
 @dataclass
