@@ -74,7 +74,7 @@ def test_under_bf16_the_trace_runs_the_teachers_bfloat16_copy_as_the_stream_does
     assert predicted.bytes < fp32.bytes  # the copy's activations are half the size
 
 
-def test_the_direct_step_peak_extrapolates_from_one_and_two_layers():
+def test_the_direct_step_peak_extrapolates_from_one_and_two_layers(capsys):
     teacher = build_tiny_model("llama", seed=0, num_layers=4)
 
     def student_of(model):
@@ -83,13 +83,15 @@ def test_the_direct_step_peak_extrapolates_from_one_and_two_layers():
     student = student_of(teacher)
     cfg = LayerTrainConfig(steps=2, batch_size=4, micro_batch_size=2)
     predicted = capacity.direct_step_peak(student_of, teacher, 4, cfg, 40, capacity.module_bytes(student))
+    assert "train (direct)" not in capsys.readouterr().err  # the probe steps show no progress bar
     tokens = torch.randint(0, teacher.config.vocab_size, (8, 40))
     measured = capacity.traced_peak(lambda: train_direct(student, tokens, cfg)) + capacity.module_bytes(student)
+    assert "train (direct)" in capsys.readouterr().err  # a real run does
     assert predicted.bytes == pytest.approx(measured, rel=0.1)
 
 
 @pytest.mark.parametrize("train", [["features", "attention"], ["lora"]])
-def test_the_distill_step_peak_extrapolates_from_one_and_two_layers(train):
+def test_the_distill_step_peak_extrapolates_from_one_and_two_layers(train, capsys):
     from dofla.train.distill import DistillSchedule, train_kl
 
     teacher = build_tiny_model("llama", seed=0, num_layers=4)
@@ -102,10 +104,12 @@ def test_the_distill_step_peak_extrapolates_from_one_and_two_layers(train):
     weights = capacity.module_bytes(teacher) + capacity.module_bytes(student)
     predicted = capacity.kl_step_peak(student_of, teacher, 4, s, train, (4, 8), 40, weights, batch_size=4)
     assert predicted.stage == "distill" and predicted.micro_batch == 2
+    assert "distill (KL)" not in capsys.readouterr().err  # the probe steps show no progress bar
     tokens = torch.randint(0, teacher.config.vocab_size, (4, 40))
     batches = type("Batches", (), {"batch_tokens": tokens.numel(), "next_batch": lambda self: tokens,
                                    "state": lambda self: {}, "restore": lambda self, state: None})()
     measured = capacity.traced_peak(lambda: train_kl(student, teacher, batches, train, s, lora=(4, 8))) + weights
+    assert "distill (KL)" in capsys.readouterr().err  # a real run does
     assert predicted.bytes == pytest.approx(measured, rel=0.1)
     assert predicted.per_sample > 40 * teacher.config.vocab_size * 4  # at least the student's logits
 

@@ -233,7 +233,7 @@ def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2):
     from dofla.train import train_direct
 
     return model_step(student_of, teacher, seq_len, lambda student, _, tokens: train_direct(
-        student, tokens, replace(cfg, steps=steps, batch_size=len(tokens), micro_batch_size=None)))
+        student, tokens, replace(cfg, steps=steps, batch_size=len(tokens), micro_batch_size=None), progress=False))
 
 
 def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weights: int) -> Peak:
@@ -255,7 +255,7 @@ def kl_step_peak(student_of, teacher, layers: int, schedule, train: list[str], l
         batches = SimpleNamespace(next_batch=lambda: tokens, state=dict, restore=lambda _: None,
                                   batch_tokens=tokens.numel())  # the same batch every step
         train_kl(student, cut, batches, train, replace(schedule, steps=2, micro_batch_size=len(tokens),
-                                                               log_every=2, warmup_steps=0), lora=lora)
+                                                               log_every=2, warmup_steps=0), lora=lora, progress=False)
 
     step = model_step(student_of, teacher, seq_len, run)
     return _fit("distill", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,

@@ -59,14 +59,15 @@ class RandomRows:
 
 
 def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path | None = None,
-                 meta: dict | None = None, on_log: Log | None = None) -> list[dict]:
+                 meta: dict | None = None, on_log: Log | None = None, progress: bool = True) -> list[dict]:
     """Next-token training of the student's feature maps; returns the curve.
 
     ``tokens``: a (S, L) tensor (``cfg.steps`` steps of ``cfg.batch_size`` random rows), or a batch
     source like ``RandomRows`` (``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``) such
     as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint
     records ``meta`` (the settings) and the source's position; one written with other settings is
-    ignored. ``on_log`` gets the loss, tokens/s and ETA every ``cfg.log_every`` steps.
+    ignored. ``on_log`` gets the loss, tokens/s and ETA every ``cfg.log_every`` steps; ``progress=False``
+    hides the bar (the memory preflight's probe steps).
     """
     groups = feature_param_groups(student, cfg)
     if not groups or cfg.steps == 0:
@@ -86,7 +87,7 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
     student.eval()
     # counted in tokens, so the bar shows tokens done, tokens/s and the ETA
     bar = tqdm(total=cfg.steps * batches.batch_tokens, initial=step * batches.batch_tokens, desc="train (direct)",
-               unit="tok", unit_scale=True, disable=not distributed.is_main())
+               unit="tok", unit_scale=True, disable=not (progress and distributed.is_main()))
     live = Live(on_log, cfg.log_every, cfg.steps * batches.batch_tokens, step * batches.batch_tokens,
                 reduce=distributed.mean_across)
     for step in range(step, cfg.steps):

@@ -204,13 +204,14 @@ def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch
 
 def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,
              meta: dict | None = None, lora: tuple[int, int] = (8, 16),
-             on_log: Callable[[dict], None] | None = None, data_parallel: bool = False):
+             on_log: Callable[[dict], None] | None = None, data_parallel: bool = False, progress: bool = True):
     """Distil ``teacher`` into ``student`` for ``s.steps`` batches of ``batches`` (a ``BatchStream``-like
     source: ``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``).
 
     Returns (the trained student, the curve, the tokens trained on). Resumes from ``checkpoint_path``
     when it was written with ``meta``. A source that runs out ends the stage early, saying so; the
-    tokens returned are the ones actually used. ``data_parallel``: torchrun's ranks share every batch
+    tokens returned are the ones actually used. ``progress=False`` hides the bar (the memory preflight's
+    probe steps). ``data_parallel``: torchrun's ranks share every batch
     (each its rows ``rank::world``; every rank must call this alike; rank 0 writes the checkpoint and
     the KL logged is the batch's, the mean over the ranks).
     """
@@ -233,7 +234,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     model.eval()  # dropout off: the target is the teacher's deterministic distribution
     teacher.eval()
     bar = tqdm(total=s.steps * batches.batch_tokens, initial=tokens, desc="distill (KL)", unit="tok", unit_scale=True,
-               disable=not distributed.is_main())
+               disable=not (progress and distributed.is_main()))
     pending: list[tuple[int, torch.Tensor]] = []
 
     def flush():
