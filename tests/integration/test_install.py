@@ -70,6 +70,17 @@ def test_installed_help_lists_the_config_groups(installed):
     assert "allocation: dof, dof_clip" in out and "powered by Hydra" not in out.splitlines()[0]
 
 
+def test_every_config_directory_is_a_declared_package():
+    """setuptools packs a directory of data files only as a declared package (an undeclared one is
+    packed with a deprecation warning today, and not at all once the warning's grace period ends)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    directories = {"dofla.conf" + "".join("." + part for part in d.relative_to(ROOT / "conf").parts)
+                   for d in [ROOT / "conf", *(ROOT / "conf").rglob("*")] if d.is_dir() and d.name != "__pycache__"}
+    missing = sorted(directories - declared)
+    assert not missing, f"add these config directories to [tool.setuptools] packages in pyproject.toml: {missing}"
+
+
 def test_wheel_holds_every_package_and_config_file(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
     packages = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src").rglob("__init__.py")}
