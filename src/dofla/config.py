@@ -50,6 +50,7 @@ class AttentionConfig:
     sinks: int = 0  # exact softmax also over the first `sinks` tokens (hybrid, sliding_window)
     chunk_size: Any = 128  # linear kernel's chunk (128: fastest here); auto: timed once per machine
     gate: str = "none"  # none | scalar (linear, hybrid: a per-head decay of the linear state, trained by distill=kl)
+    linear_scale: str = "fixed"  # fixed | learned (hybrid: a per-head weight of the linear part, trained by distill=kl)
 
 
 @dataclass
@@ -175,18 +176,17 @@ class DistillConfig:
     train: List[str] = field(default_factory=lambda: ["features", "attention"])  # features | attention | lora
     lr: float = 1e-4  # attention projections, LoRA
     feature_lr: float = 1e-3  # feature maps
+    scale_lr: float = 0.05  # a hybrid's learned linear scale (attention.linear_scale: a log scale, moves by O(1))
     temperature: float = 1.0
     warmup_steps: int = 10
     schedule: str = "cosine"  # constant | cosine (to 10 % of the peak)
     grad_clip: float = 1.0  # 0: no clipping (and no non-finite guard)
-    # tokens of the training text skipped before the stream starts (None: the ones the layerwise
-    # stage read, so distillation sees fresh text)
+    # tokens of the training text skipped first (None: the ones the layerwise stage read: distil on fresh text)
     offset: Optional[int] = None
     lora_rank: int = 8
     lora_alpha: int = 16
-    # hybrid students: the probability that a layer runs without its exact window and sinks for a
-    # step (pure linear, so its linear part must carry every key); moves linearly to
-    # window_dropout_end over the steps when that is set
+    # hybrid students: the probability that a layer runs without its exact window and sinks for a step (pure
+    # linear, so its linear part must carry every key); moves linearly to window_dropout_end when that is set
     window_dropout: float = 0.0
     window_dropout_end: Optional[float] = None
     checkpoint_every: int = 50
@@ -266,11 +266,9 @@ class RunConfig:
     device: str = "auto"
     # training arithmetic: fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 master weights; dofla.precision)
     precision: str = "fp32"
-    stages: list[str] = field(
-        # dof is computed when the allocation policy needs it (dofla.validate.stage_plan); list it to
-        # run Algorithm 1 under fix too
-        default_factory=lambda: ["cache", "allocate", "train", "assemble", "distill", "finetune", "eval", "report"]
-    )
+    # dof runs when the allocation policy needs it (dofla.validate.stage_plan); list it to run Algorithm 1 under fix
+    stages: list[str] = field(default_factory=lambda: ["cache", "allocate", "train", "assemble", "distill", "finetune",
+                                                       "eval", "report"])
     experiment: Optional[str] = None
 
 
@@ -295,6 +293,8 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("distill", "window_dropout_end"): None,
     ("distill", "logit_chunk"): 0,
     ("attention", "gate"): "none",
+    ("attention", "linear_scale"): "fixed",
+    ("distill", "scale_lr"): 0.05,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

@@ -1,5 +1,5 @@
-"""Value checks of the training options: the distill stage, how a hybrid's linear part learns and the
-decay gate (part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
+"""Value checks of the training options: the distill stage, how a hybrid's linear part learns, the
+decay gate and the linear scale (part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
 from __future__ import annotations
 
 from dofla.config import RunConfig
@@ -22,6 +22,7 @@ def validate_training(cfg: RunConfig) -> None:
     _validate_distill(cfg)
     _validate_hybrid_training(cfg)
     _validate_gate(cfg)
+    _validate_linear_scale(cfg)
     _validate_compile(cfg)
 
 
@@ -65,6 +66,22 @@ def _validate_gate(cfg: RunConfig) -> None:
     require(d.name == "kl" and "gate" in d.train, f"attention.gate={a.gate} starts closed (the ungated student) "
             f"and only the distill stage trains it: set distill=kl and name gate in distill.train (now "
             f"distill={d.name}, distill.train={list(d.train)})")
+
+
+def _validate_linear_scale(cfg: RunConfig) -> None:
+    from dofla.models.spec import LINEAR_SCALES
+
+    a, d = cfg.attention, cfg.distill
+    one_of("attention.linear_scale", a.linear_scale, LINEAR_SCALES)
+    if a.linear_scale == "fixed":
+        return
+    hybrid = (a.name == "hybrid" or (a.name == "linear" and a.window > 0)) and cfg.feature_map.name != "softmax"
+    require(hybrid, f"attention.linear_scale={a.linear_scale} weighs a hybrid's linear part against its window; "
+            f"attention={a.name} has no such part (in pure linear attention a scale cancels), use attention=hybrid "
+            "or attention.linear_scale=fixed")
+    require(d.name == "kl" and "features" in d.train, f"attention.linear_scale={a.linear_scale} starts at 1 (the "
+            f"unscaled student) and the distill stage trains it with the features: set distill=kl and name features "
+            f"in distill.train (now distill={d.name}, distill.train={list(d.train)})")
 
 
 def _validate_hybrid_training(cfg: RunConfig) -> None:

@@ -88,6 +88,12 @@ BAD_BEFORE_MODEL = [
     ({"attention__gate": "scalar", "attention__name": "sliding_window", "attention__window": 64, "distill__name": "kl",
       "distill__train": ["features", "gate"]}, "attention.gate"),  # no linear state to decay
     ({"train__compile": True, "loss__name": "direct"}, "train.compile"),  # no layer loss to compile
+    ({"attention__linear_scale": "per_token"}, "attention.linear_scale"),
+    ({"attention__linear_scale": "learned", "distill__name": "kl"}, "attention.linear_scale"),  # pure linear: cancels
+    ({"attention__linear_scale": "learned", "attention__name": "hybrid", "attention__window": 64},
+     "attention.linear_scale"),  # no distill stage to train it
+    ({"attention__linear_scale": "learned", "attention__name": "hybrid", "attention__window": 64, "distill__name": "kl",
+      "distill__train": ["attention"]}, "attention.linear_scale"),  # trains with the features, not named
 ]
 
 
@@ -129,6 +135,11 @@ def test_good_defaults_pass():
 @pytest.mark.parametrize("form", [{}, {"attention__name": "hybrid", "attention__window": 64}], ids=["linear", "hybrid"])
 def test_a_gate_distilled_by_kl_passes_on_linear_and_hybrid_layers(form):
     validate_config(_cfg(attention__gate="scalar", distill__name="kl", distill__train=["features", "gate"], **form))
+
+
+def test_a_learned_linear_scale_distilled_by_kl_passes_on_a_hybrid():
+    validate_config(_cfg(attention__linear_scale="learned", attention__name="hybrid", attention__window=64,
+                         distill__name="kl", distill__train=["features", "attention"]))
 
 
 def test_unwritable_output_dir(tmp_path):

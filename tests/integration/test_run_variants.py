@@ -229,9 +229,12 @@ def test_a_hybrid_trained_against_full_attention_shares_the_linear_runs_layers(t
     assert not rows[-1].endswith("| +0.0000 ± 0.0000 |")  # removing the linear part changes the loss
 
 
+HYBRID_RUN = ("attention=hybrid", "attention.window=8", "attention.sinks=2")
+
+
 @pytest.mark.long
-@pytest.mark.parametrize("form", [(), ("attention=hybrid", "attention.window=8", "attention.sinks=2")],
-                         ids=["linear", "hybrid"])
+@pytest.mark.parametrize("form", [(), HYBRID_RUN, (*HYBRID_RUN, "attention.linear_scale=learned")],
+                         ids=["linear", "hybrid", "hybrid with a learned linear scale"])
 def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
     layers = tmp_path / "layers"
     _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", *form, name="ungated")
@@ -246,7 +249,11 @@ def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
     assert student.config.dofla["gate"] == "scalar"
     alphas = torch.cat([a.gate.alpha for a in student.student_attentions()])
     assert (alphas >= 0).all() and alphas.max() > 0
-    assert "decay gate" in (run_dir / "student_distilled" / "README.md").read_text()
+    card = (run_dir / "student_distilled" / "README.md").read_text()
+    assert "decay gate" in card
+    if "attention.linear_scale=learned" in form:  # the same layers, and the scale trained with the features
+        assert student.config.dofla["linear_scale"] == "learned" and "learned per-head scale" in card
+        assert torch.cat([a.linear_log_scale for a in student.student_attentions()]).abs().max() > 0
     assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])
 
 

@@ -77,7 +77,8 @@ def blocks(feature_map) -> list[tuple[FeatureMap, list[int] | None]]:
 def for_each_block(feature_map, fn: Callable, *per_head: torch.Tensor, state=None):
     """Run ``fn(block_map, *tensors_of_its_heads, state=block_state) -> (out, state)`` per block.
 
-    ``per_head`` tensors are (B, H, ...) with every query head's data (GQA keys already expanded).
+    ``per_head`` tensors are (B, H, ...) with every query head's data (GQA keys already expanded);
+    a None among them is passed on as None.
     A plain feature map is one block. Outputs are put back in head order; states come back as a
     :class:`BlockState` (one per block) for decoding.
     """
@@ -86,7 +87,7 @@ def for_each_block(feature_map, fn: Callable, *per_head: torch.Tensor, state=Non
     outs, states = [], []
     for b, (block, heads) in enumerate(blocks(feature_map)):
         index = torch.tensor(heads, device=per_head[0].device)
-        sub = [t.index_select(1, index) for t in per_head]
+        sub = [None if t is None else t.index_select(1, index) for t in per_head]
         out, block_state = fn(block, *sub, state=None if state is None else state.blocks[b])
         outs.append(out)
         states.append(block_state)

@@ -65,6 +65,8 @@ def _attention(spec: dict) -> str:
     exact = (f"; layers {', '.join(map(str, kept))} exact softmax (they keep a key/value cache when decoding)"
              if kept else "")
     gate = ", with a per-head decay gate on the state" if spec.get("gate", "none") != "none" else ""
+    if spec.get("linear_scale", "fixed") == "learned":
+        gate += ", weighted against the window by a learned per-head scale"
     if attention == "linear":
         return ("linear (every global layer)" if not kept else "linear") + gate + exact
     return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (

@@ -52,11 +52,13 @@ def softmax_restored(model: PreTrainedModel, layer: int | None):
     try:
         yield model
     finally:
-        attn.feature_map, attn.window, attn.sinks, attn.softcap = before
+        attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale = before
 
 
 def _make_exact(attn: StudentAttention, softcap: float | None) -> tuple:
-    """Switch ``attn`` to the softmax mode (no features, window or sinks); returns what it had."""
-    before = (attn.feature_map, attn.window, attn.sinks, attn.softcap)
-    attn.feature_map, attn.window, attn.sinks, attn.softcap = None, 0, 0, softcap
+    """Switch ``attn`` to the softmax mode (no features, window, sinks, gate or linear scale: a saved
+    student's exact layers have none); returns what it had."""
+    before = (attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale)
+    attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale = (
+        None, 0, 0, softcap, None, None)
     return before

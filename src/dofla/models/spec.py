@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from dofla.attention import ATTENTION_FORMS
 
 FORMAT_VERSION = 1
+LINEAR_SCALES = ("fixed", "learned")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ConversionSpec:
     sinks: int = 0
     softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
     gate: str = "none"  # none | scalar: a per-head decay of each linear or hybrid layer's linear state
+    linear_scale: str = "fixed"  # fixed | learned: a per-head weight of each hybrid layer's linear part
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:
@@ -45,6 +47,9 @@ def check_spec(spec: ConversionSpec) -> None:
     if spec.gate != "none" and (spec.attention == "sliding_window" or spec.feature_map == "softmax"):
         raise ValueError(f"gate={spec.gate!r} decays a linear state (linear or hybrid layers); attention="
                          f"{spec.attention!r} with feature_map={spec.feature_map!r} has none, set gate='none'")
+    if spec.linear_scale not in LINEAR_SCALES or (spec.linear_scale == "learned" and spec.attention != "hybrid"):
+        raise ValueError(f"linear_scale={spec.linear_scale!r} must be one of {', '.join(LINEAR_SCALES)}, and learned "
+                         f"only with hybrid attention (it weighs the linear part against the window); set fixed")
     if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
         raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
                          "attention; set sinks=0 or choose one of those")

@@ -194,7 +194,8 @@ def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int
         seed=spec.seed + i, **spec.feature_map_options,
     )
     return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                            softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]))
+                            softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]),
+                            learned_scale=spec.linear_scale == "learned")
 
 
 def convert(
@@ -209,6 +210,7 @@ def convert(
     sinks: int = 0,
     softmax_layers: list | None = None,
     gate: str = "none",
+    linear_scale: str = "fixed",
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a student and return it.
 
@@ -226,7 +228,8 @@ def convert(
     ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
     ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache);
     ``gate="scalar"`` gives each linear or hybrid layer a per-head decay of its linear state, starting
-    closed (no decay).
+    closed (no decay); ``linear_scale="learned"`` gives each hybrid layer a per-head weight e^β of its
+    linear part against the exact window, starting at 1.
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
@@ -234,7 +237,8 @@ def convert(
     geometry = get_adapter(model).geometry(model.config)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
     spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window,
-                          attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []), gate=gate)
+                          attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []), gate=gate,
+                          linear_scale=linear_scale)
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

@@ -73,6 +73,7 @@ class StudentAttention(nn.Module):
         sinks: int = 0,
         softcap: float | None = None,
         gate: nn.Module | None = None,
+        learned_scale: bool = False,
     ):
         super().__init__()
         if gate is not None and feature_map is None:
@@ -87,6 +88,11 @@ class StudentAttention(nn.Module):
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
         self.gate = gate  # linear and hybrid: a per-head decay of the linear state (dofla.attention.gate), or None
+        if learned_scale and (feature_map is None or window < 1):
+            raise ValueError("a learned linear scale weighs a hybrid's linear part against its exact window; this "
+                             "layer has none (in pure linear attention a per-head scale cancels): drop it")
+        # hybrid: per-head log scale β_h of the linear kernel (e^β K̂ against the window's e^{q·k/√d}), from 0
+        self.linear_log_scale = nn.Parameter(torch.zeros(num_heads)) if learned_scale else None
         # Set by the student model's forward for the duration of a call.
         self.cache_layer: RecurrentLayer | None = None
         self.key_valid: torch.Tensor | None = None
@@ -122,14 +128,18 @@ class StudentAttention(nn.Module):
             return sliding_window_chunked(q, k, v, self.window, self.sinks, self.chunk_size, state,
                                           key_valid=key_valid, softcap=softcap)
         attend = functools.partial(self._attend, key_valid=key_valid)
-        if self.gate is None:
-            return for_each_block(self.feature_map, attend, q, k, v, state=state)
-        return for_each_block(self.feature_map, attend, q, k, v, self.gate(v), state=state)
+        log_decay = None if self.gate is None else self.gate(v)
+        scale = None if self.linear_log_scale is None else self.linear_log_scale.expand(q.shape[0], -1)
+        return for_each_block(self.feature_map, attend, q, k, v, log_decay, scale, state=state)
 
-    def _attend(self, feature_map: FeatureMap, q, k, v, log_decay=None, state: State | None = None, key_valid=None):
-        """Linear (or hybrid) attention of heads sharing one feature map; log_decay (B, H, T) the gate's."""
+    def _attend(self, feature_map: FeatureMap, q, k, v, log_decay=None, log_scale=None, state: State | None = None,
+                key_valid=None):
+        """Linear (or hybrid) attention of heads sharing one feature map; log_decay (B, H, T) the gate's,
+        log_scale (B, H) the hybrid's learned linear scale (None: 0)."""
         log_q = feature_map.log_features(q)
         log_k = feature_map.log_features(k)
+        if log_scale is not None:  # e^β on every older key's kernel: log q̂ + β (the exact part reads q, k)
+            log_q = log_q + log_scale.to(log_q.dtype)[:, :, None, None]
         if self.window > 0:
             extra = {} if key_valid is None else {"key_valid": key_valid}
             if self.sinks:

@@ -60,8 +60,8 @@ def schedule(ctx: RunContext, batch_tokens: int):
 
     d = ctx.cfg.distill
     return DistillSchedule(steps=max(1, d.tokens // batch_tokens), micro_batch_size=d.micro_batch_size or d.batch_size,
-                           lr=d.lr, feature_lr=d.feature_lr, temperature=d.temperature, warmup_steps=d.warmup_steps,
-                           schedule=d.schedule, grad_clip=d.grad_clip, log_every=d.log_every,
+                           lr=d.lr, feature_lr=d.feature_lr, scale_lr=d.scale_lr, temperature=d.temperature,
+                           warmup_steps=d.warmup_steps, schedule=d.schedule, grad_clip=d.grad_clip, log_every=d.log_every,
                            checkpoint_every=d.checkpoint_every, precision=ctx.cfg.precision,
                            window_dropout=d.window_dropout, window_dropout_end=d.window_dropout_end, seed=ctx.cfg.seed,
                            logit_chunk=d.logit_chunk)

@@ -27,12 +27,12 @@ IN_KEY: dict[str, tuple[str, ...]] = {
     "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens",
              "shuffle_seed"),
     "feature_map": ("name", "options"),
-    "attention": ("name", "window", "sinks", "chunk_size", "gate"),
+    "attention": ("name", "window", "sinks", "chunk_size", "gate", "linear_scale"),
     "loss": ("name", "options"),
     "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
               "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
               "max_steps", "teacher_dtype", "hybrid_target"),
-    "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "temperature",
+    "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
                 "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
                 "window_dropout_end"),
     "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
@@ -135,8 +135,9 @@ def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
 def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     """What determines the assembled student: the teacher, the attention and the trained layers."""
     attention = section(cfg, "attention")
-    if attention["gate"] == LEGACY_VALUES[("attention", "gate")]:
-        del attention["gate"]  # absent when ungated, as before the option existed
+    for option in ("gate", "linear_scale"):  # absent at their defaults, as before the options existed
+        if attention[option] == LEGACY_VALUES[("attention", option)]:
+            del attention[option]
     settings = {"model": section(cfg, "model"), "attention": attention, "layers": layer_settings(cfg, cache_key, dims)}
     if cfg.allocation.softmax_layers:  # absent at 0, as before the option existed
         a = cfg.allocation

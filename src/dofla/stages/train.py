@@ -236,4 +236,4 @@ def make_student(cfg: RunConfig, teacher, dims):
                    feature_map_options=dict(cfg.feature_map.options),
                    chunk_size=chunk_size(cfg, teacher, dims), seed=cfg.seed,
                    window=cfg.attention.window, attention=cfg.attention.name, sinks=cfg.attention.sinks,
-                   gate=cfg.attention.gate)
+                   gate=cfg.attention.gate, linear_scale=cfg.attention.linear_scale)

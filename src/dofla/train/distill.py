@@ -7,7 +7,8 @@ the strongest published conversions: short attention alignment, then most tokens
 
 What trains is named by the config: ``features`` (every layer's feature map), ``attention`` (the
 attention projections, fully), ``lora`` (low-rank adapters on them, merged on return), ``gate``
-(the decay gates of a gated student, at the feature maps' rate). Everything else is frozen. The
+(the decay gates of a gated student, at the feature maps' rate); a hybrid's learned linear scale
+trains with the features, at its own rate. Everything else is frozen. The
 teacher's logits are computed on the fly, never stored. Batches are micro-batched
 (gradient accumulation), so the effective batch does not set the peak memory. Under torchrun
 (``data_parallel``) every rank reads the same batches, runs teacher and student on its own rows of
@@ -46,6 +47,7 @@ class DistillSchedule:
     micro_batch_size: int
     lr: float  # attention projections / LoRA
     feature_lr: float  # feature maps
+    scale_lr: float = 0.05  # a hybrid's learned linear scale
     temperature: float = 1.0
     warmup_steps: int = 0
     schedule: str = "cosine"  # constant | cosine (to 10 % of the peak, after warm-up)
@@ -131,6 +133,11 @@ def feature_parameters(student) -> list[nn.Parameter]:
             for p in attn.feature_map.parameters()]
 
 
+def scale_parameters(student) -> list[nn.Parameter]:
+    """Each hybrid layer's learned linear scale (``attention.linear_scale``), trained with the features."""
+    return [attn.linear_log_scale for attn in student.student_attentions() if attn.linear_log_scale is not None]
+
+
 def gate_parameters(student) -> list[nn.Parameter]:
     """The decay gates' parameters (``attention.gate``; none in an ungated student)."""
     return [p for attn in student.student_attentions() if getattr(attn, "gate", None) is not None
@@ -161,7 +168,7 @@ def prepare_trainable(student, train: list[str], lora_rank: int = 8, lora_alpha:
     if "attention" in train:
         groups.append(("attention", attention_projections(student)))
     if "features" in train:
-        groups.append(("features", feature_parameters(student)))
+        groups += [("features", feature_parameters(student)), ("scale", scale_parameters(student))]
     if "gate" in train:
         groups.append(("gate", gate_parameters(student)))
     groups = [(name, params) for name, params in groups if params]
@@ -217,7 +224,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     """
     split = data_parallel and distributed.world() > 1
     model, named = prepare_trainable(student, train, *lora)
-    rates = {"features": s.feature_lr, "gate": s.feature_lr, "attention": s.lr, "lora": s.lr}
+    rates = {"features": s.feature_lr, "scale": s.scale_lr, "gate": s.feature_lr, "attention": s.lr, "lora": s.lr}
     optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
     params = [p for _, group in named for p in group]
     names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
