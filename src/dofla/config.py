@@ -176,7 +176,7 @@ class DistillConfig:
     train: List[str] = field(default_factory=lambda: ["features", "attention"])  # features | attention | lora
     lr: float = 1e-4  # attention projections, LoRA
     feature_lr: float = 1e-3  # feature maps
-    scale_lr: float = 0.05  # a hybrid's learned linear scale (attention.linear_scale: a log scale, moves by O(1))
+    scale_lr: float = 0.1  # a hybrid's learned linear scale (attention.linear_scale: a log scale, moves by O(1))
     temperature: float = 1.0
     warmup_steps: int = 10
     schedule: str = "cosine"  # constant | cosine (to 10 % of the peak)
@@ -294,7 +294,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("distill", "logit_chunk"): 0,
     ("attention", "gate"): "none",
     ("attention", "linear_scale"): "fixed",
-    ("distill", "scale_lr"): 0.05,
+    ("distill", "scale_lr"): 0.1,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

@@ -47,7 +47,7 @@ class DistillSchedule:
     micro_batch_size: int
     lr: float  # attention projections / LoRA
     feature_lr: float  # feature maps
-    scale_lr: float = 0.05  # a hybrid's learned linear scale
+    scale_lr: float = 0.1  # a hybrid's learned linear scale
     temperature: float = 1.0
     warmup_steps: int = 0
     schedule: str = "cosine"  # constant | cosine (to 10 % of the peak, after warm-up)
