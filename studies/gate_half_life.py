@@ -1,5 +1,5 @@
 """What did a gated student's decay gate learn? Per layer: the gate strengths α, the mean log decay per
-token on held-out text and the heads' memory half-lives.
+token on held-out text and the heads' memory half-lives (and a hybrid's learned linear scales β, if any).
 
 ``python -m studies.gate_half_life RUN [--seqs 2] [--out FILE]``
 
@@ -40,21 +40,30 @@ def gate_statistics(model, tokens: torch.Tensor) -> list[dict]:
         per_head = torch.cat([d.mean(dim=2) for d in decays[layer]]).mean(0)  # (H,) mean log decay per token
         half_lives = [math.log(2) / -x if x < 0 else math.inf for x in per_head.tolist()]
         alpha = attention.gate.alpha.detach().float()
-        rows.append({"layer": layer, "alpha": (alpha.min().item(), alpha.median().item(),
-                                                            alpha.max().item()),
-                     "decay": per_head.mean().item(), "half_lives": half_lives})
+        beta = attention.linear_log_scale
+        rows.append({"layer": layer, "alpha": _spread(alpha), "decay": per_head.mean().item(),
+                     "half_lives": half_lives, "scale": None if beta is None else _spread(beta.detach().float())})
     return rows
 
 
+def _spread(x: torch.Tensor) -> tuple[float, float, float]:
+    return x.min().item(), x.median().item(), x.max().item()
+
+
 def table(rows: list[dict], short: int = 512) -> str:
+    scaled = any(r.get("scale") is not None for r in rows)
     lines = ["| layer | α min / median / max | mean log decay per token | median half-life (tokens) | "
-             f"heads with half-life < {short} |", "|---|---|---|---|---|"]
+             f"heads with half-life < {short} |" + (" linear scale β min / median / max |" if scaled else ""),
+             "|---|---|---|---|---|" + ("---|" if scaled else "")]
     for r in rows:
         lives = sorted(r["half_lives"])
         median = lives[(len(lives) - 1) // 2]
         share = sum(h < short for h in lives) / len(lives)
+        beta = r.get("scale")
         lines.append(f"| {r['layer']} | {r['alpha'][0]:.4f} / {r['alpha'][1]:.4f} / {r['alpha'][2]:.4f} | "
-                     f"{r['decay']:.4f} | {median:.0f} | {share:.0%} |")
+                     f"{r['decay']:.4f} | {median:.0f} | {share:.0%} |"
+                     + ((" – |" if beta is None else f" {beta[0]:+.2f} / {beta[1]:+.2f} / {beta[2]:+.2f} |") if scaled
+                        else ""))
     return "\n".join(lines)
 
 

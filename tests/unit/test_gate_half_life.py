@@ -11,8 +11,9 @@ from dofla.models.tiny import build_tiny_model
 from studies.gate_half_life import gate_statistics, table
 
 
-def _student(gate="scalar"):
-    return convert(build_tiny_model("llama", seed=0), feature_map="hedgehog", dims=[16, 16], chunk_size=4, gate=gate)
+def _student(gate="scalar", **form):
+    return convert(build_tiny_model("llama", seed=0), feature_map="hedgehog", dims=[16, 16], chunk_size=4, gate=gate,
+                   **form)
 
 
 def test_a_closed_gate_never_forgets_and_an_open_one_has_the_half_life_of_its_decay():
@@ -38,3 +39,16 @@ def test_a_closed_gate_never_forgets_and_an_open_one_has_the_half_life_of_its_de
 def test_an_ungated_student_is_refused_in_one_sentence():
     with pytest.raises(SystemExit, match="no decay gate"):
         gate_statistics(_student("none"), torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_learned_linear_scale_gets_its_column():
+    tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    student = _student(attention="hybrid", window=4, linear_scale="learned")
+    with torch.no_grad():
+        for attention in student.student_attentions():
+            attention.linear_log_scale.copy_(torch.tensor([-2.0, -1.0, 0.5, 1.5]))
+    rows = gate_statistics(student, tokens)
+    assert rows[0]["scale"] == pytest.approx((-2.0, -1.0, 1.5))  # min, median (lower middle), max
+    lines = table(rows).splitlines()
+    assert lines[0].endswith("linear scale β min / median / max |") and lines[2].endswith("| -2.00 / -1.00 / +1.50 |")
+    assert "linear scale" not in table(gate_statistics(_student(), tokens))
