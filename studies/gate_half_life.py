@@ -60,10 +60,9 @@ def table(rows: list[dict], short: int = 512) -> str:
         median = lives[(len(lives) - 1) // 2]
         share = sum(h < short for h in lives) / len(lives)
         beta = r.get("scale")
+        scale = "" if not scaled else " – |" if beta is None else f" {beta[0]:+.2f} / {beta[1]:+.2f} / {beta[2]:+.2f} |"
         lines.append(f"| {r['layer']} | {r['alpha'][0]:.4f} / {r['alpha'][1]:.4f} / {r['alpha'][2]:.4f} | "
-                     f"{r['decay']:.4f} | {median:.0f} | {share:.0%} |"
-                     + ((" – |" if beta is None else f" {beta[0]:+.2f} / {beta[1]:+.2f} / {beta[2]:+.2f} |") if scaled
-                        else ""))
+                     f"{r['decay']:.4f} | {median:.0f} | {share:.0%} |{scale}")
     return "\n".join(lines)
 
 

@@ -68,6 +68,12 @@ def _validate_gate(cfg: RunConfig) -> None:
             f"distill={d.name}, distill.train={list(d.train)})")
 
 
+def _has_hybrid_layers(cfg: RunConfig) -> bool:
+    """attention=hybrid, or linear with a window (what it meant before ``attention.name`` existed)."""
+    a = cfg.attention
+    return a.name == "hybrid" or (a.name == "linear" and a.window > 0)
+
+
 def _validate_linear_scale(cfg: RunConfig) -> None:
     from dofla.models.spec import LINEAR_SCALES
 
@@ -75,8 +81,7 @@ def _validate_linear_scale(cfg: RunConfig) -> None:
     one_of("attention.linear_scale", a.linear_scale, LINEAR_SCALES)
     if a.linear_scale == "fixed":
         return
-    hybrid = (a.name == "hybrid" or (a.name == "linear" and a.window > 0)) and cfg.feature_map.name != "softmax"
-    require(hybrid, f"attention.linear_scale={a.linear_scale} weighs a hybrid's linear part against its window; "
+    require(_has_hybrid_layers(cfg) and cfg.feature_map.name != "softmax", f"attention.linear_scale={a.linear_scale} weighs a hybrid's linear part against its window; "
             f"attention={a.name} has no such part (in pure linear attention a scale cancels), use attention=hybrid "
             "or attention.linear_scale=fixed")
     require(d.name == "kl" and "features" in d.train, f"attention.linear_scale={a.linear_scale} starts at 1 (the "
@@ -87,7 +92,7 @@ def _validate_linear_scale(cfg: RunConfig) -> None:
 def _validate_hybrid_training(cfg: RunConfig) -> None:
     a, target = cfg.attention, cfg.train.hybrid_target
     one_of("train.hybrid_target", target, HYBRID_TARGETS)
-    hybrid = a.name == "hybrid" or (a.name == "linear" and a.window > 0)
+    hybrid = _has_hybrid_layers(cfg)
     require(target == "hybrid" or hybrid, f"train.hybrid_target={target} trains a hybrid's linear part against "
             f"full attention; attention={a.name} has no hybrid layers, leave it at hybrid")
     require(target == "hybrid" or cfg.loss.name != "direct", "train.hybrid_target=full sets what the layerwise "
