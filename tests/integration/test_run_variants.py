@@ -233,15 +233,16 @@ HYBRID_RUN = ("attention=hybrid", "attention.window=8", "attention.sinks=2")
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("form", [(), HYBRID_RUN, (*HYBRID_RUN, "attention.linear_scale=learned")],
+@pytest.mark.parametrize(("form", "scale"), [((), ()), (HYBRID_RUN, ()),
+                                             (HYBRID_RUN, ("attention.linear_scale=learned",))],
                          ids=["linear", "hybrid", "hybrid with a learned linear scale"])
-def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
-    layers = tmp_path / "layers"
+def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form, scale):
+    layers = tmp_path / "layers"  # the ungated run has no distill stage, so no learned scale either
     _, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "eval.tasks=[]", *form, name="ungated")
     assert result.returncode == 0, result.stderr[-3000:]
     written = {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")}
     run_dir, result = _run(tmp_path, "allocation=fix", f"train.layer_dir={layers}", "attention.gate=scalar", *form,
-                           "distill=kl", "distill.tokens=256", "distill.batch_size=2",
+                           *scale, "distill=kl", "distill.tokens=256", "distill.batch_size=2",
                            "distill.train=[features,attention,gate]", "eval.tasks=[]", name="gated")
     assert result.returncode == 0, result.stderr[-3000:]
     assert {p.name: p.stat().st_mtime_ns for p in layers.glob("layer_*.pt")} == written  # the same layers
@@ -251,7 +252,7 @@ def test_a_gated_run_shares_the_layers_and_distils_the_gate(tmp_path, form):
     assert (alphas >= 0).all() and alphas.max() > 0
     card = (run_dir / "student_distilled" / "README.md").read_text()
     assert "decay gate" in card
-    if "attention.linear_scale=learned" in form:  # the same layers, and the scale trained with the features
+    if scale:  # the same layers, and the scale trained with the features
         assert student.config.dofla["linear_scale"] == "learned" and "learned per-head scale" in card
         assert torch.cat([a.linear_log_scale for a in student.student_attentions()]).abs().max() > 0
     assert math.isfinite(_metrics(run_dir)["eval/student_ppl"])
