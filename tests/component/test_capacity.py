@@ -114,6 +114,29 @@ def test_the_distill_step_peak_extrapolates_from_one_and_two_layers(train, capsy
     assert predicted.per_sample > 40 * teacher.config.vocab_size * 4  # at least the student's logits
 
 
+def test_a_batch_of_one_sequence_is_traced_at_micro_batch_1_only(monkeypatch):
+    """Batch 1 never runs a larger micro-batch: two traces (one and two layers) instead of four, and the
+    same prediction at micro-batch 1 as the four-trace fit."""
+    from dofla.train.distill import DistillSchedule
+
+    teacher = build_tiny_model("llama", seed=0, num_layers=3)
+
+    def student_of(model):
+        return convert(copy.deepcopy(model), feature_map="hedgehog", dims=[16] * model.config.num_hidden_layers)
+
+    traced, calls = capacity.traced_peak, []
+    monkeypatch.setattr(capacity, "traced_peak", lambda step: calls.append(step) or traced(step))
+    s = DistillSchedule(steps=2, micro_batch_size=None, lr=1e-4, feature_lr=1e-3)
+    one = capacity.kl_step_peak(student_of, teacher, 3, s, ["features", "attention"], (4, 8), 40, 1000, batch_size=1)
+    assert len(calls) == 2 and one.per_sample is None and one.micro_batch == 1
+    both = capacity.kl_step_peak(student_of, teacher, 3, replace(s, micro_batch_size=1), ["features", "attention"],
+                                 (4, 8), 40, 1000, batch_size=2)
+    assert len(calls) == 6 and both.per_sample > 0
+    assert one.bytes == pytest.approx(both.bytes, rel=1e-3)
+    with pytest.raises(ValueError, match="micro-batch 1 only"):
+        one.at(2).bytes
+
+
 def test_the_largest_micro_batch_that_fits_divides_the_batch():
     peak = capacity.Peak("train", fixed=100, per_sample=10, micro_batch=8)
     assert peak.bytes == 180 and peak.at(2).bytes == 120
@@ -228,6 +251,14 @@ def test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_bat
     assert (tmp_path / "auto" / "run" / "student_distilled").exists()
     with pytest.raises(DoesNotFitError, match="distill stage does not fit .* use distill.logit_chunk=256"):
         distill_run(tmp_path / "tiny", *fit[:1], f"train.memory_limit_gb={(t['fixed'] + t['per_sample']) / 2**30}")
+
+
+def test_a_distill_batch_of_one_sequence_is_sized_whole(tmp_path, capsys):
+    distill_run(tmp_path, "distill.batch_size=1")
+    assert "the distill stage needs" in (out := capsys.readouterr().out) and "(a batch of one sequence)" in out
+    d = json.loads((tmp_path / "run" / "preflight.json").read_text())["distill"]
+    assert d["per_sample"] is None and d["predicted"] == d["fixed"] and d["fits"] == 1
+    assert (tmp_path / "run" / "student_distilled").exists()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])

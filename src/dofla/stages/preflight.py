@@ -134,9 +134,10 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     fitting = capacity.largest_fitting(peak, batch, limit)
     micro = fitting if auto else (setting or batch)
     need = peak.at(micro or 1)
+    split = "a batch of one sequence" if need.per_sample is None else \
+        f"{size(need.fixed)} weights and optimiser state + {micro or 1} × {size(need.per_sample)} per sequence"
     print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the {stage} stage needs "
-          f"≈ {size(need.bytes)} at micro-batch {micro or 1} ({size(need.fixed)} weights and optimiser state + "
-          f"{micro or 1} × {size(need.per_sample)} per sequence); {where}", flush=True)
+          f"≈ {size(need.bytes)} at micro-batch {micro or 1} ({split}); {where}", flush=True)
     records[stage] = {"micro_batch": micro, "batch": batch, "fixed": peak.fixed, "per_sample": peak.per_sample,
                       "predicted": need.bytes, "limit": limit, "fits": fitting}
     if fitting is None:

@@ -3,14 +3,11 @@
 The stage's real step code runs twice (the second step holds the optimiser's state) on the CPU, on
 copies of the teacher cut to 1 and to 2 layers (random weights, the run's sequence length and
 precision), at micro-batches of 1 and 2 sequences, under :class:`PeakTracker`, a dispatch mode
-that adds up the bytes of every tensor storage alive and keeps the peak. A stack of identical
-layers needs memory affine in the number of layers, and a step's memory is affine in the
-micro-batch, so the four traces fix
-
-    peak(layers, micro) = weights + a + b·layers + micro·(c + d·layers)
-
-where the weights (every parameter and buffer alive before the step: teacher, capture copy,
-student, features) are counted from the full models. What is counted is tensor storage: what a CUDA caching allocator must
+that adds up the bytes of every tensor storage alive and keeps the peak. Memory is affine in the
+number of identical layers and in the micro-batch, so the four traces (two when the batch is one
+sequence) fix ``peak(layers, micro) = weights + a + b·layers + micro·(c + d·layers)``, where the weights
+(every parameter and buffer alive before the step: teacher, capture copy, student, features) are
+counted from the full models. What is counted is tensor storage: what a CUDA caching allocator must
 hold at least; its fragmentation and the CUDA context are not modelled (the preflight keeps 10 %
 and 1 GiB of the device free for them). ``tests/component/test_capacity.py`` checks the
 extrapolation against the traced peak of the full step at its real micro-batch.
@@ -102,24 +99,29 @@ def cut_to(model, layers: int):
 @dataclass
 class Peak:
     """A stage's predicted peak at ``micro_batch``: ``fixed`` (weights and optimiser state) plus
-    ``micro_batch × per_sample``."""
+    ``micro_batch × per_sample``; ``per_sample`` None: a batch of one sequence, traced only at micro-batch
+    1, whose whole peak is ``fixed``."""
     stage: str
     fixed: int
-    per_sample: int
+    per_sample: int | None
     micro_batch: int
 
     @property
     def bytes(self) -> int:
-        return self.fixed + self.micro_batch * self.per_sample
+        if self.per_sample is None and self.micro_batch != 1:
+            raise ValueError(f"a peak traced at micro-batch 1 only says nothing of micro-batch {self.micro_batch}")
+        return self.fixed + self.micro_batch * (self.per_sample or 0)
 
     def at(self, micro_batch: int) -> "Peak":
         return replace(self, micro_batch=micro_batch)
 
 
-def _fit(stage: str, trace, layers: int, weights: int, micro_batch: int) -> Peak:
+def _fit(stage: str, trace, layers: int, weights: int, micro_batch: int, batch: int) -> Peak:
     """``trace(depth, micro)``: the traced peak of the step of a ``depth``-layer cut at ``micro`` rows.
     Four traces fix T(n, m) = a + b·n + m·(c + d·n), evaluated at ``layers``; ``weights`` (alive
-    before the step: the models' parameters and buffers) is added."""
+    before the step: the models' parameters and buffers) is added. A ``batch`` of 1 needs T(n, 1) only."""
+    if batch == 1:
+        return Peak(stage, weights + max(0, in_depth(trace(1, 1), trace(2, 1), layers)), None, 1)
     t = {(n, m): trace(n, m) for n in (1, 2) for m in (1, 2)}
     per_sample = {n: max(0, t[n, 2] - t[n, 1]) for n in (1, 2)}
     fixed = {n: max(0, t[n, 1] - per_sample[n]) for n in (1, 2)}
@@ -178,7 +180,7 @@ def stream_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     step = stream_step(teacher, feature_maps, layers, cfg, seq_len, dtype)
     weights = module_bytes(teacher) + capture_bytes + sum(module_bytes(feature_maps[i]) for i in layers)
     return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), len(layers), weights,
-                cfg.micro_batch_size or cfg.batch_size)
+                cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
 
 
 def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, geometry) -> Peak:
@@ -207,7 +209,7 @@ def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
         return traced_peak(steps)
 
     weights = module_bytes(teacher) + sum(module_bytes(feature_maps[i]) for i in layers)
-    return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size)
+    return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
 
 
 def model_step(student_of, teacher, seq_len: int, run):
@@ -241,7 +243,7 @@ def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weight
     cut teacher into its student; ``weights``: the teacher's and the student's bytes (both stay loaded)."""
     step = direct_step(student_of, teacher, cfg, seq_len)
     return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
-                cfg.micro_batch_size or cfg.batch_size)
+                cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
 
 
 def kl_step_peak(student_of, teacher, layers: int, schedule, train: list[str], lora: tuple[int, int],
@@ -259,7 +261,7 @@ def kl_step_peak(student_of, teacher, layers: int, schedule, train: list[str], l
 
     step = model_step(student_of, teacher, seq_len, run)
     return _fit("distill", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
-                schedule.micro_batch_size or batch_size)
+                schedule.micro_batch_size or batch_size, batch_size)
 
 
 def _widest(feature_maps: list, layers: list[int]) -> int:
