@@ -81,7 +81,8 @@ def _validate_linear_scale(cfg: RunConfig) -> None:
     one_of("attention.linear_scale", a.linear_scale, LINEAR_SCALES)
     if a.linear_scale == "fixed":
         return
-    require(_has_hybrid_layers(cfg) and cfg.feature_map.name != "softmax", f"attention.linear_scale={a.linear_scale} weighs a hybrid's linear part against its window; "
+    require(_has_hybrid_layers(cfg) and cfg.feature_map.name != "softmax",
+            f"attention.linear_scale={a.linear_scale} weighs a hybrid's linear part against its window; "
             f"attention={a.name} has no such part (in pure linear attention a scale cancels), use attention=hybrid "
             "or attention.linear_scale=fixed")
     require(d.name == "kl" and "features" in d.train, f"attention.linear_scale={a.linear_scale} starts at 1 (the "
