@@ -130,6 +130,10 @@ def test_two_processes_distil_like_one(tmp_path):
     assert [p["kl"] for p in c2["curve"]] == pytest.approx([p["kl"] for p in c1["curve"]], rel=1e-4, abs=1e-7)
     m1, m2 = _metrics(single), _metrics(ddp)
     assert all(m2[k] == pytest.approx(m1[k], rel=1e-4) for k in m1)
+    # the preflight sizes each process's share: one row per rank is a batch of one sequence (two traces)
+    p1, p2 = (json.loads((d / "preflight.json").read_text())["distill"] for d in (single, ddp))
+    assert (p1["batch"], p2["batch"]) == (2, 1)
+    assert p1["per_sample"] > 0 and p2["per_sample"] is None
 
 
 @pytest.mark.long

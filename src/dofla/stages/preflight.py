@@ -27,9 +27,10 @@ class DoesNotFitError(DoflaError):
     """A training stage cannot fit the device at the configured micro-batch."""
 
 
-def predict(ctx: RunContext, dims: list, micro_batch: int | None):
-    """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch);
-    None when no layer has features to train (Performer's are random and fixed)."""
+def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int | None = None):
+    """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
+    of this process's ``batch`` (None: the configured one); None when no layer has features to train
+    (Performer's are random and fixed)."""
     from dofla.precision import teacher_dtype
     from dofla.stages.train import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import capacity
@@ -38,14 +39,15 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None):
     cfg, teacher = ctx.cfg, ctx.teacher
     # the trace runs the eager loss (compiling inside the trace's dispatch mode would trace the
     # compiler); inductor's fused kernels usually hold fewer buffers, so the eager peak plans safe
+    direct = end_to_end(cfg.loss.name)
+    batch = batch or (cfg.train.direct_batch_size if direct else cfg.train.batch_size)
     train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch,
-                        compile=False)
+                        compile=False, batch_size=batch)
     maps = build_feature_maps(cfg, ctx.geometry, dims)
-    if end_to_end(cfg.loss.name):
+    if direct:
         return capacity.direct_step_peak(
             lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher,
-            ctx.geometry.num_layers, replace(train_cfg, batch_size=cfg.train.direct_batch_size), cfg.data.seq_len,
-            loaded_bytes(teacher, maps))
+            ctx.geometry.num_layers, train_cfg, cfg.data.seq_len, loaded_bytes(teacher, maps))
     layers = [i for i in linear_layers(cfg, ctx.geometry)
               if dims[i] and any(p.requires_grad for p in maps[i].parameters())]
     if not layers:
@@ -65,8 +67,9 @@ def loaded_bytes(teacher, maps: list) -> int:
     return 2 * capacity.module_bytes(teacher) + sum(capacity.module_bytes(m) for m in maps if m is not None)
 
 
-def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None):
-    """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)."""
+def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch: int | None = None):
+    """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
+    of this process's ``batch`` (None: the configured one)."""
     from dofla.stages.distill import schedule
     from dofla.stages.train import build_feature_maps, make_student
     from dofla.train import capacity
@@ -75,7 +78,8 @@ def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None):
     return capacity.kl_step_peak(
         lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
         replace(schedule(ctx, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
-        d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)), d.batch_size)
+        d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)),
+        batch or d.batch_size)
 
 
 def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
@@ -91,13 +95,13 @@ def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
         batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
         if train_split(cfg, distributed.world(), ctx.source) == "data":
             batch //= distributed.world()
-        micro = check(ctx, "train", lambda m: predict(ctx, dims, m), batch, records)
+        micro = check(ctx, "train", lambda m, b=batch: predict(ctx, dims, m, b), batch, records)
         if micro != cfg.train.micro_batch_size:
             ctx = replace(ctx, cfg=replace(ctx.cfg, train=replace(ctx.cfg.train, micro_batch_size=micro)))
     partial = cfg.train.layers is not None and len(set(cfg.train.layers)) < ctx.geometry.num_layers
     if cfg.distill.name != "none" and {"assemble", "distill"} <= set(plan) and not partial:
         batch = cfg.distill.batch_size // distributed.world()  # every rank trains on its rows of each batch
-        micro = check(ctx, "distill", lambda m: predict_distill(ctx, dims, m), batch, records)
+        micro = check(ctx, "distill", lambda m, b=batch: predict_distill(ctx, dims, m, b), batch, records)
         if micro != cfg.distill.micro_batch_size:
             ctx = replace(ctx, cfg=replace(ctx.cfg, distill=replace(ctx.cfg.distill, micro_batch_size=micro)))
     if records and distributed.is_main():
