@@ -1,6 +1,6 @@
 """How far apart are two finished runs' students on the same held-out text? Paired, per sequence.
 
-``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long [--long-seqs N]] [--ablate] [--out FILE]``
+``python -m studies.paired_heldout REFERENCE_RUN RUN [RUN ...] [--long [--long-seqs N] [--from N ...]] [--ablate] [--out FILE]``
 
 Runs made from one trained student (say ``allocation.softmax_layers`` = 0, 1, 2, 3 on the same
 layers) have no training seed to vary, so an interval over seeds does not exist for them. What
@@ -10,7 +10,7 @@ pipeline wrote) scores each held-out sequence of the reference run's data, and e
 difference from the reference is averaged over sequences with a two-sided 95 % Student-t
 interval (sequences as the unit: tokens within a sequence are not independent). ``--long`` scores
 the long-context sequences instead (``eval.long_seq_len`` × ``eval.long_context_seqs``) and
-reports the difference at positions ≥ 512 as well; ``--ablate`` adds, for every hybrid run, its
+reports the difference at positions ≥ 512 as well (``--from 512 1024``: at ≥ 512 and at ≥ 1024); ``--ablate`` adds, for every hybrid run, its
 student with the linear part removed (window and sinks only), paired against the same run. The interval is over text, not over training
 runs: it says whether the students differ on this distribution, not whether a retrained student
 would. Prints markdown; ``--out`` writes it.
@@ -68,7 +68,13 @@ def held_out(run: Path, long: bool, long_seqs: int | None = None) -> torch.Tenso
     return long_heldout_tokens(cfg, tokenizer) if long else heldout_tokens(cfg, tokenizer)
 
 
-def compare(runs: list[Path], long: bool = False, ablate: bool = False, long_seqs: int | None = None) -> str:
+def starts_for(long: bool, length: int, late=(512,)) -> list[int]:
+    """The positions each difference is taken from: 0, and with ``long`` every ``late`` start inside the text."""
+    return [0] + sorted({s for s in late if 0 < s < length}) if long else [0]
+
+
+def compare(runs: list[Path], long: bool = False, ablate: bool = False, long_seqs: int | None = None,
+            late=(512,)) -> str:
     """The markdown table. With ``ablate``, every run with hybrid layers also gets a row for its
     student with the linear part removed (window and sinks only), paired against the same run:
     how much the linear part lowers the loss."""
@@ -76,7 +82,7 @@ def compare(runs: list[Path], long: bool = False, ablate: bool = False, long_seq
     from dofla.models import load_student
 
     tokens = held_out(runs[0], long, long_seqs)
-    starts = [0, 512] if long and tokens.shape[1] > 512 else [0]
+    starts = starts_for(long, tokens.shape[1], late)
     rows = []  # (label, per-start per-sequence losses, index of the row it is paired with)
     for run in runs:
         model = load_student(final_student(run))
@@ -106,14 +112,17 @@ def main(argv=None) -> None:
     parser.add_argument("--long", action="store_true", help="the long-context sequences, also from position 512")
     parser.add_argument("--long-seqs", type=int, default=None,
                         help="with --long: this many long sequences (default: the run's eval.long_context_seqs)")
+    parser.add_argument("--from", dest="late", type=int, nargs="+", default=[512],
+                        help="with --long: also the difference over positions ≥ each of these (default: 512)")
     parser.add_argument("--ablate", action="store_true",
                         help="also each hybrid run without its linear part, paired against itself")
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give a reference run and at least one run to compare with it")
-    text = compare([Path(r) for r in args.runs], args.long, args.ablate, args.long_seqs)
+    text = compare([Path(r) for r in args.runs], args.long, args.ablate, args.long_seqs, args.late)
     flags = (" --long" if args.long else "") + (f" --long-seqs {args.long_seqs}" if args.long_seqs else "")
+    flags += f" --from {' '.join(map(str, args.late))}" if args.long and args.late != [512] else ""
     flags += " --ablate" if args.ablate else ""
     command = "python -m studies.paired_heldout " + " ".join(args.runs) + flags
     print(text)

@@ -7,7 +7,7 @@ import torch
 from dofla.eval import heldout_loss
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model
-from studies.paired_heldout import final_student, losses_from, sequence_losses
+from studies.paired_heldout import final_student, losses_from, sequence_losses, starts_for
 
 
 def test_sequence_losses_average_to_the_heldout_loss():
@@ -28,3 +28,10 @@ def test_the_final_student_is_the_last_stage_written(tmp_path):
     assert final_student(tmp_path).name == "student_distilled"
     with pytest.raises(SystemExit, match="no student directory"):
         final_student(tmp_path / "missing")
+
+
+def test_long_text_is_scored_from_every_late_start_inside_it():
+    assert starts_for(False, 2048, (512, 1024)) == [0]  # 512-token text: the whole sequence only
+    assert starts_for(True, 2048) == [0, 512]
+    assert starts_for(True, 2048, (1024, 512, 1024)) == [0, 512, 1024]
+    assert starts_for(True, 512, (512, 1024)) == [0]  # no position of the text is that late
