@@ -10,10 +10,11 @@ pipeline wrote) scores each held-out sequence of the reference run's data, and e
 difference from the reference is averaged over sequences with a two-sided 95 % Student-t
 interval (sequences as the unit: tokens within a sequence are not independent). ``--long`` scores
 the long-context sequences instead (``eval.long_seq_len`` × ``eval.long_context_seqs``) and
-reports the difference at positions ≥ 512 as well (``--from 512 1024``: at ≥ 512 and at ≥ 1024); ``--ablate`` adds, for every hybrid run, its
-student with the linear part removed (window and sinks only), paired against the same run. The interval is over text, not over training
-runs: it says whether the students differ on this distribution, not whether a retrained student
-would. Prints markdown; ``--out`` writes it.
+reports the difference at positions ≥ 512 as well (``--from 512 1024``: at ≥ 512 and at ≥ 1024);
+``--ablate`` adds, for every hybrid run, its student with the linear part removed (window and sinks
+only), paired against the same run. The interval is over text, not over training runs: it says
+whether the students differ on this distribution, not whether a retrained student would. Prints
+markdown; ``--out`` writes it.
 """
 from __future__ import annotations
 

@@ -27,10 +27,10 @@ class DoesNotFitError(DoflaError):
     """A training stage cannot fit the device at the configured micro-batch."""
 
 
-def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int | None = None):
+def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
-    of this process's ``batch`` (None: the configured one); None when no layer has features to train
-    (Performer's are random and fixed)."""
+    of this process's ``batch``; None when no layer has features to train (Performer's are random and
+    fixed)."""
     from dofla.precision import teacher_dtype
     from dofla.stages.train import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import capacity
@@ -39,12 +39,10 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int | N
     cfg, teacher = ctx.cfg, ctx.teacher
     # the trace runs the eager loss (compiling inside the trace's dispatch mode would trace the
     # compiler); inductor's fused kernels usually hold fewer buffers, so the eager peak plans safe
-    direct = end_to_end(cfg.loss.name)
-    batch = batch or (cfg.train.direct_batch_size if direct else cfg.train.batch_size)
     train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch,
                         compile=False, batch_size=batch)
     maps = build_feature_maps(cfg, ctx.geometry, dims)
-    if direct:
+    if end_to_end(cfg.loss.name):
         return capacity.direct_step_peak(
             lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher,
             ctx.geometry.num_layers, train_cfg, cfg.data.seq_len, loaded_bytes(teacher, maps))
@@ -67,9 +65,9 @@ def loaded_bytes(teacher, maps: list) -> int:
     return 2 * capacity.module_bytes(teacher) + sum(capacity.module_bytes(m) for m in maps if m is not None)
 
 
-def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch: int | None = None):
+def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
-    of this process's ``batch`` (None: the configured one)."""
+    of this process's ``batch``."""
     from dofla.stages.distill import schedule
     from dofla.stages.train import build_feature_maps, make_student
     from dofla.train import capacity
@@ -78,8 +76,7 @@ def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch:
     return capacity.kl_step_peak(
         lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
         replace(schedule(ctx, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
-        d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)),
-        batch or d.batch_size)
+        d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)), batch)
 
 
 def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
@@ -95,13 +92,13 @@ def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
         batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
         if train_split(cfg, distributed.world(), ctx.source) == "data":
             batch //= distributed.world()
-        micro = check(ctx, "train", lambda m, b=batch: predict(ctx, dims, m, b), batch, records)
+        micro = check(ctx, "train", lambda m: predict(ctx, dims, m, batch), batch, records)
         if micro != cfg.train.micro_batch_size:
             ctx = replace(ctx, cfg=replace(ctx.cfg, train=replace(ctx.cfg.train, micro_batch_size=micro)))
     partial = cfg.train.layers is not None and len(set(cfg.train.layers)) < ctx.geometry.num_layers
     if cfg.distill.name != "none" and {"assemble", "distill"} <= set(plan) and not partial:
         batch = cfg.distill.batch_size // distributed.world()  # every rank trains on its rows of each batch
-        micro = check(ctx, "distill", lambda m, b=batch: predict_distill(ctx, dims, m, b), batch, records)
+        micro = check(ctx, "distill", lambda m: predict_distill(ctx, dims, m, batch), batch, records)
         if micro != cfg.distill.micro_batch_size:
             ctx = replace(ctx, cfg=replace(ctx.cfg, distill=replace(ctx.cfg.distill, micro_batch_size=micro)))
     if records and distributed.is_main():
