@@ -190,3 +190,19 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     assert proxy.config.dofla["softmax_layers"] == [max(errors, key=errors.get)]
     assert proxy.dofla_settings["softmax_layers"]["rank"] == "attention_error"
     assert softmax_layers.metrics(run["student"]) == {}  # k = 0: nothing restored, nothing reported
+
+
+def test_a_hybrid_does_not_reuse_the_linear_students_softmax_ranking():
+    """A hybrid trained against full attention shares the linear run's layers; restoring a layer to
+    softmax changes its model's KL by another amount, so the stored ranking must not be shared."""
+    from dofla.artifacts import canonical
+
+    layers = {"dims": [4, 4]}
+    linear = keys.softmax_ranking_settings(tiny_config(), layers)
+    assert linear == canonical({"layers": layers, "probe_seqs": 8})  # as before the key had the attention
+    assert keys.softmax_ranking_settings(tiny_config("attention.chunk_size=64"), layers) == linear
+    hybrid = tiny_config("attention=hybrid", "attention.window=16", "attention.sinks=4", "train.hybrid_target=full")
+    gated = tiny_config("attention.gate=scalar")
+    others = [keys.softmax_ranking_settings(c, layers) for c in (hybrid, gated)]
+    assert linear not in others and others[0] != others[1]
+    assert keys.layer_meta(hybrid, "k") == keys.layer_meta(tiny_config(), "k")  # the layers are the same

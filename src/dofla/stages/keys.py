@@ -132,13 +132,20 @@ def layer_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
     return canonical({**layer_meta(cfg, cache_key), "dims": dims})
 
 
-def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
-    """What determines the assembled student: the teacher, the attention and the trained layers."""
+def attention_settings(cfg: RunConfig) -> dict:
+    """The student's attention form; the gate and the learned scale absent at their defaults, as
+    before the options existed."""
     attention = section(cfg, "attention")
-    for option in ("gate", "linear_scale"):  # absent at their defaults, as before the options existed
+    for option in ("gate", "linear_scale"):
         if attention[option] == LEGACY_VALUES[("attention", option)]:
             del attention[option]
-    settings = {"model": section(cfg, "model"), "attention": attention, "layers": layer_settings(cfg, cache_key, dims)}
+    return attention
+
+
+def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
+    """What determines the assembled student: the teacher, the attention and the trained layers."""
+    settings = {"model": section(cfg, "model"), "attention": attention_settings(cfg),
+                "layers": layer_settings(cfg, cache_key, dims)}
     if cfg.allocation.softmax_layers:  # absent at 0, as before the option existed
         a = cfg.allocation
         settings["softmax_layers"] = {"k": a.softmax_layers, "probe_seqs": a.softmax_probe_seqs}
@@ -149,8 +156,15 @@ def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:
 
 def softmax_ranking_settings(cfg: RunConfig, layers: dict) -> dict:
     """The per-layer softmax-restoration measurement: the trained layers (their settings name the
-    data and the cache the probe comes from) and the probe's size (not k: every k reads it)."""
-    return canonical({"layers": layers, "probe_seqs": cfg.allocation.softmax_probe_seqs})
+    data and the cache the probe comes from), the probe's size (not k: every k reads it) and the
+    student's attention form when it is not plain linear attention: a hybrid trained against full
+    attention shares its layers with the linear run, not the KL its restorations give."""
+    settings = {"layers": layers, "probe_seqs": cfg.allocation.softmax_probe_seqs}
+    attention = attention_settings(cfg)
+    del attention["chunk_size"]  # the kernel's chunk changes rounding, not the ranking
+    if attention != {"name": "linear", "window": 0, "sinks": 0}:
+        settings["attention"] = attention  # absent for plain linear attention, as before the key had it
+    return canonical(settings)
 
 
 def distill_settings(cfg: RunConfig, student: dict | None) -> dict:
