@@ -102,8 +102,9 @@ def load_artifact(path: Path, meta: dict, quiet: bool = False) -> dict[str, Any]
     return torch.load(path, weights_only=False, map_location="cpu")  # GPU-written files load anywhere
 
 
-def load_checkpoint(path: Path | None, meta: dict | None) -> dict[str, Any] | None:
-    """A training checkpoint written with ``meta``, else None (one line when one was ignored)."""
+def load_checkpoint(path: Path | None, meta: dict | None, normalize=None) -> dict[str, Any] | None:
+    """A training checkpoint written with ``meta`` (both compared through ``normalize``), else None
+    (one line when one was ignored)."""
     if path is None or not Path(path).exists():
         return None
     try:
@@ -111,7 +112,8 @@ def load_checkpoint(path: Path | None, meta: dict | None) -> dict[str, Any] | No
     except Exception as err:  # a damaged checkpoint only costs the steps since the last one
         print(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over", flush=True)
         return None
-    if canonical(ckpt.get("meta")) != canonical(meta):
+    normalize = normalize or (lambda m: m)
+    if canonical(normalize(ckpt.get("meta"))) != canonical(normalize(meta)):
         print(f"dofla: checkpoint {path} was written for other settings; ignoring it", flush=True)
         return None
     return ckpt

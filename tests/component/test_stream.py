@@ -226,3 +226,41 @@ def test_a_half_precision_capture_teacher_matches_the_fp32_activations(dtype, te
         for a, b in zip(want, got):
             error = (b.float() - a).norm() / a.norm()
             assert 0 < error < 3e-2, error  # rounded (not the same tensors), yet close
+
+
+# the trainer fields the first stream checkpoints recorded (2026-11-23); later ones need a legacy value
+FIRST_CHECKPOINT_FIELDS = {"loss", "loss_options", "steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps",
+                           "schedule", "heldout_fraction", "eval_every", "patience", "seed", "checkpoint_every",
+                           "skip_nonfinite", "window"}
+
+
+def test_every_trainer_field_added_since_the_first_checkpoints_is_declared():
+    import dataclasses
+
+    from dofla.config import NOT_LEARNT
+    from dofla.train.layerwise import CHECKPOINT_LEGACY
+
+    added = {f.name for f in dataclasses.fields(LayerTrainConfig)} - FIRST_CHECKPOINT_FIELDS
+    assert added <= set(CHECKPOINT_LEGACY) | set(NOT_LEARNT), "give the new field a CHECKPOINT_LEGACY value"
+    assert all(getattr(LayerTrainConfig(), k) == v for k, v in CHECKPOINT_LEGACY.items())  # the defaults reproduce
+
+
+def test_a_checkpoint_written_before_later_trainer_fields_still_resumes(teacher, tokenizer, tmp_path, capsys):
+    path, held = tmp_path / "stream.pt", heldout(teacher, tokenizer)
+    first = train_layers_streaming(teacher, stream(tokenizer), feature_maps(), [0, 1, 2], config(checkpoint_every=2),
+                                   held, checkpoint_path=path, num_tokens=4 * 64, progress=False)
+    ckpt = torch.load(path, weights_only=False)
+    old = {k: v for k, v in ckpt["meta"]["train"].items() if k in FIRST_CHECKPOINT_FIELDS}
+    assert set(ckpt["meta"]["train"]) - set(old) == set()  # today's at their legacy values: not recorded
+    for train, resumed in (({**old, "checkpoint_every": 2}, True), ({**old, "lr_z": 0.5}, False)):
+        torch.save({**ckpt, "meta": {**ckpt["meta"], "train": train}}, path)
+        again = train_layers_streaming(teacher, stream(tokenizer), feature_maps(), [0, 1, 2], config(checkpoint_every=2),
+                                       held, checkpoint_path=path, num_tokens=4 * 64, progress=False)
+        assert ("other settings" not in capsys.readouterr().out) == resumed
+        if resumed:  # a finished run's checkpoint: the same result at once
+            assert again.summaries[0]["final_heldout_loss"] == first.summaries[0]["final_heldout_loss"]
+    from dataclasses import asdict
+
+    from dofla.train.layerwise import learnt
+
+    assert learnt(asdict(config(sinks=2, precision="bf16")))["precision"] == "bf16"  # off its legacy value: recorded

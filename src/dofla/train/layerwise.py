@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
-from dofla.config import StepConfig
+from dofla.config import NOT_LEARNT, StepConfig
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.attention.stable import widened
@@ -38,6 +38,25 @@ class LayerTrainConfig(StepConfig):
     softcap: float | None = None  # the teacher's logit soft-cap (Gemma 2): distil against the capped kernel
     precision: str = "fp32"  # fp32 | tf32 | bf16 (autocast; dofla.precision)
     compile: bool = False  # torch.compile the loss (dofla.train.losses.compiled_loss)
+
+
+# Trainer fields added after stream checkpoints were first written, at the value that reproduces
+# what those did: left out of a checkpoint's settings, so a checkpoint written before a field
+# existed still resumes under the newer code (a field added here needs an entry, or NOT_LEARNT:
+# tests/component/test_stream.py checks that every field is declared)
+CHECKPOINT_LEGACY = {"sinks": 0, "softcap": None, "precision": "fp32"}
+
+
+def learnt(train: dict) -> dict:
+    """A trainer config's fields (``asdict``) that change what is learnt, those at their legacy value
+    left out: what a stream checkpoint records of its trainer."""
+    return {k: v for k, v in train.items() if k not in NOT_LEARNT and CHECKPOINT_LEGACY.get(k, object()) != v}
+
+
+def comparable_meta(meta):
+    """A stream checkpoint's meta as compared on resume: its trainer part through :func:`learnt`, so
+    checkpoints that recorded a later field at its legacy value (or a step-only one) resume too."""
+    return {**meta, "train": learnt(meta.get("train") or {})} if isinstance(meta, dict) else meta
 
 
 @dataclass

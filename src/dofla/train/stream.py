@@ -28,13 +28,13 @@ from tqdm.auto import tqdm
 
 from dofla import distributed
 from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
-from dofla.config import NOT_LEARNT
 from dofla.data.sources import DataError
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
-from dofla.train.layerwise import LayerTrainConfig, cpu_state, heldout_loss, layer_loss, needs_values, param_groups
+from dofla.train.layerwise import (LayerTrainConfig, comparable_meta, cpu_state, heldout_loss, layer_loss, learnt,
+                                   needs_values, param_groups)
 from dofla.train.live import Live, Log, latest
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 from dofla.train.teacher_acts import teacher_qk
@@ -93,9 +93,9 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
         if groups:
             optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
             base_lrs[i] = [g["lr"] for g in groups]
-    train = {k: v for k, v in asdict(cfg).items() if k not in NOT_LEARNT}  # what is learnt
-    meta = {"settings": meta, "train": train, "layers": layers, "shape": [batches.batch_size, batches.seq_len]}
-    ckpt = load_checkpoint(checkpoint_path, meta)
+    meta = {"settings": meta, "train": learnt(asdict(cfg)), "layers": layers,
+            "shape": [batches.batch_size, batches.seq_len]}
+    ckpt = load_checkpoint(checkpoint_path, meta, normalize=comparable_meta)
     if ckpt is not None:
         state = _resume(ckpt, feature_maps, optimizers, batches)
     else:
