@@ -26,6 +26,7 @@ again. Prints markdown; ``--out`` writes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -81,10 +82,7 @@ def scored(run: Path, tokens: torch.Tensor, starts: list[int], ablate: bool = Fa
     if all(str(s) in kept for s in starts):
         return {s: kept[str(s)] for s in starts}, model
     model = model if model is not None else load_student(student)
-    if ablate:
-        with without_linear_part(model):
-            losses = losses_from(model, tokens, starts)
-    else:
+    with without_linear_part(model) if ablate else contextlib.nullcontext():
         losses = losses_from(model, tokens, starts)
     store[key] = {**kept, **{str(s): v for s, v in losses.items()}}
     path.write_text(json.dumps(store))
