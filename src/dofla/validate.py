@@ -121,7 +121,7 @@ def _validate_attention(cfg: RunConfig) -> None:
     k = cfg.allocation.softmax_layers
     require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
     positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
-    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "kl_greedy", "attention_error"))
+    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "kl_greedy", "attention_error", "retrieval"))
     require(not k or a.name != "sliding_window",
             f"allocation.softmax_layers={k} keeps layers of a linear or hybrid student exact; "
             "attention=sliding_window has no linear layers, set it to 0")

@@ -9,11 +9,13 @@ import torch
 
 from dofla.dof.softmax_layers import (
     choose,
+    copy_probe,
     greedy_restoration_kl,
     kv_bytes_per_token,
     probe_attention_errors,
     rank_layers,
     restoration_kl,
+    retrieval_scores,
 )
 from dofla.eval import attention_errors
 from dofla.models import convert, get_adapter, load_student, restore_softmax, softmax_restored
@@ -168,3 +170,33 @@ def test_the_greedy_choice_measures_each_step_with_the_earlier_layers_kept_exact
         greedy_restoration_kl(student, teacher, tokens, 5)
     with pytest.raises(ValueError, match="has 3 steps"):
         choose({"greedy": steps}, 4, "kl_greedy")
+
+
+def test_the_copy_probe_repeats_an_early_span_at_the_end():
+    ids = _ids(length=64)
+    probe, span = copy_probe(ids)
+    assert span == 16 and torch.equal(probe[:, -16:], ids[:, 8:24]) and torch.equal(probe[:, :-16], ids[:, :-16])
+    assert copy_probe(_ids(length=24))[1] == 5  # shrunk to fit
+    with pytest.raises(ValueError, match="at least 14 tokens"):
+        copy_probe(_ids(length=12))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_retrieval_scores_equal_the_teachers_own_attention_weights(arch):
+    """The score from captured q, k equals the one read off Hugging Face's eager attention weights:
+    per layer, the strongest head's mean probability on the token after each copied token's source."""
+    teacher = build_tiny_model(arch, seed=0)
+    ids = _ids(batch=3, length=40)
+    scores = retrieval_scores(teacher, ids, [0, 1], batch_size=2)["retrieval"]
+    probe, span = copy_probe(ids)
+    teacher.config._attn_implementation = "eager"
+    with torch.no_grad():
+        attentions = teacher(probe, output_attentions=True, use_cache=False).attentions
+    queries = torch.arange(40 - span, 39)
+    targets = queries - (40 - span) + 8 + 1
+    for i in (0, 1):
+        reference = attentions[i][:, :, queries, targets].mean(-1).mean(0).max()  # (B, H, Q) -> per head -> max
+        assert scores[i] == pytest.approx(float(reference), abs=1e-5)
+        assert 0 < scores[i] < 1
+    measured = {"retrieval": {str(i): v for i, v in scores.items()}}
+    assert choose(measured, 1, "retrieval") == [max(scores, key=scores.get)]

@@ -189,6 +189,14 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     assert stored["restored"] == ranking["measured"]["restored"] and set(errors) == {0, 1}
     assert proxy.config.dofla["softmax_layers"] == [max(errors, key=errors.get)]
     assert proxy.dofla_settings["softmax_layers"]["rank"] == "attention_error"
+    # the teacher's long-range copying: added to the same file too
+    by_copying = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, allocation=dataclasses.replace(
+        cfg.allocation, softmax_rank="retrieval")))
+    copier = assemble.run(by_copying, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
+    copying = {int(i): c for i, c in stored["retrieval"].items()}
+    assert set(copying) == {0, 1} and stored["attention_error"] == {str(i): e for i, e in errors.items()}
+    assert copier.config.dofla["softmax_layers"] == [max(copying, key=copying.get)]
     assert softmax_layers.metrics(run["student"]) == {}  # k = 0: nothing restored, nothing reported
 
 

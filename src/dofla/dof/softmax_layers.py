@@ -11,6 +11,9 @@ ranking is compared against). Restoring one layer at a time ranks
 the layers independently; the gains of several restored together need not add up, so
 ``rank="kl_greedy"`` chooses one layer at a time with the layers already chosen kept exact
 (:func:`greedy_restoration_kl`): each step measures every remaining layer on top of the choice so far.
+``rank="retrieval"`` ranks by what next-token KL on ordinary text does not see: the teacher's
+long-range copying (:func:`retrieval_scores`, one teacher pass), for students that must recall a
+fact from far back (a passkey).
 
 Cost: per probe batch one teacher forward and L + 1 student forwards (the teacher's logits live
 one batch at a time, never stored); the greedy choice of k layers one teacher forward and about L
@@ -84,7 +87,55 @@ def greedy_restoration_kl(student, teacher, tokens: torch.Tensor, k: int, batch_
     return steps
 
 
-RANKS = ("kl", "kl_greedy", "attention_error")
+RANKS = ("kl", "kl_greedy", "attention_error", "retrieval")
+
+
+def copy_probe(tokens: torch.Tensor, start: int = 8, span: int = 16) -> tuple[torch.Tensor, int]:
+    """``tokens`` (S, L) with each row's tokens [start, start + span) repeated as its last tokens: a
+    copy from about L tokens back. ``span`` shrinks to fit short rows; returns (probe, span)."""
+    span = min(span, (tokens.shape[1] - start) // 3)
+    if span < 2:
+        raise ValueError(f"a copy probe needs sequences of at least {start + 6} tokens, not {tokens.shape[1]}")
+    probe = tokens.clone()
+    probe[:, -span:] = tokens[:, start:start + span]
+    return probe, span
+
+
+@torch.no_grad()
+def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 2, start: int = 8) -> dict:
+    """{"retrieval": {layer: score}}: per layer of ``layers``, its strongest head's mean attention
+    probability, from each token of a span repeated at the end of the text (:func:`copy_probe` of
+    ``tokens``), to the token that followed the same token in the span's first occurrence: the key
+    an induction head reads to copy the next token, about L positions back. 1 is a perfect copier."""
+    from dofla.models import capture_qkv, get_adapter
+
+    device = next(teacher.parameters()).device
+    softcap = get_adapter(teacher).geometry(teacher.config).softcap
+    probe, span = copy_probe(tokens, start)
+    length = probe.shape[1]
+    queries = torch.arange(length - span, length - 1, device=device)  # every repeated token but the last
+    targets = queries - (length - span) + start + 1  # the token after its first occurrence
+    sums = {i: 0.0 for i in layers}
+    for batch in probe.split(batch_size):
+        captured = capture_qkv(teacher, batch.to(device))
+        for i in layers:
+            q, k, _ = captured[i]
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
+            logits = q[:, :, queries].float() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, Q, L)
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            future = torch.arange(length, device=device)[None, :] > queries[:, None]
+            probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+            hits = probs[:, :, torch.arange(len(queries), device=device), targets]  # (B, H, Q)
+            sums[i] = sums[i] + hits.mean(-1).sum(0)  # per head, summed over sequences
+    return {"retrieval": {i: float((sums[i] / probe.shape[0]).max()) for i in layers}}
+
+
+@torch.no_grad()
+def probe_retrieval(student, teacher, tokens: torch.Tensor, batch_size: int = 2) -> dict:
+    """:func:`retrieval_scores` of the student's linear (or hybrid) layers, on the teacher."""
+    layers = [i for i, attn in enumerate(student.student_attentions()) if attn.feature_map is not None]
+    return retrieval_scores(teacher, tokens, layers, batch_size)
 
 
 @torch.no_grad()
@@ -101,7 +152,8 @@ def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: i
 def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
     """Layers, best to restore first: by ``kl``, the lowest KL with the layer restored alone (the
     largest gain); by ``attention_error``, the largest error of the layer's own attention; by
-    ``kl_greedy``, the order the greedy choice took them (only as many as it has measured). Ties by index."""
+    ``retrieval``, the teacher's strongest long-range copying; by ``kl_greedy``, the order the greedy
+    choice took them (only as many as it has measured). Ties by index."""
     if rank not in RANKS:
         raise ValueError(f"rank={rank!r} is not one of {', '.join(RANKS)}")
     if rank == "kl_greedy":
@@ -109,7 +161,7 @@ def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
     if rank == "kl":
         values = {int(i): kl for i, kl in measured["restored"].items()}
     else:
-        values = {int(i): -error for i, error in measured["attention_error"].items()}
+        values = {int(i): -value for i, value in measured[rank].items()}  # the largest first
     return sorted(values, key=lambda i: (values[i], i))
 
 

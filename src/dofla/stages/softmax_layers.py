@@ -48,6 +48,9 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     elif a.softmax_rank == "kl_greedy":
         values = ", ".join(f"{step['layer']}: {step['kl']:.3f}" for step in measured["greedy"][:a.softmax_layers])
         why = f"chosen one after another, each kept: the probe KL goes from {measured['base']:.3f} to {values}"
+    elif a.softmax_rank == "retrieval":
+        values = ", ".join(f"{measured['retrieval'][str(i)]:.3f}" for i in chosen)
+        why = f"the teacher's strongest long-range copying on the probe (attention to the copied token): {values}"
     else:
         values = ", ".join(f"{measured['attention_error'][str(i)]:.3f}" for i in chosen)
         why = f"the largest attention errors on the probe: {values}"
@@ -59,14 +62,15 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
 def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, path: Path) -> dict:
     """What ``allocation.softmax_rank`` ranks by, read from ``path`` when it was measured for these
     layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
-    from dofla.dof.softmax_layers import probe_attention_errors, restoration_kl
+    from dofla.dof.softmax_layers import probe_attention_errors, probe_retrieval, restoration_kl
 
     a = cfg.allocation
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
-    needed = "attention_error" if a.softmax_rank == "attention_error" else "restored"  # greedy: its first step
+    measures = {"restored": restoration_kl, "attention_error": probe_attention_errors, "retrieval": probe_retrieval}
+    needed = a.softmax_rank if a.softmax_rank in measures else "restored"  # kl, and kl_greedy's first step
     if needed not in measured:
-        measure = restoration_kl if needed == "restored" else probe_attention_errors
+        measure = measures[needed]
         new = measure(student, teacher, probe, cfg.eval.batch_size)
         measured.update({k: {str(i): x for i, x in v.items()} if isinstance(v, dict) else v for k, v in new.items()})
         write_json(path, {"settings": settings, "measured": measured})
