@@ -115,6 +115,8 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
     length = probe.shape[1]
     queries = torch.arange(length - span, length - 1, device=device)  # every repeated token but the last
     targets = queries - (length - span) + start + 1  # the token after its first occurrence
+    rows = torch.arange(len(queries), device=device)
+    future = torch.arange(length, device=device)[None, :] > queries[:, None]  # (Q, L), the causal mask
     sums = {i: 0.0 for i in layers}
     for batch in probe.split(batch_size):
         captured = capture_qkv(teacher, batch.to(device))
@@ -124,9 +126,8 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
             logits = q[:, :, queries].float() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, Q, L)
             if softcap is not None:
                 logits = softcap * torch.tanh(logits / softcap)
-            future = torch.arange(length, device=device)[None, :] > queries[:, None]
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
-            hits = probs[:, :, torch.arange(len(queries), device=device), targets]  # (B, H, Q)
+            hits = probs[:, :, rows, targets]  # (B, H, Q)
             sums[i] = sums[i] + hits.mean(-1).sum(0)  # per head, summed over sequences
     return {"retrieval": {i: float((sums[i] / probe.shape[0]).max()) for i in layers}}
 
