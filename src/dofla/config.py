@@ -225,7 +225,7 @@ class EvalConfig:
     position_buckets: List[int] = field(default_factory=list)  # loss by position: bucket edges
     long_context_seqs: int = 2  # sequences of data.long_seq_len for loss by position
     long_seq_len: Optional[int] = None  # None: data.seq_len
-    passkey_lengths: List[int] = field(default_factory=list)  # passkey probe context lengths
+    passkey_lengths: List[int] = field(default_factory=list)  # passkey probe lengths: accuracy and answer NLL
     passkey_trials: int = 4
 
 

@@ -168,6 +168,7 @@ def test_hybrid_probes_ablation_window_mass_positions_passkey(tmp_path):
     assert 0 < m["window_mass/mean"] < 1
     assert {f"position/{w}/{b}" for w in ("teacher", "student") for b in ("1-16", "16-40", "40-64")} <= set(m)
     assert {"passkey/teacher/T96", "passkey/student/T96"} <= set(m)
+    assert m["passkey_nll/student/T96"] > 0 and m["passkey_nll/teacher/T96"] > 0
 
 
 def test_teacher_sliding_layers_stay_exact_and_get_no_features(tmp_path):

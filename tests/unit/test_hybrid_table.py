@@ -20,7 +20,8 @@ def _write(root, name, loss, ablated=None, probes=False):
     if ablated is not None:
         m.update({"ablate/student_loss": ablated, "ablate/student_ppl": math.exp(ablated)})
     if probes:
-        m.update({"passkey/teacher/T64": 1.0, "passkey/student/T64": 0.5, "mqar/teacher/T8": 0.3, "mqar/student/T8": 0.1})
+        m.update({"passkey/teacher/T64": 1.0, "passkey/student/T64": 0.5, "mqar/teacher/T8": 0.3, "mqar/student/T8": 0.1,
+                  "passkey_nll/teacher/T64": 0.6, "passkey_nll/student/T64": 7.25})
     (root / name).mkdir()
     (root / name / "metrics.json").write_text(json.dumps(m))
     (root / name / "run.json").write_text(json.dumps({"config": {"seed": 0}}))
@@ -43,6 +44,7 @@ def test_gap_closed_and_rows_over_seeds(tmp_path, capsys):
     assert "| [1, 8) | 7.39 |" in positions and "(1.65×)" in positions
     probes = probe_table(rows)
     assert "| passkey T64 | 1.00 | 0.50 | 0.50 |" in probes and "mqar T8" in probes
+    assert "| passkey_nll T64 | 0.60 | 7.25 | 7.25 |" in probes
     main([str(tmp_path), "--baseline", "base"])
     assert "| hyb |" in capsys.readouterr().out
     report_main(["--table", "hybrid", str(tmp_path), "--baseline", "base"])  # the command line's way in

@@ -11,7 +11,8 @@ from dofla.eval.longctx import (
     loss_by_position,
     mass_outside_window,
     outside_window_mask,
-    passkey_accuracy,
+    answer_nll,
+    passkey_probe,
     passkey_prompt,
 )
 from dofla.models import capture_qkv
@@ -72,6 +73,18 @@ def test_passkey_prompt_holds_the_key_at_about_the_length():
     assert 500 <= ids.shape[1] <= 600
 
 
-def test_passkey_accuracy_runs_greedy_generation(llama):
-    scores = passkey_accuracy(llama, build_byte_tokenizer(), [300], trials=2)
-    assert set(scores) == {300} and 0.0 <= scores[300] <= 1.0
+def test_passkey_probe_runs_greedy_generation_and_scores_the_answer(llama):
+    scores = passkey_probe(llama, build_byte_tokenizer(), [300, 200], trials=2)
+    assert set(scores) == {300, 200}
+    for accuracy, nll in scores.values():
+        assert 0.0 <= accuracy <= 1.0 and nll > 0.0
+
+
+def test_answer_nll_is_the_sum_of_each_answer_token_read_after_its_own_prefix(llama):
+    gen = torch.Generator().manual_seed(3)
+    prompt, answer = torch.randint(0, 256, (1, 40), generator=gen), torch.randint(0, 256, (1, 6), generator=gen)
+    step_by_step = 0.0
+    for i in range(answer.shape[1]):  # one forward per answer token: the plain reference
+        logits = llama(torch.cat([prompt, answer[:, :i]], dim=1)).logits[0, -1]
+        step_by_step -= torch.log_softmax(logits, -1)[answer[0, i]].item()
+    assert answer_nll(llama, prompt, answer) == pytest.approx(step_by_step, rel=1e-4)

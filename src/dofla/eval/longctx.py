@@ -6,14 +6,16 @@
   is exact.
 - :func:`loss_by_position`: held-out next-token loss per position bucket, so a deficit that grows
   with distance (a window's) is visible.
-- :func:`passkey_accuracy`: a needle probe: a 5-digit number hidden in filler text at a random
-  depth must be repeated at the end (greedy decoding), at several context lengths.
+- :func:`passkey_probe`: a needle probe: a 5-digit number hidden in filler text at a random
+  depth must be repeated at the end (greedy decoding), at several context lengths; with the nats
+  the model spends on the answer, which moves before the accuracy does.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from dofla.models import capture_qkv
@@ -98,16 +100,19 @@ def passkey_prompt(tokenizer, length: int, passkey: int, depth: float) -> torch.
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tokenizer, lengths: list[int], trials: int = 4, seed: int = 0) -> dict[int, float]:
-    """Per context length, the share of trials whose greedy continuation starts with the passkey.
+def passkey_probe(model, tokenizer, lengths: list[int], trials: int = 4, seed: int = 0) -> dict[int, tuple[float, float]]:
+    """Per context length, (accuracy, answer NLL): the share of trials whose greedy continuation
+    starts with the passkey, and the mean over trials of the nats the model spends on the answer
+    text " <passkey>" given the prompt (teacher-forced; a uniform guess of 5 digits costs 11.5).
 
-    Depths are spread evenly over (0, 1); passkeys are seeded 5-digit numbers.
+    The NLL moves long before the accuracy does, so it shows whether a student is getting closer to
+    recalling the key. Depths are spread evenly over (0, 1); passkeys are seeded 5-digit numbers.
     """
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     scores = {}
     for length in lengths:
-        hits = 0
+        hits, nats = 0, 0.0
         for t in range(trials):
             passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
             ids = passkey_prompt(tokenizer, length, passkey, depth=(t + 0.5) / trials).to(device)
@@ -115,5 +120,13 @@ def passkey_accuracy(model, tokenizer, lengths: list[int], trials: int = 4, seed
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             hits += answer.strip().startswith(str(passkey))
-        scores[length] = hits / trials
+            nats += answer_nll(model, ids, tokenizer(f" {passkey}", add_special_tokens=False,
+                                                     return_tensors="pt").input_ids.to(device))
+        scores[length] = (hits / trials, nats / trials)
     return scores
+
+
+def answer_nll(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
+    """Nats ``model`` spends on ``answer`` (1, A) right after ``prompt`` (1, P), teacher-forced."""
+    logits = model(torch.cat([prompt, answer], dim=1)).logits[0, prompt.shape[1] - 1:-1]
+    return F.cross_entropy(logits.float(), answer[0], reduction="sum").item()

@@ -77,8 +77,9 @@ def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:
 
 
 def passkey_metrics(cfg: RunConfig, who: str, model, tokenizer) -> dict:
-    """Passkey retrieval accuracy per context length in ``eval.passkey_lengths``."""
-    from dofla.eval.longctx import passkey_accuracy
+    """Passkey retrieval accuracy and answer NLL (nats) per context length in ``eval.passkey_lengths``."""
+    from dofla.eval.longctx import passkey_probe
 
-    scores = passkey_accuracy(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials, cfg.seed)
-    return {f"passkey/{who}/T{length}": acc for length, acc in scores.items()}
+    scores = passkey_probe(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials, cfg.seed)
+    return {key: value for length, (acc, nll) in scores.items()
+            for key, value in ((f"passkey/{who}/T{length}", acc), (f"passkey_nll/{who}/T{length}", nll))}

@@ -102,7 +102,8 @@ def probe_table(rows: dict[str, dict[int, dict]]) -> str:
     if not probed:
         return ""
     some = next(iter(probed.values()))
-    keys = sorted((k.split("/", 2)[::2] for k in some if k.startswith(("passkey/student/", "mqar/student/"))),
+    probes = ("passkey/student/", "passkey_nll/student/", "mqar/student/")
+    keys = sorted((k.split("/", 2)[::2] for k in some if k.startswith(probes)),
                   key=lambda pk: (pk[0], int(pk[1][1:])))
     lines = ["| probe | teacher | " + " | ".join(probed) + " |", "|---" * (len(probed) + 2) + "|"]
     for probe, length in keys:

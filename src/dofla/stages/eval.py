@@ -220,7 +220,7 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
                                      lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))
         if ev.passkey_lengths:
             settings = {"model": who_settings[who], "lengths": ev.passkey_lengths, "trials": ev.passkey_trials,
-                        "seed": cfg.seed}
+                        "seed": cfg.seed, "nll": True}
             metrics.update(store.get(f"passkey/{who}", settings,
                                      lambda who=who, model=model: probes.passkey_metrics(cfg, who, model,
                                                                                           tokenizer)))
