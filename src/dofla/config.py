@@ -120,25 +120,22 @@ class TrainConfig(StepConfig):
     layers: Optional[list[int]] = None  # None = all layers; a subset trains only those
     layer_dir: Optional[str] = None  # layer artifacts (None: <run>/layers); share it across parallel jobs
     direct_batch_size: int = 1
-    # where training reads its data: cache (all of data.num_tokens on disk; direct: train.steps
-    # random rows of them), stream (one pass over data.num_tokens of fresh text: layerwise runs a
-    # teacher forward per step, direct a student forward), auto (stream when caching every token's
-    # activations would exceed cache_limit_gb)
+    # where training reads its data: cache (all of data.num_tokens on disk; direct: train.steps random rows),
+    # stream (one pass over data.num_tokens of fresh text: layerwise runs a teacher forward per step, direct a
+    # student forward), auto (stream when caching every token's activations would exceed cache_limit_gb)
     source: str = "auto"
     cache_limit_gb: float = 4.0
     max_steps: Optional[int] = None  # stream: stop after this many steps even if tokens remain
     # dtype of the teacher forwards that produce distillation activations (the cache and the stream):
     # bfloat16 / float16 halve a GPU's teacher time; evaluation always runs the fp32 teacher
     teacher_dtype: str = "float32"
-    # before training: predict the stage's peak memory from a trace of its step, print it, refuse a
-    # micro-batch that cannot fit (micro_batch_size=auto always runs it); memory_limit_gb: plan
-    # against this many GiB instead of the device's own
+    # before training: predict the stage's peak memory from a trace of its step, print it, refuse a micro-batch
+    # that cannot fit (micro_batch_size=auto always runs it); memory_limit_gb: plan against it, not the device
     preflight: bool = True
     memory_limit_gb: Optional[float] = None
-    # under torchrun, how the ranks share layerwise training: data (every rank runs the teacher and
-    # the losses on its share of each batch, gradients averaged: N GPUs take 1/N of a step's work
-    # each, train.batch_size is the batch over all of them), layers (layer i on rank i mod N: each
-    # rank holds only its layers), auto (data when streaming, layers when reading the cache)
+    # under torchrun, how the ranks share layerwise training: data (every rank runs the teacher and the losses
+    # on its share of each batch, gradients averaged; train.batch_size is the batch over all of them), layers
+    # (layer i on rank i mod N: each rank holds only its layers), auto (data when streaming, layers from cache)
     parallel: str = "auto"
     # what a hybrid layer's features learn from in the layerwise stage: hybrid (the layer's own
     # output: exact window and sinks, linear before) or full (the linear part alone against the
@@ -181,14 +178,15 @@ class DistillConfig:
     warmup_steps: int = 10
     schedule: str = "cosine"  # constant | cosine (to 10 % of the peak)
     grad_clip: float = 1.0  # 0: no clipping (and no non-finite guard)
-    # tokens of the training text skipped first (None: the ones the layerwise stage read: distil on fresh text)
-    offset: Optional[int] = None
+    offset: Optional[int] = None  # text tokens skipped first (None: those the layerwise stage read)
     lora_rank: int = 8
     lora_alpha: int = 16
     # hybrid students: the probability that a layer runs without its exact window and sinks for a step (pure
     # linear, so its linear part must carry every key); moves linearly to window_dropout_end when that is set
     window_dropout: float = 0.0
     window_dropout_end: Optional[float] = None
+    copy_share: float = 0.0  # far copies (dofla.data.copies): share of KL tokens that repeat earlier spans
+    copy_distance: int = 128  # tokens from a span to its copy, at least
     checkpoint_every: int = 50
     log_every: int = 10
 
@@ -295,6 +293,8 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("attention", "gate"): "none",
     ("attention", "linear_scale"): "fixed",
     ("distill", "scale_lr"): 0.1,
+    ("distill", "copy_share"): 0.0,
+    ("distill", "copy_distance"): 128,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

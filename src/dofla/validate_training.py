@@ -140,3 +140,17 @@ def _validate_distill(cfg: RunConfig) -> None:
             "layerwise stage's tokens)")
     require(d.grad_clip >= 0 and d.warmup_steps >= 0,
             "distill.grad_clip and distill.warmup_steps must be ≥ 0")
+    _validate_copies(d, seq_len)
+
+
+def _validate_copies(d, seq_len: int) -> None:
+    from dofla.data.copies import SPAN
+
+    require(isinstance(d.copy_share, (int, float)) and 0 <= d.copy_share <= 0.5,
+            f"distill.copy_share={d.copy_share!r} must be a share of the tokens in [0, 0.5] (0: no far copies)")
+    require(isinstance(d.copy_distance, int) and d.copy_distance >= 1,
+            f"distill.copy_distance={d.copy_distance!r} must be a number of tokens ≥ 1")
+    need = d.copy_distance + 2 * SPAN[0]
+    require(not d.copy_share or seq_len >= need, f"distill.copy_share plants copies {d.copy_distance} tokens "
+            f"(distill.copy_distance) after their source, which needs sequences of at least {need} tokens; "
+            f"distill.seq_len is {seq_len}: raise it or lower distill.copy_distance")

@@ -94,6 +94,9 @@ BAD_BEFORE_MODEL = [
      "attention.linear_scale"),  # no distill stage to train it
     ({"attention__linear_scale": "learned", "attention__name": "hybrid", "attention__window": 64, "distill__name": "kl",
       "distill__train": ["attention"]}, "attention.linear_scale"),  # trains with the features, not named
+    ({"distill__name": "kl", "distill__copy_share": 0.8}, "distill.copy_share"),
+    ({"distill__name": "kl", "distill__copy_distance": 0}, "distill.copy_distance"),
+    ({"distill__name": "kl", "distill__copy_share": 0.1, "distill__seq_len": 128}, "distill.copy_share"),  # too short
 ]
 
 

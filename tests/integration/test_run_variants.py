@@ -181,10 +181,13 @@ def test_teacher_sliding_layers_stay_exact_and_get_no_features(tmp_path):
     assert not (run_dir / "layers" / "layer_00.pt").exists() and (run_dir / "layers" / "layer_01.pt").exists()
 
 
-def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it(tmp_path):
+def test_a_run_keeping_the_best_layer_exact_reports_it_and_distils_around_it_with_far_copies(tmp_path):
     run_dir, result = _run(tmp_path, "allocation=fix", "allocation.softmax_layers=1", "allocation.softmax_probe_seqs=2",
-                           "distill=kl", "distill.tokens=256", "distill.batch_size=2")
+                           "distill=kl", "distill.tokens=256", "distill.batch_size=2", "distill.copy_share=0.25",
+                           "distill.copy_distance=16")
     assert result.returncode == 0, result.stderr[-3000:]
+    settings = json.loads((run_dir / "distill_summary.json").read_text())["settings"]["distill"]
+    assert settings["copy_share"] == 0.25 and settings["copy_distance"] == 16  # far copies in the KL text
     chosen = json.loads((run_dir / "softmax_layers.json").read_text())
     assert "keeping layers" in result.stdout and len(chosen["layers"]) == 1
     metrics = _metrics(run_dir)

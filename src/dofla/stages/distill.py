@@ -42,6 +42,10 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     d = cfg.distill
     stream = training_stream(cfg, ctx.tokenizer, d.batch_size, offset(ctx, data), seq_len=d.seq_len,
                              source=data_source(ctx))
+    if d.copy_share:
+        from dofla.data.copies import CopySpans
+
+        stream = CopySpans(stream, d.copy_share, d.copy_distance, cfg.seed)
     log = None if tracker is None else (lambda values: tracker.log(values))
     student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, schedule(ctx, stream.batch_tokens),
                                       checkpoint_path=ctx.out_dir / "distill_ckpt.pt", meta=settings,

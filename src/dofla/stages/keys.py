@@ -34,7 +34,7 @@ IN_KEY: dict[str, tuple[str, ...]] = {
               "max_steps", "teacher_dtype", "hybrid_target"),
     "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
                 "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
-                "window_dropout_end"),
+                "window_dropout_end", "copy_share", "copy_distance"),
     "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
 }
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
