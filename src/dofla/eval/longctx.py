@@ -109,21 +109,28 @@ def passkey_probe(model, tokenizer, lengths: list[int], trials: int = 4, seed: i
     recalling the key. Depths are spread evenly over (0, 1); passkeys are seeded 5-digit numbers.
     """
     gen = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
     scores = {}
     for length in lengths:
-        hits, nats = 0, 0.0
-        for t in range(trials):
-            passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
-            ids = passkey_prompt(tokenizer, length, passkey, depth=(t + 0.5) / trials).to(device)
-            out = model.generate(ids, max_new_tokens=8, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            hits += answer.strip().startswith(str(passkey))
-            nats += answer_nll(model, ids, tokenizer(f" {passkey}", add_special_tokens=False,
-                                                     return_tensors="pt").input_ids.to(device))
-        scores[length] = (hits / trials, nats / trials)
+        results = passkey_trials(model, tokenizer, length, trials, gen)
+        scores[length] = (sum(hit for hit, _ in results) / trials, sum(nll for _, nll in results) / trials)
     return scores
+
+
+@torch.no_grad()
+def passkey_trials(model, tokenizer, length: int, trials: int, gen: torch.Generator) -> list[tuple[bool, float]]:
+    """(recalled, answer NLL) of each of ``trials`` passkey prompts of ``length`` tokens, the
+    passkeys drawn from ``gen``: the same prompts for every model given the same generator state."""
+    device = next(model.parameters()).device
+    results = []
+    for t in range(trials):
+        passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
+        ids = passkey_prompt(tokenizer, length, passkey, depth=(t + 0.5) / trials).to(device)
+        out = model.generate(ids, max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        key = tokenizer(f" {passkey}", add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+        results.append((answer.strip().startswith(str(passkey)), answer_nll(model, ids, key)))
+    return results
 
 
 def answer_nll(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
