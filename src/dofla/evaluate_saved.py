@@ -78,8 +78,7 @@ def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -
                                               "edges": ev.position_buckets},
                                  lambda: probes.position_metrics(cfg, WHO, model, long)))
     if ev.passkey_lengths:
-        metrics.update(store.get("passkey", {"model": settings, "lengths": ev.passkey_lengths,
-                                             "trials": ev.passkey_trials, "seed": cfg.seed, "nll": True},
+        metrics.update(store.get("passkey", probes.passkey_settings(cfg, settings),
                                  lambda: probes.passkey_metrics(cfg, WHO, model, tokenizer)))
     if plan is not None and plan.runnable:
         task_settings = {"model": settings, "tasks": plan.runnable, "limit": ev.task_limit,

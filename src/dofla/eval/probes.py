@@ -76,6 +76,13 @@ def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:
     return {f"position/{who}/{a}-{b}": loss for a, b, loss in zip(edges, edges[1:], losses)}
 
 
+def passkey_settings(cfg: RunConfig, model_settings) -> dict:
+    """What a stored passkey measurement depends on (``nll``: the answer NLL is part of it)."""
+    ev = cfg.eval
+    return {"model": model_settings, "lengths": ev.passkey_lengths, "trials": ev.passkey_trials, "seed": cfg.seed,
+            "nll": True}
+
+
 def passkey_metrics(cfg: RunConfig, who: str, model, tokenizer) -> dict:
     """Passkey retrieval accuracy and answer NLL (nats) per context length in ``eval.passkey_lengths``."""
     from dofla.eval.longctx import passkey_probe

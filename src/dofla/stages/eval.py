@@ -219,9 +219,7 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
             metrics.update(store.get(f"position/{who}", settings,
                                      lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))
         if ev.passkey_lengths:
-            settings = {"model": who_settings[who], "lengths": ev.passkey_lengths, "trials": ev.passkey_trials,
-                        "seed": cfg.seed, "nll": True}
-            metrics.update(store.get(f"passkey/{who}", settings,
+            metrics.update(store.get(f"passkey/{who}", probes.passkey_settings(cfg, who_settings[who]),
                                      lambda who=who, model=model: probes.passkey_metrics(cfg, who, model,
                                                                                           tokenizer)))
     return metrics
