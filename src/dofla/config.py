@@ -77,7 +77,7 @@ class AllocationConfig:
     # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
     softmax_layers: int = 0
     softmax_probe_seqs: int = 8
-    softmax_rank: str = "kl"  # kl (each alone) | kl_greedy (chosen kept exact) | attention_error (proxy) | retrieval
+    softmax_rank: str = "kl"  # kl (each alone) | kl_greedy (chosen kept exact) | attention_error | retrieval | passkey
 
 
 @dataclass

@@ -121,7 +121,11 @@ def _validate_attention(cfg: RunConfig) -> None:
     k = cfg.allocation.softmax_layers
     require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
     positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
-    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "kl_greedy", "attention_error", "retrieval"))
+    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "kl_greedy", "attention_error", "retrieval",
+                                                                  "passkey"))
+    require(not k or cfg.allocation.softmax_rank != "passkey" or cfg.eval.passkey_lengths,
+            "allocation.softmax_rank=passkey chooses layers on passkey prompts of the longest eval.passkey_lengths, "
+            "which is empty; set eval.passkey_lengths (e.g. [1024])")
     require(not k or a.name != "sliding_window",
             f"allocation.softmax_layers={k} keeps layers of a linear or hybrid student exact; "
             "attention=sliding_window has no linear layers, set it to 0")

@@ -11,10 +11,13 @@ from dofla.dof.softmax_layers import (
     choose,
     copy_probe,
     greedy_restoration_kl,
+    greedy_restoration_passkey,
     kv_bytes_per_token,
+    passkey_prompts,
     probe_attention_errors,
     rank_layers,
     restoration_kl,
+    restoration_passkey,
     retrieval_scores,
 )
 from dofla.eval import attention_errors
@@ -180,6 +183,55 @@ def test_the_copy_probe_repeats_an_early_span_at_the_end():
     with pytest.raises(ValueError, match="at least 14 tokens"):
         copy_probe(_ids(length=12))
 
+
+
+def _answer_nats(model, prompts) -> float:
+    """Plain reference: the mean over prompts of the answer tokens' summed cross entropy."""
+    total = 0.0
+    for prompt, answer in prompts:
+        logits = _logits(model, torch.cat([prompt, answer], dim=1))[0, prompt.shape[1] - 1:-1]
+        total += torch.nn.functional.cross_entropy(logits, answer[0], reduction="sum").item()
+    return total / len(prompts)
+
+
+def test_passkey_prompts_are_not_the_eval_probes_and_carry_their_answer(byte_tokenizer):
+    prompts = passkey_prompts(byte_tokenizer, 200, 3, seed=0)
+    assert len(prompts) == 3 and passkey_prompts(byte_tokenizer, 200, 3, seed=0)[1][0].equal(prompts[1][0])
+    keys = [byte_tokenizer.decode(answer[0]) for _, answer in prompts]
+    for (prompt, _), key in zip(prompts, keys):
+        assert key[0] == " " and key[1:].isdigit() and len(key) == 6
+        assert f"The pass key is{key}." in byte_tokenizer.decode(prompt[0])
+        assert abs(prompt.shape[1] - 200) < 40
+    gen = torch.Generator().manual_seed(0)  # the eval probe's keys, seed 0: drawn the same way
+    evals = {int(torch.randint(10000, 100000, (1,), generator=gen)) for _ in range(10)}  # as passkey_trials
+    assert evals.isdisjoint(int(k) for k in keys)
+
+
+def test_the_passkey_choice_restores_the_layers_that_lower_the_answer_nll_most(byte_tokenizer):
+    teacher = build_tiny_model("llama", seed=0, num_layers=3)
+    student = convert(copy.deepcopy(teacher), attention="hybrid", window=8, sinks=1, feature_map="learned_prf",
+                      dims=[8] * 3, chunk_size=32, seed=2)
+    prompts = passkey_prompts(byte_tokenizer, 180, 2, seed=0)
+    alone = restoration_passkey(student, prompts)
+    assert alone["base"] == pytest.approx(_answer_nats(student, prompts), rel=1e-5)
+    for layer, nats in alone["restored"].items():  # each equals the student with that layer exact
+        assert nats == pytest.approx(_answer_nats(restore_softmax(copy.deepcopy(student), [layer]), prompts), rel=1e-5)
+    steps = greedy_restoration_passkey(student, prompts, 2)
+    assert [a.mode for a in student.student_attentions()] == ["hybrid"] * 3  # measuring restored nothing
+    chosen = [s["layer"] for s in steps]
+    assert chosen[0] == min(alone["restored"], key=alone["restored"].get)
+    kept = restore_softmax(copy.deepcopy(student), chosen)
+    assert steps[1]["nll"] == pytest.approx(_answer_nats(kept, prompts), rel=1e-5)
+    rival = restore_softmax(copy.deepcopy(student), [chosen[0], ({0, 1, 2} - set(chosen)).pop()])
+    assert _answer_nats(rival, prompts) >= steps[1]["nll"] - 1e-6
+    all_exact = restore_softmax(copy.deepcopy(student), [0, 1, 2])  # every layer exact: the teacher
+    assert _answer_nats(all_exact, prompts) == pytest.approx(_answer_nats(teacher, prompts), rel=1e-4)
+    planted = [{"layer": 2, "nll": -1.0}]
+    assert greedy_restoration_passkey(student, prompts, 2, steps=planted)[0] == planted[0]
+    measured = {"passkey": {"greedy": steps}}
+    assert rank_layers(measured, "passkey") == chosen and choose(measured, 2, "passkey") == sorted(chosen)
+    with pytest.raises(ValueError, match="greedy choice has 2 steps"):
+        choose(measured, 3, "passkey")
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_retrieval_scores_equal_the_teachers_own_attention_weights(arch):

@@ -200,6 +200,41 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     assert softmax_layers.metrics(run["student"]) == {}  # k = 0: nothing restored, nothing reported
 
 
+
+def test_assemble_keeps_the_layers_chosen_by_passkey_recall_and_extends_the_choice(run, tmp_path):
+    import shutil
+
+    from dofla.stages import softmax_layers
+
+    base = run["ctx"]
+
+    def choose(k):
+        cfg = dataclasses.replace(base.cfg, allocation=dataclasses.replace(
+            base.cfg.allocation, softmax_layers=k, softmax_probe_seqs=2, softmax_rank="passkey"),
+            eval=dataclasses.replace(base.cfg.eval, passkey_lengths=[64, 160]))
+        ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / f"k{k}")
+        if not (ctx.out_dir / "layers").exists():
+            shutil.copytree(base.out_dir / "layers", ctx.out_dir / "layers")
+        student = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+        return student, json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
+
+    student, measured = choose(1)
+    passkey = measured["passkey"]
+    assert {k: passkey[k] for k in ("length", "prompts", "seed")} == {"length": 160, "prompts": 2,
+                                                                      "seed": base.cfg.seed}
+    assert len(passkey["greedy"]) == 1 and passkey["greedy"][0]["nll"] <= passkey["base"]
+    assert student.config.dofla["softmax_layers"] == [passkey["greedy"][0]["layer"]]
+    assert student.dofla_settings["softmax_layers"]["rank"] == "passkey"
+    shutil.copytree(tmp_path / "k1" / "layers", tmp_path / "k2" / "layers")  # the stored first step, then k = 2
+    stored_path = tmp_path / "k2" / "layers" / softmax_layers.RANKING
+    stored = json.loads(stored_path.read_text())
+    stored["measured"]["passkey"]["greedy"][0]["nll"] = -1.0  # marked: read back, not measured again
+    stored_path.write_text(json.dumps(stored))
+    student, measured = choose(2)
+    assert measured["passkey"]["greedy"][0] == {**passkey["greedy"][0], "nll": -1.0}
+    assert len(measured["passkey"]["greedy"]) == 2
+    assert student.config.dofla["softmax_layers"] == [0, 1]
+
 def test_a_hybrid_does_not_reuse_the_linear_students_softmax_ranking():
     """A hybrid trained against full attention shares the linear run's layers; restoring a layer to
     softmax changes its model's KL by another amount, so the stored ranking must not be shared."""

@@ -13,7 +13,9 @@ the layers independently; the gains of several restored together need not add up
 (:func:`greedy_restoration_kl`): each step measures every remaining layer on top of the choice so far.
 ``rank="retrieval"`` ranks by what next-token KL on ordinary text does not see: the teacher's
 long-range copying (:func:`retrieval_scores`, one teacher pass), for students that must recall a
-fact from far back (a passkey).
+fact from far back (a passkey). ``rank="passkey"`` measures that recall on the student itself: the
+greedy choice again, by the nats the student spends on the answers of passkey prompts
+(:func:`greedy_restoration_passkey`; other keys and depths than the eval's probe).
 
 Cost: per probe batch one teacher forward and L + 1 student forwards (the teacher's logits live
 one batch at a time, never stored); the greedy choice of k layers one teacher forward and about L
@@ -70,6 +72,30 @@ def greedy_restoration_kl(student, teacher, tokens: torch.Tensor, k: int, batch_
 
     Returns [{"layer": i, "kl": KL with it and every earlier step's layer restored}, …], k long.
     """
+    def measure(left):
+        return restoration_kl(student, teacher, tokens, batch_size, left)["restored"]
+
+    return _greedy(student, k, steps, measure, "kl")
+
+
+@torch.no_grad()
+def greedy_restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.Tensor]], k: int,
+                               steps: list[dict] | None = None) -> list[dict]:
+    """The greedy choice of ``k`` layers to restore by passkey recall: step s keeps the layers of
+    steps < s exact and adds the one whose restoration then gives the lowest mean answer NLL over
+    ``prompts`` (:func:`passkey_prompts`); ties by index; ``steps`` are kept and extended.
+
+    Returns [{"layer": i, "nll": mean answer nats with it and every earlier step's layer restored}, …].
+    """
+    def measure(left):
+        return restoration_passkey(student, prompts, left)["restored"]
+
+    return _greedy(student, k, steps, measure, "nll")
+
+
+def _greedy(student, k: int, steps: list[dict] | None, measure, name: str) -> list[dict]:
+    """Greedy steps up to ``k``: ``measure(left)`` gives {layer: value} with the chosen layers kept
+    exact; each step takes the lowest."""
     attentions = student.student_attentions()
     candidates = [i for i, attn in enumerate(attentions) if attn.feature_map is not None]
     if k > len(candidates):
@@ -81,13 +107,57 @@ def greedy_restoration_kl(student, teacher, tokens: torch.Tensor, k: int, batch_
         with ExitStack() as kept:
             for layer in chosen:
                 kept.enter_context(softmax_restored(student, layer))
-            kl = restoration_kl(student, teacher, tokens, batch_size, left)["restored"]
-        best = min(left, key=lambda i: (kl[i], i))
-        steps.append({"layer": best, "kl": kl[best]})
+            values = measure(left)
+        best = min(left, key=lambda i: (values[i], i))
+        steps.append({"layer": best, name: values[best]})
     return steps
 
 
-RANKS = ("kl", "kl_greedy", "attention_error", "retrieval")
+PASSKEY_SALT = 1_000_003  # selection prompts draw their keys from seed + this: never the eval's keys
+
+
+def passkey_prompts(tokenizer, length: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` passkey prompts of about ``length`` tokens to choose layers on, as (prompt (1, P),
+    answer " <key>" (1, A)) token ids: the eval probe's format (:func:`dofla.eval.longctx.passkey_prompt`),
+    with keys drawn from ``seed + PASSKEY_SALT`` and needles at depths (t + 0.25) / count, so the
+    eval's prompts (keys from ``seed``, depths (t + 0.5) / trials) are not the ones chosen on."""
+    from dofla.eval.longctx import passkey_prompt
+
+    gen = torch.Generator().manual_seed(seed + PASSKEY_SALT)
+    prompts = []
+    for t in range(count):
+        key = int(torch.randint(10000, 100000, (1,), generator=gen))
+        answer = tokenizer(f" {key}", add_special_tokens=False, return_tensors="pt").input_ids
+        prompts.append((passkey_prompt(tokenizer, length, key, depth=(t + 0.25) / count), answer))
+    return prompts
+
+
+@torch.no_grad()
+def restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.Tensor]],
+                        layers: list[int] | None = None) -> dict:
+    """Mean answer NLL (nats) over ``prompts`` (:func:`passkey_prompts`), as the student is and with
+    each layer of ``layers`` (default: every layer with a feature map) restored to softmax alone.
+
+    Returns {"base": float, "restored": {layer: float}}.
+    """
+    from dofla.eval.longctx import answer_nll
+
+    device = next(student.parameters()).device
+    if layers is None:
+        layers = [i for i, attn in enumerate(student.student_attentions()) if attn.feature_map is not None]
+    sums = dict.fromkeys([None, *layers], 0.0)
+    with tqdm(total=len(prompts) * len(sums), desc="softmax layers: passkey NLL per restored layer",
+              unit="forward", leave=False) as progress:
+        for prompt, answer in prompts:
+            prompt, answer = prompt.to(device), answer.to(device)
+            for layer in sums:
+                with softmax_restored(student, layer):
+                    sums[layer] += answer_nll(student, prompt, answer)
+                progress.update()
+    return {"base": sums[None] / len(prompts), "restored": {i: sums[i] / len(prompts) for i in layers}}
+
+
+RANKS = ("kl", "kl_greedy", "attention_error", "retrieval", "passkey")
 
 
 def copy_probe(tokens: torch.Tensor, start: int = 8, span: int = 16) -> tuple[torch.Tensor, int]:
@@ -153,12 +223,14 @@ def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: i
 def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
     """Layers, best to restore first: by ``kl``, the lowest KL with the layer restored alone (the
     largest gain); by ``attention_error``, the largest error of the layer's own attention; by
-    ``retrieval``, the teacher's strongest long-range copying; by ``kl_greedy``, the order the greedy
-    choice took them (only as many as it has measured). Ties by index."""
+    ``retrieval``, the teacher's strongest long-range copying; by ``kl_greedy`` and ``passkey``, the
+    order the greedy choice took them (only as many as it has measured). Ties by index."""
     if rank not in RANKS:
         raise ValueError(f"rank={rank!r} is not one of {', '.join(RANKS)}")
     if rank == "kl_greedy":
         return [int(step["layer"]) for step in measured["greedy"]]
+    if rank == "passkey":
+        return [int(step["layer"]) for step in measured["passkey"]["greedy"]]
     if rank == "kl":
         values = {int(i): kl for i, kl in measured["restored"].items()}
     else:
@@ -169,9 +241,9 @@ def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
 def choose(measured: dict, k: int, rank: str = "kl") -> list[int]:
     """The ``k`` best layers to restore under ``rank`` (:func:`rank_layers`), in layer order."""
     ranking = rank_layers(measured, rank)
-    if rank == "kl_greedy" and k > len(ranking):
+    if rank in ("kl_greedy", "passkey") and k > len(ranking):
         raise ValueError(f"{k} softmax layers were asked for but the greedy choice has {len(ranking)} steps; "
-                         "extend it with greedy_restoration_kl")
+                         f"extend it with greedy_restoration_{'kl' if rank == 'kl_greedy' else 'passkey'}")
     if k > len(ranking):
         raise ValueError(f"{k} softmax layers were asked for but only {len(ranking)} layers have linear features")
     return sorted(ranking[:k])

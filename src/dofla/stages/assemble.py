@@ -42,7 +42,8 @@ def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key:
     if cfg.allocation.softmax_layers:
         from dofla.stages import softmax_layers
 
-        softmax_layers.apply(cfg, student.eval(), teacher, probe, settings["layers"], directories[0], out_dir)
+        softmax_layers.apply(cfg, student.eval(), teacher, probe, settings["layers"], directories[0], out_dir,
+                             tokenizer)
     save_model_dir(student, tokenizer, target, settings)
     return with_settings(student.eval(), settings)
 

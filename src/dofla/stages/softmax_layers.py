@@ -6,7 +6,8 @@ student is saved, so the distill stage trains the student with those layers exac
 student loads with them exact. The measurement depends on the trained layers and the probe, not on
 k, so it is stored beside the layers (``softmax_ranking.json`` in their settings directory): runs
 sharing ``train.layer_dir`` with another k reuse it (the greedy choice, ``softmax_rank=kl_greedy``,
-is extended step by step: a larger k measures only the steps a smaller one did not). The run's
+is extended step by step: a larger k measures only the steps a smaller one did not; so is the
+passkey choice, ``softmax_rank=passkey``, kept with the prompts' length, count and seed). The run's
 choice goes to ``softmax_layers.json``.
 """
 from __future__ import annotations
@@ -23,11 +24,12 @@ RANKING, CHOICE = "softmax_ranking.json", "softmax_layers.json"
 
 
 def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, directory: Path,
-          out_dir: Path) -> list[int]:
+          out_dir: Path, tokenizer=None) -> list[int]:
     """Restore the chosen layers of ``student`` to softmax (in place); returns them ([] for k = 0).
 
     ``probe`` (S, L) training tokens (the first ``allocation.softmax_probe_seqs`` sequences are
-    used); ``layers`` the trained layers' settings; ``directory`` where the measurement is kept.
+    used); ``layers`` the trained layers' settings; ``directory`` where the measurement is kept;
+    ``tokenizer`` builds the prompts of ``softmax_rank=passkey``.
     """
     from dofla.dof.softmax_layers import choose, rank_layers
     from dofla.models import restore_softmax
@@ -36,7 +38,7 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     if not a.softmax_layers:
         return []
     probe = probe[:a.softmax_probe_seqs]
-    measured = measurement(cfg, student, teacher, probe, layers, Path(directory) / RANKING)
+    measured = measurement(cfg, student, teacher, probe, layers, Path(directory) / RANKING, tokenizer)
     chosen = choose(measured, a.softmax_layers, a.softmax_rank)
     restore_softmax(student, chosen)
     cost = metrics(student)["softmax_layers/kv_bytes_per_token"]
@@ -48,6 +50,11 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     elif a.softmax_rank == "kl_greedy":
         values = ", ".join(f"{step['layer']}: {step['kl']:.3f}" for step in measured["greedy"][:a.softmax_layers])
         why = f"chosen one after another, each kept: the probe KL goes from {measured['base']:.3f} to {values}"
+    elif a.softmax_rank == "passkey":
+        pk = measured["passkey"]
+        values = ", ".join(f"{step['layer']}: {step['nll']:.2f}" for step in pk["greedy"][:a.softmax_layers])
+        why = (f"chosen one after another by passkey recall, each kept: the answer NLL on {pk['prompts']} prompts "
+               f"of {pk['length']} tokens goes from {pk['base']:.2f} nats to {values}")
     elif a.softmax_rank == "retrieval":
         values = ", ".join(f"{measured['retrieval'][str(i)]:.3f}" for i in chosen)
         why = f"the teacher's strongest long-range copying on the probe (attention to the copied token): {values}"
@@ -59,7 +66,8 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     return chosen
 
 
-def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, path: Path) -> dict:
+def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, path: Path,
+                tokenizer=None) -> dict:
     """What ``allocation.softmax_rank`` ranks by, read from ``path`` when it was measured for these
     layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
     from dofla.dof.softmax_layers import probe_attention_errors, probe_retrieval, restoration_kl
@@ -68,6 +76,10 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
     measures = {"restored": restoration_kl, "attention_error": probe_attention_errors, "retrieval": probe_retrieval}
+    if a.softmax_rank == "passkey":
+        measured["passkey"] = _passkey(cfg, student, tokenizer, measured.get("passkey"))
+        write_json(path, {"settings": settings, "measured": measured})
+        return measured
     needed = a.softmax_rank if a.softmax_rank in measures else "restored"  # kl, and kl_greedy's first step
     if needed not in measured:
         measure = measures[needed]
@@ -90,6 +102,24 @@ def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) ->
         first = rank_layers(measured, "kl")[0]
         steps = [{"layer": first, "kl": measured["restored"][str(first)]}]
     return greedy_restoration_kl(student, teacher, probe, k, batch_size, steps)
+
+
+def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
+    """The passkey choice's greedy steps up to k, extending ``stored`` when it was measured on the
+    same prompts: ``allocation.softmax_probe_seqs`` of the longest ``eval.passkey_lengths``, from ``seed``."""
+    from dofla.dof.softmax_layers import greedy_restoration_passkey, passkey_prompts, restoration_passkey
+
+    a, length = cfg.allocation, max(cfg.eval.passkey_lengths)
+    prompts_key = {"length": length, "prompts": a.softmax_probe_seqs, "seed": cfg.seed}
+    if not stored or {key: stored.get(key) for key in prompts_key} != prompts_key:
+        stored = dict(prompts_key)
+    if len(stored.get("greedy", [])) >= a.softmax_layers:
+        return stored
+    prompts = passkey_prompts(tokenizer, length, a.softmax_probe_seqs, cfg.seed)
+    if "base" not in stored:
+        stored["base"] = restoration_passkey(student, prompts, [])["base"]
+    stored["greedy"] = greedy_restoration_passkey(student, prompts, a.softmax_layers, stored.get("greedy"))
+    return stored
 
 
 def metrics(student) -> dict:
