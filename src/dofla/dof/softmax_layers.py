@@ -121,15 +121,10 @@ def passkey_prompts(tokenizer, length: int, count: int, seed: int) -> list[tuple
     answer " <key>" (1, A)) token ids: the eval probe's format (:func:`dofla.eval.longctx.passkey_prompt`),
     with keys drawn from ``seed + PASSKEY_SALT`` and needles at depths (t + 0.25) / count, so the
     eval's prompts (keys from ``seed``, depths (t + 0.5) / trials) are not the ones chosen on."""
-    from dofla.eval.longctx import passkey_prompt
+    from dofla.eval.longctx import passkey_case
 
     gen = torch.Generator().manual_seed(seed + PASSKEY_SALT)
-    prompts = []
-    for t in range(count):
-        key = int(torch.randint(10000, 100000, (1,), generator=gen))
-        answer = tokenizer(f" {key}", add_special_tokens=False, return_tensors="pt").input_ids
-        prompts.append((passkey_prompt(tokenizer, length, key, depth=(t + 0.25) / count), answer))
-    return prompts
+    return [passkey_case(tokenizer, length, gen, depth=(t + 0.25) / count)[1:] for t in range(count)]
 
 
 @torch.no_grad()

@@ -123,14 +123,21 @@ def passkey_trials(model, tokenizer, length: int, trials: int, gen: torch.Genera
     device = next(model.parameters()).device
     results = []
     for t in range(trials):
-        passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
-        ids = passkey_prompt(tokenizer, length, passkey, depth=(t + 0.5) / trials).to(device)
+        passkey, ids, key = passkey_case(tokenizer, length, gen, depth=(t + 0.5) / trials)
+        ids, key = ids.to(device), key.to(device)
         out = model.generate(ids, max_new_tokens=8, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        key = tokenizer(f" {passkey}", add_special_tokens=False, return_tensors="pt").input_ids.to(device)
         results.append((answer.strip().startswith(str(passkey)), answer_nll(model, ids, key)))
     return results
+
+
+def passkey_case(tokenizer, length: int, gen: torch.Generator, depth: float) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One passkey prompt: (passkey, prompt ids (1, P), answer " <passkey>" ids (1, A)), the
+    5-digit passkey drawn from ``gen``, its needle at relative ``depth``."""
+    passkey = int(torch.randint(10000, 100000, (1,), generator=gen))
+    answer = tokenizer(f" {passkey}", add_special_tokens=False, return_tensors="pt").input_ids
+    return passkey, passkey_prompt(tokenizer, length, passkey, depth), answer
 
 
 def answer_nll(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:

@@ -116,9 +116,11 @@ def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
     if len(stored.get("greedy", [])) >= a.softmax_layers:
         return stored
     prompts = passkey_prompts(tokenizer, length, a.softmax_probe_seqs, cfg.seed)
-    if "base" not in stored:
-        stored["base"] = restoration_passkey(student, prompts, [])["base"]
-    stored["greedy"] = greedy_restoration_passkey(student, prompts, a.softmax_layers, stored.get("greedy"))
+    if not stored.get("greedy"):  # the first step and the base NLL from the same forwards
+        alone = restoration_passkey(student, prompts)
+        first = min(alone["restored"], key=lambda i: (alone["restored"][i], i))
+        stored["base"], stored["greedy"] = alone["base"], [{"layer": first, "nll": alone["restored"][first]}]
+    stored["greedy"] = greedy_restoration_passkey(student, prompts, a.softmax_layers, stored["greedy"])
     return stored
 
 
