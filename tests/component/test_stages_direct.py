@@ -234,6 +234,20 @@ def test_assemble_keeps_the_layers_chosen_by_passkey_recall_and_extends_the_choi
     assert measured["passkey"]["greedy"][0] == {**passkey["greedy"][0], "nll": -1.0}
     assert len(measured["passkey"]["greedy"]) == 2
     assert student.config.dofla["softmax_layers"] == [0, 1]
+    # a KL ranking on another probe count measures afresh and keeps the passkey choice (its prompts are
+    # keyed inside it); the passkey choice then reads it back and keeps the KL measurement in turn
+    kl_cfg = dataclasses.replace(base.cfg, allocation=dataclasses.replace(
+        base.cfg.allocation, softmax_layers=1, softmax_probe_seqs=1, softmax_rank="kl"))
+    assemble.run(dataclasses.replace(base, cfg=kl_cfg, out_dir=tmp_path / "k2"), run["dims"],
+                 run["data"].cache_key, run["data"].train_tokens)
+    after_kl = json.loads(stored_path.read_text())
+    assert after_kl["settings"]["probe_seqs"] == 1 and after_kl["measured"]["probe_tokens"] == base.cfg.data.seq_len
+    assert set(after_kl["measured"]["restored"]) == {"0", "1"}
+    assert after_kl["measured"]["passkey"] == measured["passkey"]
+    shutil.rmtree(tmp_path / "k2" / "student")
+    student, again = choose(2)
+    assert again == after_kl["measured"] and json.loads(stored_path.read_text())["settings"]["probe_seqs"] == 1
+    assert student.config.dofla["softmax_layers"] == [0, 1]
 
 def test_a_hybrid_does_not_reuse_the_linear_students_softmax_ranking():
     """A hybrid trained against full attention shares the linear run's layers; restoring a layer to

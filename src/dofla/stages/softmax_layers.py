@@ -7,8 +7,9 @@ student loads with them exact. The measurement depends on the trained layers and
 k, so it is stored beside the layers (``softmax_ranking.json`` in their settings directory): runs
 sharing ``train.layer_dir`` with another k reuse it (the greedy choice, ``softmax_rank=kl_greedy``,
 is extended step by step: a larger k measures only the steps a smaller one did not; so is the
-passkey choice, ``softmax_rank=passkey``, kept with the prompts' length, count and seed). The run's
-choice goes to ``softmax_layers.json``.
+passkey choice, ``softmax_rank=passkey``, kept with the prompts' length, count and seed, so that a
+passkey choice with another ``softmax_probe_seqs`` keeps the probe's measurements and the other way
+round). The run's choice goes to ``softmax_layers.json``.
 """
 from __future__ import annotations
 
@@ -74,7 +75,17 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
 
     a = cfg.allocation
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
-    measured = stored["measured"] if stored.get("settings") == settings else {"probe_tokens": int(probe.numel())}
+    old, kept = stored.get("settings"), stored.get("measured") or {}
+    if old == settings:
+        measured = kept
+    else:  # another probe or other layers: measured afresh, but the passkey choice survives another probe
+        same_layers = old is not None and {**old, "probe_seqs": None} == {**settings, "probe_seqs": None}
+        if same_layers and a.softmax_rank == "passkey":
+            settings, measured = old, kept  # the passkey entry is keyed by its own prompts, not by the probe
+        else:
+            measured = {"probe_tokens": int(probe.numel())}
+            if same_layers and "passkey" in kept:
+                measured["passkey"] = kept["passkey"]
     measures = {"restored": restoration_kl, "attention_error": probe_attention_errors, "retrieval": probe_retrieval}
     if a.softmax_rank == "passkey":
         measured["passkey"] = _passkey(cfg, student, tokenizer, measured.get("passkey"))
