@@ -76,16 +76,14 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
     a = cfg.allocation
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     old, kept = stored.get("settings"), stored.get("measured") or {}
-    if old == settings:
-        measured = kept
-    else:  # another probe or other layers: measured afresh, but the passkey choice survives another probe
-        same_layers = old is not None and {**old, "probe_seqs": None} == {**settings, "probe_seqs": None}
-        if same_layers and a.softmax_rank == "passkey":
-            settings, measured = old, kept  # the passkey entry is keyed by its own prompts, not by the probe
-        else:
-            measured = {"probe_tokens": int(probe.numel())}
-            if same_layers and "passkey" in kept:
-                measured["passkey"] = kept["passkey"]
+    # the passkey entry is keyed by its own prompts, not by the probe: it survives another probe count
+    same_layers = old is not None and {**old, "probe_seqs": None} == {**settings, "probe_seqs": None}
+    if old == settings or (same_layers and a.softmax_rank == "passkey"):
+        settings, measured = old, kept
+    else:
+        measured = {"probe_tokens": int(probe.numel())}
+        if same_layers and "passkey" in kept:
+            measured["passkey"] = kept["passkey"]
     measures = {"restored": restoration_kl, "attention_error": probe_attention_errors, "retrieval": probe_retrieval}
     if a.softmax_rank == "passkey":
         measured["passkey"] = _passkey(cfg, student, tokenizer, measured.get("passkey"))
@@ -118,7 +116,7 @@ def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) ->
 def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
     """The passkey choice's greedy steps up to k, extending ``stored`` when it was measured on the
     same prompts: ``allocation.softmax_probe_seqs`` of the longest ``eval.passkey_lengths``, from ``seed``."""
-    from dofla.dof.softmax_layers import greedy_restoration_passkey, passkey_prompts, restoration_passkey
+    from dofla.dof.softmax_layers import greedy_restoration_passkey, passkey_prompts, rank_layers, restoration_passkey
 
     a, length = cfg.allocation, max(cfg.eval.passkey_lengths)
     prompts_key = {"length": length, "prompts": a.softmax_probe_seqs, "seed": cfg.seed}
@@ -129,7 +127,7 @@ def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
     prompts = passkey_prompts(tokenizer, length, a.softmax_probe_seqs, cfg.seed)
     if not stored.get("greedy"):  # the first step and the base NLL from the same forwards
         alone = restoration_passkey(student, prompts)
-        first = min(alone["restored"], key=lambda i: (alone["restored"][i], i))
+        first = rank_layers(alone, "kl")[0]  # the lowest NLL restored alone, ties by index
         stored["base"], stored["greedy"] = alone["base"], [{"layer": first, "nll": alone["restored"][first]}]
     stored["greedy"] = greedy_restoration_passkey(student, prompts, a.softmax_layers, stored["greedy"])
     return stored
