@@ -126,9 +126,6 @@ def _validate_attention(cfg: RunConfig) -> None:
     require(not k or cfg.allocation.softmax_rank != "passkey" or cfg.eval.passkey_lengths,
             "allocation.softmax_rank=passkey chooses layers on passkey prompts of the longest eval.passkey_lengths, "
             "which is empty; set eval.passkey_lengths (e.g. [1024])")
-    require(not k or a.name != "sliding_window",
-            f"allocation.softmax_layers={k} keeps layers of a linear or hybrid student exact; "
-            "attention=sliding_window has no linear layers, set it to 0")
     require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
              "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
 

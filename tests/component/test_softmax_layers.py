@@ -21,7 +21,7 @@ from dofla.dof.softmax_layers import (
     retrieval_scores,
 )
 from dofla.eval import attention_errors
-from dofla.models import convert, get_adapter, load_student, restore_softmax, softmax_restored
+from dofla.models import convert, get_adapter, load_student, restorable_layers, restore_softmax, softmax_restored
 from dofla.models.tiny import build_tiny_model
 from dofla.train.distill import kl_reference
 
@@ -51,9 +51,9 @@ def test_every_layer_restored_is_the_teacher(arch):
     assert (_logits(student, ids) - _logits(teacher, ids)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("attention", ["linear", "hybrid"])
+@pytest.mark.parametrize("attention", ["linear", "hybrid", "sliding_window"])
 def test_restoring_a_layer_equals_converting_with_it_exact_and_survives_saving(tmp_path, attention):
-    extra = {"attention": "hybrid", "window": 3, "sinks": 1} if attention == "hybrid" else {}
+    extra = {"attention": attention, "window": 3, "sinks": 1} if attention != "linear" else {}
     _, student = _student(**extra)
     _, converted = _student(softmax_layers=[1], **extra)
     converted.load_state_dict(student.state_dict(), strict=False)  # the same layer-0 features
@@ -77,6 +77,27 @@ def test_a_student_with_a_softmax_layer_decodes_like_its_parallel_forward():
     for _ in range(6):
         tokens = torch.cat([tokens, _logits(student, tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(generated, tokens)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_a_teachers_own_sliding_window_layer_is_never_restored_past_its_window(tmp_path, arch):
+    """Gemma 2 alternates local and global layers; a teacher-local layer stays the teacher's window in
+    every student, also when a saved student lists it among its softmax layers."""
+    teacher = build_tiny_model(arch, seed=0)
+    windows = get_adapter(teacher).geometry(teacher.config).layer_windows
+    local = [i for i, w in enumerate(windows or []) if w is not None]
+    assert local, "the tiny model should have a teacher sliding-window layer"
+    for attention in ("linear", "sliding_window"):
+        student = convert(copy.deepcopy(teacher), feature_map="learned_prf", dims=[8, 8], chunk_size=4,
+                          attention=attention, window=3 if attention != "linear" else 0)
+        assert restorable_layers(student) == [i for i in range(2) if i not in local]
+        restore_softmax(student, local)
+        assert all(student.student_attentions()[i].window == windows[i] for i in local)
+        student.save_pretrained(tmp_path / attention)
+        reloaded = load_student(tmp_path / attention)
+        assert [a.window for a in reloaded.student_attentions()] == [a.window for a in student.student_attentions()]
+        with softmax_restored(student, local[0]):
+            assert student.student_attentions()[local[0]].window == windows[local[0]]
 
 
 def test_softmax_restored_is_temporary():
@@ -131,9 +152,10 @@ def test_choose_and_its_cost():
 
 def test_restoring_is_refused_where_there_is_nothing_to_restore():
     teacher = build_tiny_model("llama", seed=0)
-    window = convert(copy.deepcopy(teacher), attention="sliding_window", window=4)
+    exact = convert(copy.deepcopy(teacher), feature_map="softmax")
+    assert restorable_layers(exact) == []
     with pytest.raises(ValueError, match="softmax_layers"):
-        restore_softmax(window, [0])
+        restore_softmax(exact, [0])
     _, student = _student()
     with pytest.raises(ValueError, match="outside 0..1"):
         restore_softmax(student, [2])

@@ -249,6 +249,33 @@ def test_assemble_keeps_the_layers_chosen_by_passkey_recall_and_extends_the_choi
     assert again == after_kl["measured"] and json.loads(stored_path.read_text())["settings"]["probe_seqs"] == 1
     assert student.config.dofla["softmax_layers"] == [0, 1]
 
+def test_a_sliding_window_student_keeps_exact_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_path):
+    """The retrained control of a hybrid with softmax layers: window + sinks elsewhere, nothing linear.
+    Its ranking is measured on the windowed student and lives in the run's own layers/."""
+    from dofla.models import load_student
+    from dofla.stages import softmax_layers
+
+    base = run["ctx"]
+    cfg = tiny_config(f"paths.cache_dir={base.cfg.paths.cache_dir}", "attention=sliding_window", "attention.window=4",
+                      "attention.sinks=1", "allocation.softmax_layers=1", "allocation.softmax_probe_seqs=2")
+    ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / "sw", plan=tuple(stage_plan(cfg)))
+    assert "train" not in ctx.plan and "assemble" in ctx.plan
+    dims = [0] * base.geometry.num_layers
+    student = assemble.run(ctx, dims, run["data"].cache_key, run["data"].train_tokens)
+    stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())
+    restored = {int(i): kl for i, kl in stored["measured"]["restored"].items()}
+    assert set(restored) == {0, 1} and stored["settings"]["attention"]["name"] == "sliding_window"
+    assert all(kl < stored["measured"]["base"] for kl in restored.values())  # exact beats a 4-token window
+    chosen = [min(restored, key=restored.get)]
+    assert student.config.dofla["softmax_layers"] == chosen
+    modes = ["softmax" if i in chosen else "sliding_window" for i in range(2)]
+    assert [a.mode for a in student.student_attentions()] == modes
+    ids = run["data"].heldout_tokens[:1]
+    with torch.no_grad():
+        assert torch.equal(load_student(ctx.out_dir / "student")(ids, use_cache=False).logits,
+                           student(ids, use_cache=False).logits)
+
+
 def test_a_hybrid_does_not_reuse_the_linear_students_softmax_ranking():
     """A hybrid trained against full attention shares the linear run's layers; restoring a layer to
     softmax changes its model's KL by another amount, so the stored ranking must not be shared."""

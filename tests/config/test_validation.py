@@ -71,8 +71,6 @@ BAD_BEFORE_MODEL = [
     ({"allocation__softmax_probe_seqs": 0}, "allocation.softmax_probe_seqs"),
     ({"allocation__softmax_rank": "error"}, "allocation.softmax_rank"),
     ({"allocation__softmax_layers": 1, "allocation__softmax_rank": "passkey"}, "eval.passkey_lengths"),
-    ({"allocation__softmax_layers": 2, "attention__name": "sliding_window", "attention__window": 64},
-     "allocation.softmax_layers"),
     ({"train__hybrid_target": "window"}, "train.hybrid_target"),
     ({"train__hybrid_target": "full"}, "train.hybrid_target"),  # pure linear: no hybrid layers
     ({"train__hybrid_target": "full", "attention__name": "hybrid", "attention__window": 64, "loss__name": "direct"},

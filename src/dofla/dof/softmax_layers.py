@@ -2,13 +2,13 @@
 
 A layer's attention error does not say how much the model's predictions depend on it (errors
 compound or wash out through the layers after it), so the ranking is measured on the model: for
-each linear (or hybrid) layer i, the student with layer i alone restored to exact softmax runs on
-probe sequences of the training text, and its KL(teacher ‖ student) on the next-token
-distributions is compared with the student's own. The k layers whose restoration lowers the KL
-most are kept exact (:func:`dofla.models.restore_softmax`). ``rank="attention_error"`` ranks by each
-layer's own attention-output error instead (cheaper: one teacher pass; the control the measured
-ranking is compared against). Restoring one layer at a time ranks
-the layers independently; the gains of several restored together need not add up, so
+each linear, hybrid or sliding-window layer i (:func:`dofla.models.restorable_layers`), the student
+with layer i alone restored to exact softmax runs on probe sequences of the training text, and its
+KL(teacher ‖ student) on the next-token distributions is compared with the student's own. The k
+layers whose restoration lowers the KL most are kept exact (:func:`dofla.models.restore_softmax`).
+``rank="attention_error"`` ranks by each layer's own attention-output error instead (cheaper: one
+teacher pass; the control the measured ranking is compared against). Restoring one layer at a time
+ranks the layers independently; the gains of several restored together need not add up, so
 ``rank="kl_greedy"`` chooses one layer at a time with the layers already chosen kept exact
 (:func:`greedy_restoration_kl`): each step measures every remaining layer on top of the choice so far.
 ``rank="retrieval"`` ranks by what next-token KL on ordinary text does not see: the teacher's
@@ -29,7 +29,7 @@ from contextlib import ExitStack
 import torch
 from tqdm.auto import tqdm
 
-from dofla.models import softmax_restored
+from dofla.models import restorable_layers, softmax_restored
 from dofla.train.distill import kl_to_teacher
 
 
@@ -37,14 +37,14 @@ from dofla.train.distill import kl_to_teacher
 def restoration_kl(student, teacher, tokens: torch.Tensor, batch_size: int = 2,
                    layers: list[int] | None = None) -> dict:
     """KL(teacher ‖ student) per predicted token over ``tokens`` (S, L), as the student is and with
-    each layer of ``layers`` (default: every layer with a feature map) restored to softmax alone.
+    each layer of ``layers`` (default: every one :func:`dofla.models.restorable_layers` names)
+    restored to softmax alone.
 
     Returns {"base": float, "restored": {layer: float}}; both are means over all S·L tokens.
     """
     device = next(student.parameters()).device
-    attentions = student.student_attentions()
     if layers is None:
-        layers = [i for i, attn in enumerate(attentions) if attn.feature_map is not None]
+        layers = restorable_layers(student)
     sums = dict.fromkeys([None, *layers], 0.0)
     count = 0
     batches = tokens.split(batch_size)
@@ -96,10 +96,10 @@ def greedy_restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.
 def _greedy(student, k: int, steps: list[dict] | None, measure, name: str) -> list[dict]:
     """Greedy steps up to ``k``: ``measure(left)`` gives {layer: value} with the chosen layers kept
     exact; each step takes the lowest."""
-    attentions = student.student_attentions()
-    candidates = [i for i, attn in enumerate(attentions) if attn.feature_map is not None]
+    candidates = restorable_layers(student)
     if k > len(candidates):
-        raise ValueError(f"{k} softmax layers were asked for but only {len(candidates)} layers have linear features")
+        raise ValueError(f"{k} softmax layers were asked for but only {len(candidates)} layers can be restored "
+                         "(linear, hybrid or sliding-window)")
     steps = list(steps or [])[:k]
     while len(steps) < k:
         chosen = [s["layer"] for s in steps]
@@ -131,7 +131,8 @@ def passkey_prompts(tokenizer, length: int, count: int, seed: int) -> list[tuple
 def restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.Tensor]],
                         layers: list[int] | None = None) -> dict:
     """Mean answer NLL (nats) over ``prompts`` (:func:`passkey_prompts`), as the student is and with
-    each layer of ``layers`` (default: every layer with a feature map) restored to softmax alone.
+    each layer of ``layers`` (default: every one :func:`dofla.models.restorable_layers` names)
+    restored to softmax alone.
 
     Returns {"base": float, "restored": {layer: float}}.
     """
@@ -139,7 +140,7 @@ def restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.Tensor]
 
     device = next(student.parameters()).device
     if layers is None:
-        layers = [i for i, attn in enumerate(student.student_attentions()) if attn.feature_map is not None]
+        layers = restorable_layers(student)
     sums = dict.fromkeys([None, *layers], 0.0)
     with tqdm(total=len(prompts) * len(sums), desc="softmax layers: passkey NLL per restored layer",
               unit="forward", leave=False) as progress:
@@ -199,20 +200,19 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
 
 @torch.no_grad()
 def probe_retrieval(student, teacher, tokens: torch.Tensor, batch_size: int = 2) -> dict:
-    """:func:`retrieval_scores` of the student's linear (or hybrid) layers, on the teacher."""
-    layers = [i for i, attn in enumerate(student.student_attentions()) if attn.feature_map is not None]
+    """:func:`retrieval_scores` of the student's restorable layers, on the teacher."""
+    layers = restorable_layers(student)
     return retrieval_scores(teacher, tokens, layers, batch_size)
 
 
 @torch.no_grad()
 def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: int = 2) -> dict:
-    """{"attention_error": {layer: error}}: each linear layer's own attention-output error on the
+    """{"attention_error": {layer: error}}: each restorable layer's own attention-output error on the
     teacher's activations of ``tokens`` (the cheaper proxy ranking, ``rank="attention_error"``)."""
     from dofla.eval import attention_errors
 
     errors = attention_errors(teacher, student, tokens, batch_size)
-    return {"attention_error": {i: e for i, (e, attn) in enumerate(zip(errors, student.student_attentions()))
-                                if attn.feature_map is not None}}
+    return {"attention_error": {i: errors[i] for i in restorable_layers(student)}}
 
 
 def rank_layers(measured: dict, rank: str = "kl") -> list[int]:
@@ -240,7 +240,8 @@ def choose(measured: dict, k: int, rank: str = "kl") -> list[int]:
         raise ValueError(f"{k} softmax layers were asked for but the greedy choice has {len(ranking)} steps; "
                          f"extend it with greedy_restoration_{'kl' if rank == 'kl_greedy' else 'passkey'}")
     if k > len(ranking):
-        raise ValueError(f"{k} softmax layers were asked for but only {len(ranking)} layers have linear features")
+        raise ValueError(f"{k} softmax layers were asked for but only {len(ranking)} layers can be restored "
+                         "(linear, hybrid or sliding-window)")
     return sorted(ranking[:k])
 
 

@@ -1,6 +1,7 @@
-"""Layers of a linear or hybrid student restored to exact softmax attention.
+"""Layers of a student restored to exact softmax attention: its linear or hybrid layers, or the
+sliding-window layers of a training-free (``sliding_window``) student.
 
-A restored layer drops its feature map and attends exactly, through the teacher's own mask; when
+A restored layer drops its feature map (or window) and attends exactly, through the teacher's own mask; when
 decoding it keeps every key and value, like the teacher (its memory grows with the tokens). The
 choice is recorded in ``config.dofla["softmax_layers"]``, so a saved student loads with the same
 layers exact. :func:`softmax_restored` restores one layer for the duration of a block, to measure
@@ -18,10 +19,19 @@ from dofla.models.spec import ConversionSpec, check_spec
 from dofla.models.student_attention import StudentAttention
 
 
+def restorable_layers(model: PreTrainedModel) -> list[int]:
+    """The layers :func:`restore_softmax` can make exact: linear, hybrid and the student's own
+    sliding-window layers; not those already exact, nor a teacher's own sliding-window layers
+    (Gemma 2, Mistral: exact in every student already)."""
+    geometry = get_adapter(model).geometry(model.config)
+    windows = getattr(geometry, "layer_windows", None) or (None,) * geometry.num_layers
+    return [i for i, attn in enumerate(model.student_attentions()) if attn.mode != "softmax" and windows[i] is None]
+
+
 def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
-    """Turn ``layers`` of a linear or hybrid student (in place) back into exact softmax attention,
-    recorded in ``config.dofla["softmax_layers"]`` so the saved student loads the same way. Those
-    layers drop their feature maps and keep a KV cache when decoding (memory grows with the tokens)."""
+    """Turn ``layers`` of a student (in place) back into exact softmax attention, recorded in
+    ``config.dofla["softmax_layers"]`` so the saved student loads the same way. Those layers drop
+    their feature maps (or window) and keep a KV cache when decoding (memory grows with the tokens)."""
     spec = ConversionSpec(**model.config.dofla)
     chosen = sorted(set(spec.softmax_layers) | {int(i) for i in layers})
     spec.softmax_layers = chosen
@@ -31,9 +41,9 @@ def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
     if bad:
         raise ValueError(f"softmax_layers {bad} are outside 0..{len(attentions) - 1} (the model has "
                          f"{len(attentions)} layers)")
-    softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
+    softcap, restorable = getattr(get_adapter(model).geometry(model.config), "softcap", None), restorable_layers(model)
     for i in chosen:
-        if attentions[i].feature_map is not None:  # a teacher sliding-window layer is exact already
+        if i in restorable:  # a teacher sliding-window layer is exact already
             _make_exact(attentions[i], softcap)
     model.config.dofla = asdict(spec)
     return model
@@ -43,10 +53,10 @@ def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
 def softmax_restored(model: PreTrainedModel, layer: int | None):
     """Layer ``layer`` of a student as exact softmax inside the block, as it was after it (None:
     nothing changes). For measuring what restoring a layer would do, without saving anything."""
-    attn = None if layer is None else model.student_attentions()[layer]
-    if attn is None or attn.feature_map is None:
+    if layer is None or layer not in restorable_layers(model):
         yield model
         return
+    attn = model.student_attentions()[layer]
     softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
     before = _make_exact(attn, softcap)
     try:

@@ -41,9 +41,9 @@ def check_spec(spec: ConversionSpec) -> None:
     if spec.attention != "linear" and spec.window < 1:
         raise ValueError(f"attention={spec.attention!r} needs window ≥ 1 (recent tokens attended exactly), "
                          f"got {spec.window}; set window")
-    if spec.softmax_layers and (spec.feature_map == "softmax" or spec.attention == "sliding_window"):
-        raise ValueError("softmax_layers restores layers of a linear or hybrid student to exact softmax; "
-                         f"feature_map={spec.feature_map!r} with attention={spec.attention!r} has none to restore")
+    if spec.softmax_layers and spec.feature_map == "softmax":
+        raise ValueError("softmax_layers restores layers of a linear, hybrid or sliding-window student to exact "
+                         "softmax; feature_map='softmax' is exact everywhere already, drop softmax_layers")
     if spec.gate != "none" and (spec.attention == "sliding_window" or spec.feature_map == "softmax"):
         raise ValueError(f"gate={spec.gate!r} decays a linear state (linear or hybrid layers); attention="
                          f"{spec.attention!r} with feature_map={spec.feature_map!r} has none, set gate='none'")

@@ -183,10 +183,12 @@ def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
 def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int | None) -> StudentAttention:
     shape = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
     softcap = getattr(geometry, "softcap", None)
-    if spec.feature_map == "softmax" or i in spec.softmax_layers:
+    if spec.feature_map == "softmax":
         return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
-    if teacher_window is not None:  # already local in the teacher: keep it exact
+    if teacher_window is not None:  # already local in the teacher: keep it exact (never restored past its window)
         return StudentAttention(*shape, None, spec.chunk_size, window=teacher_window, softcap=softcap)
+    if i in spec.softmax_layers:
+        return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
     if spec.attention == "sliding_window":
         return StudentAttention(*shape, None, spec.chunk_size, spec.window, spec.sinks, softcap)
     feature_map = build_layer_feature_map(
@@ -226,7 +228,8 @@ def convert(
       ``window`` tokens, training-free; ``feature_map`` and ``dims`` are ignored.
 
     ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
-    ``softmax_layers`` keeps the listed layers of a linear or hybrid student exact (they keep a KV cache);
+    ``softmax_layers`` keeps the listed layers of a linear, hybrid or sliding-window student exact (they
+    keep a KV cache; a teacher's own sliding-window layer keeps its window);
     ``gate="scalar"`` gives each linear or hybrid layer a per-head decay of its linear state, starting
     closed (no decay); ``linear_scale="learned"`` gives each hybrid layer a per-head weight e^β of its
     linear part against the exact window, starting at 1.

@@ -9,7 +9,9 @@ sharing ``train.layer_dir`` with another k reuse it (the greedy choice, ``softma
 is extended step by step: a larger k measures only the steps a smaller one did not; so is the
 passkey choice, ``softmax_rank=passkey``, kept with the prompts' length, count and seed, so that a
 passkey choice with another ``softmax_probe_seqs`` keeps the probe's measurements and the other way
-round). The run's choice goes to ``softmax_layers.json``.
+round). The run's choice goes to ``softmax_layers.json``. A training-free ``sliding_window`` student
+has no trained layers: its measurement lives in the run's own ``layers/`` (or ``train.layer_dir``'s
+settings directory) all the same, keyed by the teacher's data and the window.
 """
 from __future__ import annotations
 
