@@ -122,7 +122,7 @@ def passkey_trials(model, tokenizer, length: int, trials: int, gen: torch.Genera
     passkeys drawn from ``gen``: the same prompts for every model given the same generator state."""
     device = next(model.parameters()).device
     results = []
-    for t in range(trials):
+    for t in tqdm(range(trials), desc=f"passkey @ {length}", unit="prompt", leave=False):
         passkey, ids, key = passkey_case(tokenizer, length, gen, depth=(t + 0.5) / trials)
         ids, key = ids.to(device), key.to(device)
         out = model.generate(ids, max_new_tokens=8, do_sample=False,
