@@ -1,6 +1,6 @@
 """Do finished runs' students recall a passkey, or get closer to it? Paired, per prompt.
 
-``python -m studies.passkey REFERENCE_RUN RUN [RUN ...] [--length 1024] [--trials 10] [--ablate] [--teacher] [--out FILE]``
+``python -m studies.passkey REFERENCE_RUN RUN [RUN ...] [--length 1024] [--trials 10] [--ablate] [--teacher] [--pairs] [--out FILE]``
 
 Every run's evaluated student (the last one the pipeline wrote) answers the same ``--trials``
 prompts of the pipeline's passkey probe (a seeded 5-digit key hidden at depths spread evenly over
@@ -10,7 +10,12 @@ is all or nothing and stays at 0 long after a student starts to get closer, so t
 measure that moves; each run's NLL is compared with the reference run's on the same prompts, the
 mean difference with a two-sided 95 % t interval over prompts (the interval is over prompts, not
 over training runs). ``--ablate`` adds each hybrid student without its linear part, paired against
-the same run; ``--teacher`` adds the first run's teacher. Prints markdown; ``--out`` writes it.
+the same run; ``--teacher`` adds the first run's teacher.
+
+``--pairs C1 S1 C2 S2 ...`` compares each student Sᵢ with its own control Cᵢ (say, trained on the same
+text without a linear part): per pair the keys recalled and the answer NLL difference on every
+prompt (± 95 % t over prompts), then the mean over pairs with a 95 % t interval over pairs (training
+runs as the unit, n − 1 degrees of freedom). Prints markdown; ``--out`` writes it.
 """
 from __future__ import annotations
 
@@ -69,6 +74,26 @@ def table(rows, length: int) -> str:
     return "\n".join(lines)
 
 
+def pairs_table(rows, length: int) -> str:
+    """``rows`` (:func:`rows_for`) of C1, S1, C2, S2, …: per pair Sᵢ − Cᵢ in keys recalled and in answer
+    NLL (± 95 % t over prompts), then the mean over pairs ± 95 % t over pairs."""
+    lines = [f"| pair | recalled @ {length}: student / control | keys, student − control | "
+             "answer NLL, student − control (95 % t over prompts) |", "|---|---|---|---|"]
+    keys, nlls = [], []
+    for (control, c_results, _), (student, s_results, _) in zip(rows[::2], rows[1::2]):
+        hits = [sum(hit for hit, _ in results) for results in (s_results, c_results)]
+        mean, half = mean_ci([s - c for (_, s), (_, c) in zip(s_results, c_results)])
+        keys.append(hits[0] - hits[1])
+        nlls.append(mean)
+        lines.append(f"| {student} − {control} | {hits[0]} / {hits[1]} of {len(s_results)} | {keys[-1]:+d} | "
+                     f"{mean:+.2f} ± {half:.2f} |")
+    if len(keys) > 1:
+        (k, k_half), (n, n_half) = mean_ci(keys), mean_ci(nlls)
+        lines.append(f"| mean over {len(keys)} pairs (95 % t over pairs) | | **{k:+.1f}** ± {k_half:.1f} | "
+                     f"**{n:+.2f}** ± {n_half:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="finished run directories; the first is the reference")
@@ -77,14 +102,20 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the keys' seed (default 0, the pipeline's at seed=0)")
     parser.add_argument("--ablate", action="store_true", help="also each hybrid student without its linear part")
     parser.add_argument("--teacher", action="store_true", help="also the first run's teacher")
+    parser.add_argument("--pairs", action="store_true",
+                        help="runs are pairs CONTROL STUDENT …: each student against its own control")
     parser.add_argument("--out", default=None, help="write the markdown here too")
     args = parser.parse_args(argv)
     if args.trials < 2:
         parser.error("--trials must be at least 2 for an interval over prompts")
+    if args.pairs and (len(args.runs) % 2 or args.ablate or args.teacher):
+        parser.error("--pairs takes an even number of runs (CONTROL STUDENT, …) and neither --ablate nor --teacher")
     runs = [Path(r) for r in args.runs]
-    text = table(rows_for(runs, args.length, args.trials, args.seed, args.ablate, args.teacher), args.length)
+    rows = rows_for(runs, args.length, args.trials, args.seed, args.ablate, args.teacher)
+    text = pairs_table(rows, args.length) if args.pairs else table(rows, args.length)
     flags = f" --length {args.length} --trials {args.trials}" + (f" --seed {args.seed}" if args.seed else "")
     flags += (" --ablate" if args.ablate else "") + (" --teacher" if args.teacher else "")
+    flags += " --pairs" if args.pairs else ""
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import torch
 from dofla.eval.longctx import passkey_trials
 from dofla.models import convert, load_student
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
-from studies.passkey import main, rows_for, table
+from studies.passkey import main, pairs_table, rows_for, table
 
 
 def _saved(directory, seed, **options):
@@ -34,3 +34,20 @@ def test_every_student_answers_the_same_prompts_and_is_paired_with_its_reference
     main([str(linear), str(linear), "--length", "160", "--trials", "2", "--out", str(tmp_path / "p.md")])
     assert "| +0.00 ± 0.00 (vs linear) |" in capsys.readouterr().out  # a student against itself
     assert (tmp_path / "p.md").read_text().startswith("`python -m studies.passkey ")
+
+
+def test_pairs_compare_each_student_with_its_own_control_and_average_over_pairs(tmp_path, capsys):
+    runs = [_saved(tmp_path / f"run{i}", i, **({"attention": "hybrid", "window": 8, "sinks": 1} if i % 2 else {}))
+            for i in range(4)]  # control 0, student 1, control 2, student 3
+    rows = rows_for(runs, length=160, trials=3, seed=0, ablate=False, teacher=False)
+    text = pairs_table(rows, 160)
+    per_pair = []
+    for c, s in ((0, 1), (2, 3)):
+        diffs = [a - b for (_, a), (_, b) in zip(rows[s][1], rows[c][1])]
+        per_pair.append(sum(diffs) / 3)
+        assert f"| run{s} − run{c} | 0 / 0 of 3 | +0 | {per_pair[-1]:+.2f} ± " in text
+    assert f"| mean over 2 pairs (95 % t over pairs) | | **+0.0** ± 0.0 | **{sum(per_pair) / 2:+.2f}** ± " in text
+    with pytest.raises(SystemExit):
+        main([str(r) for r in runs[:3]] + ["--pairs"])  # an odd count is not pairs
+    main([str(runs[0]), str(runs[1]), "--pairs", "--length", "160", "--trials", "2"])
+    assert "| run1 − run0 |" in capsys.readouterr().out
