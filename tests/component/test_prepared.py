@@ -147,6 +147,20 @@ def test_num_tokens_all_is_one_pass_over_the_prepared_split_less_the_sample_and_
     assert cfg.data.num_tokens == 600  # a number stays a number
 
 
+def test_a_run_whose_eval_needs_more_held_out_tokens_than_prepared_is_refused_before_any_model(tmp_path):
+    base = [f"paths.cache_dir={tmp_path}", "data.name=counting_test", "data.seq_len=32", "data.num_tokens=256",
+            "data.heldout_tokens=64", "eval.position_buckets=[1,16,32]", "eval.long_seq_len=64"]
+    data.prepare(tiny(*base, "eval.long_context_seqs=1"))  # 64 held-out tokens
+    data.open_data(tiny(*base, "eval.long_context_seqs=1"))
+    assert data.heldout_need(tiny(*base, "eval.long_context_seqs=3")) == (192, "eval.long_context_seqs")
+    with pytest.raises(DataError, match="holds 64 tokens but this run needs 192 .eval.long_context_seqs.*dofla-prepare"):
+        data.open_data(tiny(*base, "eval.long_context_seqs=3"))  # was: an error after training, at the eval
+    with pytest.raises(DataError, match="needs 96 .data.heldout_tokens."):
+        data.open_data(tiny(*base, "eval.long_context_seqs=1", "data.heldout_tokens=96"))
+    data.prepare(tiny(*base, "eval.long_context_seqs=3"))  # prepared again with the run's settings: it runs
+    assert data.open_data(tiny(*base, "eval.long_context_seqs=3"))[1].available("heldout") >= 192
+
+
 def test_too_few_prepared_tokens_and_another_tokenizer_are_one_sentence(tmp_path, corpus, tokenizer):
     prepare(corpus, tokenizer, tmp_path / "p", train_tokens=500, heldout_tokens=100)
     prepared = PreparedTokens(tmp_path / "p", command="dofla-prepare X")

@@ -66,6 +66,9 @@ def open_data(cfg: RunConfig):
         return cfg, text
     prepared = PreparedTokens(directory, command=PREPARE_HINT)
     prepared.check()
+    heldout, setting = heldout_need(cfg)
+    if prepared.available("heldout") < heldout:  # refused now, not after training (the eval reads it last)
+        prepared.slice("heldout", 0, heldout, setting)  # raises the DataError naming the setting and the fix
     if cfg.data.shuffle_seed is not None:
         prepared = prepared.shuffled(cfg.data.seq_len, cfg.data.shuffle_seed)
     return resolve_num_tokens(cfg, prepared), prepared
@@ -203,13 +206,20 @@ def stream_steps(cfg: RunConfig, batch_tokens: int) -> int:
     return max(1, steps)
 
 
+def heldout_need(cfg: RunConfig) -> tuple[int, str]:
+    """(tokens, setting): the held-out tokens a run reads (the held-out set, or the long-context
+    sequences of the loss by position when longer) and the setting that asks for them."""
+    ev = cfg.eval
+    long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
+    return (long, "eval.long_context_seqs") if long > cfg.data.heldout_tokens else \
+        (cfg.data.heldout_tokens, "data.heldout_tokens")
+
+
 def prepare_limits(cfg: RunConfig) -> tuple[int | None, int]:
     """Training and held-out tokens a run of ``cfg`` reads (training None: all of it, for
     ``data.num_tokens=all`` or a shuffled order): the cached sample, the stream, distill's tokens, the
     long held-out set."""
-    ev = cfg.eval
-    long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
-    heldout = max(cfg.data.heldout_tokens, long)
+    heldout, _ = heldout_need(cfg)
     if cfg.data.num_tokens == "all" or cfg.data.shuffle_seed is not None:  # the whole split
         return None, heldout
     n = cfg.data.num_tokens
