@@ -185,15 +185,19 @@ class PreparedTokens:
                                              shape=(count,)) if count else np.zeros(0, dtype=self.meta["dtype"]))
         return self._arrays[split]
 
-    def slice(self, split: str, start: int, count: int, setting: str) -> torch.LongTensor:
-        """Tokens [start, start + count) of ``split``; a DataError naming ``setting`` when too few."""
+    def require(self, split: str, tokens: int, setting: str) -> None:
+        """A DataError naming ``setting`` and the fix unless ``split`` serves ``tokens`` tokens."""
         have = self.available(split)
-        if start + count > have:
+        if tokens > have:
             more = "" if self.meta[split]["complete"] else (
                 f"; it was prepared with fewer tokens than the source holds, so run {self.command} with the "
                 "settings of this run to prepare more")
             raise DataError(f"prepared {split} data ({self.name}) holds {have:,} tokens but this run needs "
-                            f"{start + count:,} ({setting}){more}; or lower {setting}")
+                            f"{tokens:,} ({setting}){more}; or lower {setting}")
+
+    def slice(self, split: str, start: int, count: int, setting: str) -> torch.LongTensor:
+        """Tokens [start, start + count) of ``split``; a DataError naming ``setting`` when too few."""
+        self.require(split, start + count, setting)
         if split == "train" and self.order is not None:
             return torch.from_numpy(self.array(split)[self._positions(start, count)].astype(np.int64))
         return torch.from_numpy(self.array(split)[start:start + count].astype(np.int64))

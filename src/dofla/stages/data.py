@@ -66,9 +66,7 @@ def open_data(cfg: RunConfig):
         return cfg, text
     prepared = PreparedTokens(directory, command=PREPARE_HINT)
     prepared.check()
-    heldout, setting = heldout_need(cfg)
-    if prepared.available("heldout") < heldout:  # refused now, not after training (the eval reads it last)
-        prepared.slice("heldout", 0, heldout, setting)  # raises the DataError naming the setting and the fix
+    prepared.require("heldout", *heldout_need(cfg))  # refused now, not after training (the eval reads it last)
     if cfg.data.shuffle_seed is not None:
         prepared = prepared.shuffled(cfg.data.seq_len, cfg.data.shuffle_seed)
     return resolve_num_tokens(cfg, prepared), prepared
