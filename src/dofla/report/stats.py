@@ -79,6 +79,24 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float | No
     return mean, t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
 
 
+
+def welch_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, int]:
+    """mean(a) − mean(b), the half-width of its two-sided Welch interval, and the degrees of freedom
+    used: two unpaired groups (say, three training runs of each arm, not matched run for run), each
+    with its own variance. The Welch–Satterthwaite degrees of freedom are rounded down (at least 1),
+    which widens the interval slightly: :func:`t_quantile` takes whole degrees of freedom."""
+    a, b = [float(v) for v in a], [float(v) for v in b]
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"an unpaired interval needs at least two values per group, got {len(a)} and {len(b)}")
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1)
+    va, vb = var(a) / len(a), var(b) / len(b)
+    diff = sum(a) / len(a) - sum(b) / len(b)
+    if va + vb == 0:
+        return diff, 0.0, len(a) + len(b) - 2
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    whole = max(1, math.floor(df + 1e-9))
+    return diff, t_quantile(0.5 + level / 2, whole) * math.sqrt(va + vb), whole
+
 def paired_differences(policy: dict, reference: dict) -> dict:
     """Per key (a seed) present in both: ``policy[key] − reference[key]``, in sorted key order."""
     return {k: policy[k] - reference[k] for k in sorted(set(policy) & set(reference))}
