@@ -79,7 +79,6 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float | No
     return mean, t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
 
 
-
 def welch_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, int]:
     """mean(a) − mean(b), the half-width of its two-sided Welch interval, and the degrees of freedom
     used: two unpaired groups (say, three training runs of each arm, not matched run for run), each
@@ -96,6 +95,7 @@ def welch_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     whole = max(1, math.floor(df + 1e-9))
     return diff, t_quantile(0.5 + level / 2, whole) * math.sqrt(va + vb), whole
+
 
 def paired_differences(policy: dict, reference: dict) -> dict:
     """Per key (a seed) present in both: ``policy[key] − reference[key]``, in sorted key order."""
