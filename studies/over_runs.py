@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from dofla.report import mean_ci
-from dofla.report.stats import welch_ci
+from dofla.report import mean_ci, welch_ci
 
 
 def over_runs(values: list[float], level: float = 0.95) -> str:

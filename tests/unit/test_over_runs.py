@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dofla.report.stats import welch_ci
+from dofla.report import welch_ci
 from studies.over_runs import minus, over_runs
 
 ROOT = Path(__file__).resolve().parents[2]

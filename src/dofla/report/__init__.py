@@ -1,5 +1,5 @@
 from dofla.report.seeds import paired_vs_fix, seed_groups
-from dofla.report.stats import mean_ci, t_quantile
+from dofla.report.stats import mean_ci, t_quantile, welch_ci
 from dofla.report.tables import find_runs, load_run, print_run_summary, run_config, write_report
 
-__all__ = ["find_runs", "load_run", "run_config", "print_run_summary", "write_report", "seed_groups", "paired_vs_fix", "mean_ci", "t_quantile"]
+__all__ = ["find_runs", "load_run", "run_config", "print_run_summary", "write_report", "seed_groups", "paired_vs_fix", "mean_ci", "t_quantile", "welch_ci"]
