@@ -65,6 +65,12 @@ def _bisect(cdf, p: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def _mean_var(values: list[float]) -> tuple[float, float]:
+    """Mean and sample variance (n − 1 in the denominator) of at least two values."""
+    mean = sum(values) / len(values)
+    return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float | None]:
     """Mean and the half-width of its two-sided Student-t interval, t(1 − α/2, n − 1) · s / √n,
     with s the sample standard deviation; the half-width is None for a single value."""
@@ -72,11 +78,10 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float | No
     if not values:
         raise ValueError("mean_ci needs at least one value")
     n = len(values)
-    mean = sum(values) / n
     if n == 1:
-        return mean, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+        return values[0], None
+    mean, var = _mean_var(values)
+    return mean, t_quantile(0.5 + level / 2, n - 1) * math.sqrt(var / n)
 
 
 def welch_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, int]:
@@ -87,9 +92,8 @@ def welch_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float
     a, b = [float(v) for v in a], [float(v) for v in b]
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"an unpaired interval needs at least two values per group, got {len(a)} and {len(b)}")
-    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1)
-    va, vb = var(a) / len(a), var(b) / len(b)
-    diff = sum(a) / len(a) - sum(b) / len(b)
+    (mean_a, var_a), (mean_b, var_b) = _mean_var(a), _mean_var(b)
+    va, vb, diff = var_a / len(a), var_b / len(b), mean_a - mean_b
     if va + vb == 0:
         return diff, 0.0, len(a) + len(b) - 2
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
