@@ -105,6 +105,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     metrics.update(softmax_layers.metrics(student))
     if distilled:
         metrics["distill/tokens"] = int(result.tokens)
+        metrics.update(distill_endpoints(out_dir))
     if main:
         write_json(out_dir / "metrics.json", metrics)
         final = "student_finetuned" if finetuned else distill.TARGET if distilled else "student"
@@ -174,6 +175,19 @@ def data_budget(ctx: RunContext, tokens: RunData, trained: train.TrainResult, ac
     if seen is None:
         seen = tokens.train_tokens.numel() if ctx.source == "cache" else 0
     return {"train/tokens": int(seen), "cache/bytes": int(activations.nbytes()) if activations is not None else 0}
+
+
+def distill_endpoints(out_dir: Path, steps: int = 8) -> dict:
+    """What the KL stage reached: the mean batch KL of its first and last ``steps`` logged steps
+    (``distill/kl_first``, ``distill/kl_last``), from ``distill_summary.json``'s curve."""
+    from dofla.record import read_json
+
+    curve = [point["kl"] for point in (read_json(out_dir / "distill_summary.json") or {}).get("curve", [])
+             if point.get("kl") is not None]
+    if not curve:
+        return {}
+    return {"distill/kl_first": sum(curve[:steps]) / len(curve[:steps]),
+            "distill/kl_last": sum(curve[-steps:]) / len(curve[-steps:])}
 
 
 def write_card(student_dir: Path, metrics: dict) -> None:

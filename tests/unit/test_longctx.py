@@ -88,3 +88,43 @@ def test_answer_nll_is_the_sum_of_each_answer_token_read_after_its_own_prefix(ll
         logits = llama(torch.cat([prompt, answer[:, :i]], dim=1)).logits[0, -1]
         step_by_step -= torch.log_softmax(logits, -1)[answer[0, i]].item()
     assert answer_nll(llama, prompt, answer) == pytest.approx(step_by_step, rel=1e-4)
+
+
+def test_per_sequence_losses_are_each_sequences_own_and_average_to_the_pooled_ones(llama):
+    from dofla.eval.longctx import losses_by_position
+    from dofla.eval.metrics import heldout_losses
+
+    tokens = torch.randint(0, 250, (3, 17), generator=torch.Generator().manual_seed(3))
+    per_seq = heldout_losses(llama, tokens, batch_size=2)
+    alone = [heldout_loss(llama, tokens[i : i + 1]) for i in range(3)]
+    assert per_seq.tolist() == pytest.approx(alone, rel=1e-6)
+    assert per_seq.mean().item() == pytest.approx(heldout_loss(llama, tokens), rel=1e-6)
+    edges = [1, 5, 17]
+    table = losses_by_position(llama, tokens, edges, batch_size=2)
+    assert table.shape == (3, 2)
+    assert table[1].tolist() == pytest.approx(loss_by_position(llama, tokens[1:2], edges), rel=1e-6)
+
+
+def test_passkey_recall_read_from_one_forward_agrees_with_greedy_decoding(llama):
+    from dofla.eval.longctx import passkey_case, passkey_trials, recalled_by_decoding
+
+    tokenizer = build_byte_tokenizer()
+    fast = passkey_trials(llama, tokenizer, 120, 4, torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    for t, (recalled, nll) in enumerate(fast):
+        passkey, ids, key = passkey_case(tokenizer, 120, gen, depth=(t + 0.5) / 4)
+        assert recalled == recalled_by_decoding(llama, tokenizer, ids, passkey)
+        assert nll == pytest.approx(answer_nll(llama, ids, key), rel=1e-5)
+
+
+def test_recall_from_the_argmax_decides_only_what_the_argmax_decides():
+    from dofla.eval.longctx import recalled_from_argmax
+
+    tokenizer = build_byte_tokenizer()
+    answer = tokenizer(" 12345", add_special_tokens=False).input_ids
+    letter = tokenizer("x", add_special_tokens=False).input_ids[0]
+    one = tokenizer("1", add_special_tokens=False).input_ids[0]
+    assert recalled_from_argmax(tokenizer, 12345, answer, answer) is True
+    assert recalled_from_argmax(tokenizer, 12345, answer, answer[:3] + [letter] + answer[4:]) is False
+    # "1" without the space could still begin " 12345" once decoded and stripped: decoding decides
+    assert recalled_from_argmax(tokenizer, 12345, answer, [one] + answer[1:]) is None

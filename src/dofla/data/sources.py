@@ -30,6 +30,9 @@ class DataError(DoflaError, ValueError):
 
 class DataSource:
     name: str
+    # small and shipped with the package: a run that needs its prepared tokens (data.shuffle_seed,
+    # data.num_tokens=all) prepares them itself under data.prepared=auto instead of asking for dofla-prepare
+    prepares_itself: bool = False
 
     def texts(self, split: str) -> Iterator[str]:
         raise NotImplementedError
@@ -53,6 +56,7 @@ class EmbeddedBible(DataSource):
     chapter; every ``heldout_every``-th chapter (canonical order) is held out."""
 
     name = "embedded"
+    prepares_itself = True
 
     def __init__(self, heldout_every: int = 20):
         self.heldout_every = heldout_every

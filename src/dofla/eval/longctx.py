@@ -58,28 +58,33 @@ def mass_outside_window(teacher, tokens: torch.Tensor, window: int, sinks: int =
 
 
 @torch.no_grad()
-def loss_by_position(model, tokens: torch.Tensor, edges: list[int], batch_size: int = 1) -> list[float]:
-    """Mean next-token NLL per position bucket [edges[b], edges[b+1]) of the predicted token.
+def losses_by_position(model, tokens: torch.Tensor, edges: list[int], batch_size: int = 1) -> torch.Tensor:
+    """(S, len(edges) − 1) float64: each sequence's mean next-token NLL per position bucket
+    [edges[b], edges[b+1]) of the predicted token.
 
     tokens (S, L); position p is the prediction of token p from tokens < p (p ≥ 1). Buckets past
-    L are dropped (returned as NaN).
+    L are NaN.
     """
     if sorted(edges) != list(edges) or len(edges) < 2:
         raise ValueError(f"edges must be increasing with at least two entries, got {edges}")
     device = next(model.parameters()).device
-    totals = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    counts = torch.zeros(len(edges) - 1, dtype=torch.float64)
     positions = torch.arange(1, tokens.shape[1])
     bucket = torch.bucketize(positions, torch.tensor(edges), right=True) - 1  # (L-1,)
-    for batch in tqdm(tokens.split(batch_size), desc="loss by position", unit="seq", leave=False):
-        batch = batch.to(device)
+    out = torch.full((tokens.shape[0], len(edges) - 1), float("nan"), dtype=torch.float64)
+    for start in tqdm(range(0, tokens.shape[0], batch_size), desc="loss by position", unit="seq", leave=False):
+        batch = tokens[start : start + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
         for b in range(len(edges) - 1):
             pick = bucket == b
-            totals[b] += nll[:, pick].double().sum().cpu()
-            counts[b] += nll[:, pick].numel()
-    return [(t / c).item() if c > 0 else float("nan") for t, c in zip(totals, counts)]
+            if pick.any():
+                out[start : start + batch.shape[0], b] = nll[:, pick].double().mean(-1).cpu()
+    return out
+
+
+def loss_by_position(model, tokens: torch.Tensor, edges: list[int], batch_size: int = 1) -> list[float]:
+    """Mean next-token NLL per position bucket (see :func:`losses_by_position`; NaN past L)."""
+    return losses_by_position(model, tokens, edges, batch_size).mean(0).tolist()
 
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -99,7 +104,6 @@ def passkey_prompt(tokenizer, length: int, passkey: int, depth: float) -> torch.
     return torch.tensor([tokenizer(text).input_ids])
 
 
-@torch.no_grad()
 def passkey_probe(model, tokenizer, lengths: list[int], trials: int = 4, seed: int = 0) -> dict[int, tuple[float, float]]:
     """Per context length, (accuracy, answer NLL): the share of trials whose greedy continuation
     starts with the passkey, and the mean over trials of the nats the model spends on the answer
@@ -108,28 +112,59 @@ def passkey_probe(model, tokenizer, lengths: list[int], trials: int = 4, seed: i
     The NLL moves long before the accuracy does, so it shows whether a student is getting closer to
     recalling the key. Depths are spread evenly over (0, 1); passkeys are seeded 5-digit numbers.
     """
+    return {length: (sum(hit for hit, _ in results) / trials, sum(nll for _, nll in results) / trials)
+            for length, results in passkey_results(model, tokenizer, lengths, trials, seed).items()}
+
+
+def passkey_results(model, tokenizer, lengths: list[int], trials: int = 4, seed: int = 0) -> dict[int, list]:
+    """Per context length, each trial's (recalled, answer NLL) (:func:`passkey_trials`); the prompts of
+    every length are drawn in order from one generator seeded with ``seed``, the same for every model."""
     gen = torch.Generator().manual_seed(seed)
-    scores = {}
-    for length in lengths:
-        results = passkey_trials(model, tokenizer, length, trials, gen)
-        scores[length] = (sum(hit for hit, _ in results) / trials, sum(nll for _, nll in results) / trials)
-    return scores
+    return {length: passkey_trials(model, tokenizer, length, trials, gen) for length in lengths}
 
 
 @torch.no_grad()
 def passkey_trials(model, tokenizer, length: int, trials: int, gen: torch.Generator) -> list[tuple[bool, float]]:
     """(recalled, answer NLL) of each of ``trials`` passkey prompts of ``length`` tokens, the
-    passkeys drawn from ``gen``: the same prompts for every model given the same generator state."""
+    passkeys drawn from ``gen``: the same prompts for every model given the same generator state.
+
+    Both come from one teacher-forced forward over prompt + answer: greedy decoding starts with the
+    answer exactly when every answer token is the argmax after the ones before it. Only when the first
+    differing token could still spell the passkey (another tokenisation of the digits) does the trial
+    decode greedily, as :func:`recalled_by_decoding` does for every trial.
+    """
     device = next(model.parameters()).device
     results = []
     for t in tqdm(range(trials), desc=f"passkey @ {length}", unit="prompt", leave=False):
         passkey, ids, key = passkey_case(tokenizer, length, gen, depth=(t + 0.5) / trials)
         ids, key = ids.to(device), key.to(device)
-        out = model.generate(ids, max_new_tokens=8, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        results.append((answer.strip().startswith(str(passkey)), answer_nll(model, ids, key)))
+        logits = model(torch.cat([ids, key], dim=1)).logits[0, ids.shape[1] - 1:-1].float()  # (A, V)
+        nll = F.cross_entropy(logits, key[0], reduction="sum").item()
+        recalled = recalled_from_argmax(tokenizer, passkey, key[0].tolist(), logits.argmax(-1).tolist())
+        if recalled is None:
+            recalled = recalled_by_decoding(model, tokenizer, ids, passkey)
+        results.append((recalled, nll))
     return results
+
+
+def recalled_from_argmax(tokenizer, passkey: int, answer: list[int], argmax: list[int]) -> bool | None:
+    """Whether greedy decoding after the prompt starts with ``passkey``, from the teacher-forced argmax
+    at each answer position; None when the first differing token leaves it open."""
+    mismatch = next((i for i, (a, g) in enumerate(zip(answer, argmax)) if a != g), None)
+    if mismatch is None:
+        return True
+    text, key = tokenizer.decode(answer[:mismatch] + [argmax[mismatch]], skip_special_tokens=True).strip(), str(passkey)
+    if text.startswith(key):
+        return True
+    return None if key.startswith(text) else False
+
+
+@torch.no_grad()
+def recalled_by_decoding(model, tokenizer, prompt: torch.Tensor, passkey: int) -> bool:
+    """Whether the greedy continuation (8 tokens) of ``prompt`` (1, P) starts with ``passkey``."""
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip().startswith(str(passkey))
 
 
 def passkey_case(tokenizer, length: int, gen: torch.Generator, depth: float) -> tuple[int, torch.Tensor, torch.Tensor]:

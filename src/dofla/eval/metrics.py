@@ -14,28 +14,32 @@ from dofla.feature_maps.blocks import for_each_block
 
 
 @torch.no_grad()
-def heldout_loss(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "eval loss",
-                 data_parallel: bool = False) -> float:
-    """Mean next-token NLL over every predicted position of ``tokens`` (S, L): S·(L−1) positions.
+def heldout_losses(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "eval loss",
+                   data_parallel: bool = False) -> torch.Tensor:
+    """(S,) float64: each sequence's mean next-token NLL over its L−1 predicted positions, ``tokens`` (S, L).
 
-    ``data_parallel``: under torchrun each rank scores its share of the batches and the sums are
-    added across ranks (every rank must call it).
+    Every sequence has the same number of positions, so their mean is the held-out loss. Under
+    torchrun (``data_parallel``) each rank scores its share of the batches and the rows are summed
+    across ranks (every rank must call it; the others' rows are zeros until then).
     """
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    sums = torch.zeros(tokens.shape[0], dtype=torch.float64)
     starts = range(0, tokens.shape[0], batch_size)
     starts = distributed.mine(starts) if data_parallel else starts
     for start in tqdm(starts, desc=desc, unit="batch", leave=False, disable=not distributed.is_main()):
         batch = tokens[start : start + batch_size].to(device)
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-        )
-        total += nll.item()
-        count += batch[:, 1:].numel()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (B, L-1)
+        sums[start : start + batch.shape[0]] = nll.double().sum(-1).cpu()
     if data_parallel:
-        total, count = distributed.sum_across([total, count])
-    return total / count
+        sums = torch.tensor(distributed.sum_across(sums.tolist()), dtype=torch.float64)
+    return sums / (tokens.shape[1] - 1)
+
+
+def heldout_loss(model, tokens: torch.Tensor, batch_size: int = 2, desc: str = "eval loss",
+                 data_parallel: bool = False) -> float:
+    """Mean next-token NLL over every predicted position of ``tokens`` (S, L): S·(L−1) positions."""
+    return heldout_losses(model, tokens, batch_size, desc, data_parallel).mean().item()
 
 
 def perplexity(model, tokens: torch.Tensor, batch_size: int = 2) -> float:

@@ -29,12 +29,15 @@ def without_linear_part(student):
 def ablation_metrics(cfg: RunConfig, teacher, student, heldout_tokens, full: dict) -> dict:
     """The student with its linear part removed: perplexity, attention error, and the differences
     to the full student (``full``: its metrics), i.e. what the linear part contributes."""
-    from dofla.eval import attention_errors, heldout_loss
+    from dofla.eval import attention_errors
+    from dofla.eval.metrics import heldout_losses
 
     out = {}
     with without_linear_part(student):
         if cfg.eval.perplexity:
-            loss = heldout_loss(student, heldout_tokens, cfg.eval.batch_size)
+            losses = heldout_losses(student, heldout_tokens, cfg.eval.batch_size)
+            loss = losses.mean().item()
+            out["seq/ablate/student"] = losses.tolist()
             out["ablate/student_loss"] = loss
             out["ablate/student_ppl"] = math.exp(loss) if loss < 700 else float("inf")
             out["ablate/linear_gain_loss"] = loss - full["eval/student_loss"]
@@ -68,25 +71,43 @@ def long_tokens(cfg: RunConfig, tokenizer, source):
 
 
 def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:
-    """Held-out loss per position bucket ``[edges[b], edges[b+1])`` of ``eval.position_buckets``."""
-    from dofla.eval.longctx import loss_by_position
+    """Held-out loss per position bucket ``[edges[b], edges[b+1])`` of ``eval.position_buckets``, and
+    (``seq/`` keys) each sequence's."""
+    from dofla.eval.longctx import losses_by_position
 
     edges = list(cfg.eval.position_buckets)
-    losses = loss_by_position(model, tokens, edges)
-    return {f"position/{who}/{a}-{b}": loss for a, b, loss in zip(edges, edges[1:], losses)}
+    losses = losses_by_position(model, tokens, edges)  # (S, buckets)
+    out = {}
+    for b, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        out[f"position/{who}/{lo}-{hi}"] = losses[:, b].mean().item()
+        out[f"seq/position/{who}/{lo}-{hi}"] = losses[:, b].tolist()
+    return out
 
 
 def passkey_settings(cfg: RunConfig, model_settings) -> dict:
     """What a stored passkey measurement depends on (``nll``: the answer NLL is part of it)."""
     ev = cfg.eval
-    return {"model": model_settings, "lengths": ev.passkey_lengths, "trials": ev.passkey_trials, "seed": cfg.seed,
-            "nll": True}
+    return {"model": model_settings, "lengths": ev.passkey_lengths, "trials": ev.passkey_trials,
+            "seed": passkey_seed(cfg), "nll": True}
+
+
+def passkey_seed(cfg: RunConfig) -> int:
+    """The seed the passkey prompts are drawn with: ``eval.passkey_seed``, else the run's seed."""
+    return cfg.seed if cfg.eval.passkey_seed is None else cfg.eval.passkey_seed
 
 
 def passkey_metrics(cfg: RunConfig, who: str, model, tokenizer) -> dict:
-    """Passkey retrieval accuracy and answer NLL (nats) per context length in ``eval.passkey_lengths``."""
-    from dofla.eval.longctx import passkey_probe
+    """Passkey retrieval accuracy and answer NLL (nats) per context length in ``eval.passkey_lengths``,
+    and (``seq/`` keys) each prompt's."""
+    from dofla.eval.longctx import passkey_results
 
-    scores = passkey_probe(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials, cfg.seed)
-    return {key: value for length, (acc, nll) in scores.items()
-            for key, value in ((f"passkey/{who}/T{length}", acc), (f"passkey_nll/{who}/T{length}", nll))}
+    results = passkey_results(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials,
+                              passkey_seed(cfg))
+    out = {}
+    for length, trials in results.items():
+        hits, nlls = [float(hit) for hit, _ in trials], [nll for _, nll in trials]
+        out[f"passkey/{who}/T{length}"] = sum(hits) / len(hits)
+        out[f"passkey_nll/{who}/T{length}"] = sum(nlls) / len(nlls)
+        out[f"seq/passkey/{who}/T{length}"] = hits
+        out[f"seq/passkey_nll/{who}/T{length}"] = nlls
+    return out

@@ -56,10 +56,12 @@ def open_data(cfg: RunConfig):
     if cfg.data.prepared == "off":
         return cfg, text
     directory = prepared_path(cfg, text)
+    why = [setting for setting, needs in (("data.num_tokens=all", cfg.data.num_tokens == "all"),
+                                          ("data.shuffle_seed", cfg.data.shuffle_seed is not None),
+                                          ("data.prepared=require", cfg.data.prepared == "require")) if needs]
+    if why and cfg.data.prepared == "auto" and text.prepares_itself:
+        prepare(cfg)  # a small corpus shipped with the package: tokenised here (seconds), then reused
     if not (directory / "meta.json").is_file():
-        why = [setting for setting, needs in (("data.num_tokens=all", cfg.data.num_tokens == "all"),
-                                              ("data.shuffle_seed", cfg.data.shuffle_seed is not None),
-                                              ("data.prepared=require", cfg.data.prepared == "require")) if needs]
         if why:
             raise DataError(f"{why[0]} reads the prepared tokens of data={cfg.data.name} for model "
                             f"{cfg.model.source}, which are not in {directory.parent}; run `{PREPARE_HINT}` first")

@@ -1,59 +1,24 @@
 """The eval stage: perplexity, attention error, lm-eval tasks, probes and MQAR -> metrics.json, resumable.
 
 Every measurement is kept in ``eval_measurements.json`` under the settings it was taken with (the
-model's settings, the held-out tokens, the eval options that matter to it). A re-run reuses a
-measurement only for the same settings and recomputes exactly those whose settings changed;
-``metrics.json`` is written from the measurements the current settings ask for.
+model's settings, the held-out tokens, the eval options that matter to it), its per-sequence values
+in ``eval_sequences.json`` (:mod:`dofla.eval.store`). A re-run reuses a measurement only for the same
+settings and recomputes exactly those whose settings changed; ``metrics.json`` is written from the
+measurements the current settings ask for. The teacher's own measurements are shared by every run
+with the same teacher and held-out tokens (``<cache>/teacher_scores``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Callable
 
-from dofla.artifacts import canonical, settings_digest
 from dofla.config import LEGACY_VALUES, RunConfig
-from dofla.record import read_json, write_json
+from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.record import write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
 from dofla.stages.data import data_source, open_data
-
-MEASUREMENTS = "eval_measurements.json"
-
-
-class Measurements:
-    """``eval_measurements.json``: ``{name-digest: {"settings", "metrics", "skipped"}}``.
-
-    Under torchrun every rank holds rank 0's copy, so all ranks agree on what to compute; only
-    rank 0 writes.
-    """
-
-    def __init__(self, path: Path, main: bool):
-        from dofla import distributed
-
-        self.path, self.main = path, main
-        self.entries = distributed.broadcast((read_json(path) or {}) if main else None)
-
-    def get(self, name: str, settings: dict, compute: Callable[[], dict], plan=None) -> dict:
-        """The metrics of ``name`` taken with ``settings``: stored ones, or ``compute()`` (saved at once).
-
-        ``plan``: its ``skipped`` reasons added while computing are kept and restored on reuse.
-        """
-        key, settings = f"{name}-{settings_digest(settings)}", canonical(settings)
-        entry = self.entries.get(key)
-        if entry is None or entry["settings"] != settings:
-            before = dict(plan.skipped) if plan is not None else {}
-            metrics = compute()
-            skipped = {k: v for k, v in plan.skipped.items() if k not in before} if plan is not None else {}
-            entry = {"settings": settings, "metrics": metrics, "skipped": skipped}
-            self.entries[key] = entry
-            if self.main:
-                write_json(self.path, self.entries)
-        if plan is not None:
-            plan.skipped.update(entry["skipped"])
-        return dict(entry["metrics"])
-
 
 def model_settings(model) -> dict:
     """The settings a model was built from (``dofla_settings``, attached by the assemble and
@@ -98,7 +63,7 @@ def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
     from dofla import distributed
 
     main = distributed.is_main()
-    store = Measurements(out_dir / MEASUREMENTS, main)
+    store = Measurements(out_dir / MEASUREMENTS, main, shared=teacher_scores)
     who_settings = {"teacher": teacher_settings(cfg), "student": model_settings(student)}
     models = (("teacher", teacher), ("student", student))
     metrics = _shared_measurements(cfg, models, who_settings, heldout_tokens, store)
@@ -124,7 +89,8 @@ def _shared_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tok
     """Perplexity and attention error (every rank takes part under torchrun)."""
     import math
 
-    from dofla.eval import attention_errors, heldout_loss
+    from dofla.eval import attention_errors
+    from dofla.eval.metrics import heldout_losses
     from dofla.faults import kill_point
 
     metrics = {}
@@ -132,12 +98,14 @@ def _shared_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tok
         for who, model in models:
             def perplexity(who=who, model=model) -> dict:
                 kill_point(f"eval:{who}")
-                loss = heldout_loss(model, heldout_tokens, cfg.eval.batch_size, data_parallel=True)
-                return {f"eval/{who}_loss": loss, f"eval/{who}_ppl": math.exp(loss) if loss < 700 else float("inf")}
+                losses = heldout_losses(model, heldout_tokens, cfg.eval.batch_size, data_parallel=True)
+                loss = losses.mean().item()
+                return {f"eval/{who}_loss": loss, f"eval/{who}_ppl": math.exp(loss) if loss < 700 else float("inf"),
+                        f"seq/heldout/{who}": losses.tolist()}
 
             settings = {"model": who_settings[who], "heldout": tokens_digest(heldout_tokens),
                         "batch_size": cfg.eval.batch_size}
-            metrics.update(store.get(f"perplexity/{who}", settings, perplexity))
+            metrics.update(store.get(f"perplexity/{who}", settings, perplexity, share=who == "teacher"))
         metrics["eval/ppl_ratio"] = metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]
     if cfg.eval.attention_error:
         (_, teacher), (_, student) = models
@@ -217,9 +185,11 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
             long = long if long is not None else probes.long_tokens(cfg, tokenizer, source or open_data(cfg)[1])
             settings = {"model": who_settings[who], "tokens": tokens_digest(long), "edges": ev.position_buckets}
             metrics.update(store.get(f"position/{who}", settings,
-                                     lambda who=who, model=model: probes.position_metrics(cfg, who, model, long)))
+                                     lambda who=who, model=model: probes.position_metrics(cfg, who, model, long),
+                                     share=who == "teacher"))
         if ev.passkey_lengths:
             metrics.update(store.get(f"passkey/{who}", probes.passkey_settings(cfg, who_settings[who]),
                                      lambda who=who, model=model: probes.passkey_metrics(cfg, who, model,
-                                                                                          tokenizer)))
+                                                                                          tokenizer),
+                                     share=who == "teacher"))
     return metrics
