@@ -11,5 +11,5 @@ for seed in 0 1 2; do
     dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers ${EXTRA:-} hydra.run.dir=$OUT/${preset}_s$seed
   done
 done
-python -m studies.records collect $OUT --into docs/results/runs/headline
+python -m studies.records $OUT --into docs/results/runs/headline
 python -m studies.results headline

@@ -1,0 +1,71 @@
+"""Run records: the few small files of a finished run that its results are computed from.
+
+A record is a directory holding the run's ``run.json`` (resolved config, git SHA, package versions,
+seed, cache key), ``metrics.json``, ``sequences.json`` (every per-sequence and per-prompt value the
+eval stage kept: held-out loss per sequence, loss by position per sequence, passkey recall and answer
+NLL per prompt) and, when the run distilled, ``distill.json`` (the KL curve and the tokens). No
+weights: a record is tens of KB, so the records behind a results page live in the repository and
+the page's tables are recomputed from them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.record import read_json, write_json
+
+SIGNIFICANT = 7  # digits kept of each per-sequence value: far below any difference a table shows
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run's record, loaded."""
+
+    name: str
+    config: dict
+    metrics: dict
+    sequences: dict  # metric name (without the ``seq/`` prefix) -> list of numbers
+
+    @property
+    def seed(self) -> int:
+        return int(self.config["seed"])
+
+    @property
+    def experiment(self) -> str | None:
+        return self.config.get("experiment")
+
+
+def _rounded(values: list) -> list:
+    return [float(f"{v:.{SIGNIFICANT}g}") if isinstance(v, float) else v for v in values]
+
+
+def collect_record(run_dir: Path, into: Path) -> Path:
+    """Write the record of the finished run in ``run_dir`` to ``into/<run_dir's name>/``; returns it."""
+    run_dir = Path(run_dir)
+    run, metrics = read_json(run_dir / "run.json"), read_json(run_dir / "metrics.json")
+    if run is None or metrics is None:
+        raise FileNotFoundError(f"{run_dir} has no run.json or metrics.json: run it to the end (eval) first")
+    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence()
+    target = Path(into) / run_dir.name
+    write_json(target / "run.json", {k: v for k, v in run.items() if k != "host"})
+    write_json(target / "metrics.json", metrics)
+    write_json(target / "sequences.json", {k.removeprefix("seq/"): _rounded(v) for k, v in sorted(sequences.items())})
+    distilled = read_json(run_dir / "distill_summary.json")
+    if distilled is not None:
+        write_json(target / "distill.json", {"tokens": distilled["tokens"], "curve": distilled["curve"]})
+    return target
+
+
+def load_record(directory: Path) -> RunRecord:
+    """The record in ``directory`` (see :func:`collect_record`)."""
+    directory = Path(directory)
+    run = json.loads((directory / "run.json").read_text())
+    return RunRecord(directory.name, run["config"], json.loads((directory / "metrics.json").read_text()),
+                     json.loads((directory / "sequences.json").read_text()))
+
+
+def load_records(root: Path) -> list[RunRecord]:
+    """Every record directly under ``root``, by name."""
+    return [load_record(d) for d in sorted(Path(root).iterdir()) if (d / "run.json").is_file()]

@@ -1,0 +1,199 @@
+"""The results pages' generated parts, recomputed from the committed run records.
+
+``python -m studies.results PAGE [--check]``
+
+A results page (``docs/results/<PAGE>.md``), and README.md for the headline, hold blocks between
+``<!-- results: PAGE BLOCK -->`` and ``<!-- /results -->``. This command rewrites them from the records
+in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``); ``--check`` rewrites nothing and
+exits 1 naming every block that differs (a test runs it). No number in those blocks is typed by hand.
+
+Intervals are 95 % over training runs and held-out text together (``dofla.report.crossed_interval``):
+each arm's runs are its data orders (``seed``), every run is scored on the same held-out sequences and
+passkey prompts, and a comparison pairs two arms by data order and by sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from dofla.report import RunRecord, crossed_interval, load_records, paired_interval
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "results" / "runs"
+BLOCK = re.compile(r"(<!-- results: (\S+) (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:
+    """The runs of ``preset``, by data order."""
+    return sorted((r for r in records if r.experiment == preset), key=lambda r: r.seed)
+
+
+def values(runs: list[RunRecord], name: str) -> torch.Tensor | None:
+    """(runs, sequences) of the per-sequence values ``name`` (e.g. ``heldout/student``); None if a run lacks it."""
+    if not runs or any(name not in r.sequences for r in runs):
+        return None
+    return torch.tensor([r.sequences[name] for r in runs], dtype=torch.float64)
+
+
+def teacher(runs: list[RunRecord], name: str) -> torch.Tensor | None:
+    """The teacher's values ``name`` (``heldout/teacher``...) tiled over ``runs``: the same text in every run,
+    so the teacher's score is the same (checked)."""
+    table = values(runs, name)
+    if table is not None and not torch.allclose(table, table[:1].expand_as(table), rtol=1e-6, atol=1e-9):
+        raise SystemExit(f"the runs of {runs[0].experiment} were scored on different {name} text; "
+                         "a paired interval needs the same held-out text in every run")
+    return table
+
+
+def bucket(name: str, runs: list[RunRecord], lo: int) -> str | None:
+    """The loss-by-position key of ``name`` (teacher/student) whose bucket starts at ``lo``."""
+    keys = [k for k in runs[0].sequences if k.startswith(f"position/{name}/{lo}-")] if runs else []
+    return keys[0] if keys else None
+
+
+def signed(interval) -> str:
+    return f"{interval.mean:+.3f} ± {interval.half_width:.3f}" if interval.half_width is not None else f"{interval.mean:+.3f}"
+
+
+def share(interval) -> str:
+    return f"{interval.mean:.2f} ± {interval.half_width:.2f}" if interval.half_width is not None else f"{interval.mean:.2f}"
+
+
+def gap(runs: list[RunRecord], student: str, reference: str) -> str:
+    """Student − teacher on the per-sequence values ``student``/``reference``, or – when not measured."""
+    a, b = values(runs, student), teacher(runs, reference)
+    return "–" if a is None or b is None else signed(paired_interval(a, b))
+
+
+def passkey(runs: list[RunRecord], length: int) -> str:
+    hits = values(runs, f"passkey/student/T{length}")
+    return "–" if hits is None else share(crossed_interval(hits))
+
+
+def arm_row(label: str, preset: str, runs: list[RunRecord]) -> list[str]:
+    """One student's row of the main table."""
+    loss = values(runs, "heldout/student")
+    delta = paired_interval(loss, teacher(runs, "heldout/teacher"))
+    far_s, far_t = bucket("student", runs, 1024), bucket("teacher", runs, 1024)
+    far = gap(runs, far_s, far_t) if far_s and far_t else "–"
+    return [label, f"`{preset}`", str(len(runs)), f"{math.exp(loss.mean().item()):.2f}",
+            f"{math.exp(delta.mean):.2f}×", signed(delta), far, passkey(runs, 1024), passkey(runs, 2048)]
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def paired(a: list[RunRecord], b: list[RunRecord], name: str, b_name: str | None = None) -> str:
+    """A − B on ``name`` (B on ``b_name``), paired by data order and sequence; – if either lacks it or
+    their orders differ."""
+    if [r.seed for r in a] != [r.seed for r in b]:
+        return "–"
+    x, y = values(a, name), values(b, b_name or name)
+    return "–" if x is None or y is None else signed(paired_interval(x, y))
+
+
+HEADLINE = (  # (label, preset), in the order of the tables
+    ("window 64 + 4 sinks", "window_sinks_kl"),
+    ("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"),
+    ("hybrid: window + sinks + gated Hedgehog", "hybrid_text"),
+    ("recall hybrid: + 6 exact copying layers", "hybrid_recall"),
+)
+COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the same))
+    ("hybrid − window + sinks, held-out loss (nats)", "hybrid_text", "window_sinks_kl", "heldout/student", None),
+    ("hybrid − window + sinks, loss at positions 1,024–2,047", "hybrid_text", "window_sinks_kl",
+     "position/student/1024-2048", None),
+    ("hybrid without its linear part − hybrid, held-out loss", "hybrid_text", "hybrid_text", "ablate/student",
+     "heldout/student"),
+    ("recall hybrid − window + sinks, held-out loss", "hybrid_recall", "window_sinks_kl", "heldout/student", None),
+    ("recall hybrid − window + sinks, passkey @ 1K (share of prompts)", "hybrid_recall", "window_sinks_kl",
+     "passkey/student/T1024", None),
+    ("recall hybrid − hybrid, passkey @ 1K (share of prompts)", "hybrid_recall", "hybrid_text",
+     "passkey/student/T1024", None),
+    ("pure linear − window + sinks, held-out loss", "linear_hedgehog_kl", "window_sinks_kl", "heldout/student", None),
+)
+MAIN_HEADER = ["student", "preset", "runs", "held-out ppl", "× teacher", "loss − teacher (nats)",
+               "at positions 1,024–2,047", "passkey @ 1K", "passkey @ 2K"]
+
+
+def teacher_row(records: list[RunRecord]) -> list[str]:
+    """The teacher's row: its scores are the same in every run (the same text and prompts)."""
+    runs = records[:1]
+    loss = values(runs, "heldout/teacher")
+    keys = {length: values(runs, f"passkey/teacher/T{length}") for length in (1024, 2048)}
+    rates = {length: "–" if hits is None else f"{hits.mean().item():.2f}" for length, hits in keys.items()}
+    return ["teacher (SmolLM2-135M-Instruct)", "–", "–", f"{math.exp(loss.mean().item()):.2f}", "1.00×", "–", "–",
+            rates[1024], rates[2048]]
+
+
+def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The headline page's blocks (and README's), from the records of the headline presets."""
+    arms = [(label, preset, arm(records, preset)) for label, preset in HEADLINE]
+    arms = [(label, preset, runs) for label, preset, runs in arms if runs]
+    main = markdown(MAIN_HEADER, [teacher_row(records)] + [arm_row(*a) for a in arms])
+    found = {preset: runs for _, preset, runs in arms}
+    rows = [[what, paired(found[a], found[b], name, other)] for what, a, b, name, other in COMPARISONS
+            if a in found and b in found]
+    readme = markdown(["student", "preset", "held-out ppl", "× teacher", "passkey @ 1K"],
+                      [[r[0], r[1], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
+    return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "A − B"], rows),
+            ("README", "headline"): readme}
+
+
+PAGES = {"headline": headline}
+
+
+def page_path(name: str) -> Path:
+    return ROOT / "README.md" if name == "README" else ROOT / "docs" / "results" / f"{name}.md"
+
+
+def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str) -> tuple[str, list[str]]:
+    """``text`` with every block of ``page`` replaced; the names of blocks whose content changed."""
+    changed = []
+
+    def replace(match):
+        if match.group(2) != page:
+            return match.group(0)
+        new = blocks.get((file, match.group(3)))
+        if new is None:
+            raise SystemExit(f"{file} has a block {page} {match.group(3)} that studies.results does not build")
+        if new != match.group(4):
+            changed.append(f"{file}: {page} {match.group(3)}")
+        return match.group(1) + new + match.group(5)
+
+    return BLOCK.sub(replace, text), changed
+
+
+def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
+    """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
+    blocks = PAGES[page](load_records(records_root / page))
+    differ = []
+    for file in sorted({f for f, _ in blocks}):
+        path = page_path(file if file == "README" else page)
+        text, changed = rewrite(path.read_text(), page, blocks, file)
+        differ += changed
+        if not check and changed:
+            path.write_text(text)
+    return differ
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m studies.results", description=__doc__.splitlines()[0])
+    parser.add_argument("page", choices=sorted(PAGES))
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 if a block differs")
+    args = parser.parse_args(argv)
+    differ = run(args.page, args.check)
+    for block in differ:
+        print(("differs: " if args.check else "rewrote: ") + block)
+    if args.check and differ:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Run records and the results pages' generated blocks, on synthetic finished runs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.report import load_records, paired_interval
+from studies import records, results
+
+SEQS, PROMPTS = 6, 4
+
+
+def fake_run(root, name, preset, seed, shift):
+    """A finished run's directory as the pipeline leaves it (the files a record reads)."""
+    run = root / name
+    gen = torch.Generator().manual_seed(seed)
+    text = torch.linspace(2.0, 3.0, SEQS, dtype=torch.float64)  # the same held-out text in every run
+    student = (text + shift + 0.01 * seed + 0.02 * torch.rand(SEQS, generator=gen, dtype=torch.float64)).tolist()
+    hits = [float((i + seed) % 2) for i in range(PROMPTS)]
+    (run).mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"config": {"experiment": preset, "seed": seed}, "host": "machine"}))
+    (run / "metrics.json").write_text(json.dumps({"eval/student_loss": sum(student) / SEQS}))
+    store = Measurements(run / MEASUREMENTS, main=True)
+    store.get("perplexity/teacher", {}, lambda: {"l": 0.0, "seq/heldout/teacher": text.tolist()})
+    store.get("perplexity/student", {}, lambda: {"l": 0.0, "seq/heldout/student": student})
+    store.get("passkey/student", {}, lambda: {"p": 0.0, "seq/passkey/student/T1024": hits})
+    return run
+
+
+def test_records_keep_the_per_sequence_values_and_drop_the_host(tmp_path):
+    run = fake_run(tmp_path / "sweep", "a_s0", "window_sinks_kl", 0, 0.5)
+    records.main([str(tmp_path / "sweep"), "--into", str(tmp_path / "records")])
+    (record,) = load_records(tmp_path / "records")
+    assert record.name == "a_s0" and record.experiment == "window_sinks_kl" and record.seed == 0
+    assert record.sequences["heldout/teacher"] == pytest.approx(torch.linspace(2.0, 3.0, SEQS).tolist())
+    assert "host" not in json.loads((tmp_path / "records" / "a_s0" / "run.json").read_text())
+    assert run.is_dir()
+
+
+def test_the_headline_blocks_are_recomputed_from_the_records(tmp_path):
+    for seed in range(3):
+        fake_run(tmp_path / "runs", f"sw_s{seed}", "window_sinks_kl", seed, 0.5)
+        fake_run(tmp_path / "runs", f"hy_s{seed}", "hybrid_text", seed, 0.2)
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records" / "headline")])
+    blocks = results.headline(load_records(tmp_path / "records" / "headline"))
+    loaded = load_records(tmp_path / "records" / "headline")
+    sw = results.values(results.arm(loaded, "window_sinks_kl"), "heldout/student")
+    hy = results.values(results.arm(loaded, "hybrid_text"), "heldout/student")
+    teacher = results.values(results.arm(loaded, "window_sinks_kl"), "heldout/teacher")
+    delta = paired_interval(sw, teacher)
+    main = blocks[("headline", "main")]
+    assert f"| {math.exp(sw.mean().item()):.2f} | {math.exp(delta.mean):.2f}× | {delta.mean:+.3f} ± {delta.half_width:.3f} |" in main
+    versus = paired_interval(hy, sw)
+    assert f"{versus.mean:+.3f} ± {versus.half_width:.3f}" in blocks[("headline", "comparisons")]
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- results: headline main -->\nold\n<!-- /results -->\nend\n")
+    text, changed = results.rewrite(page.read_text(), "headline", blocks, "headline")
+    assert changed == ["headline: headline main"] and main in text and text.endswith("<!-- /results -->\nend\n")
+    assert results.rewrite(text, "headline", blocks, "headline")[1] == []  # recomputed: nothing differs
+
+
+def test_runs_scored_on_different_text_are_refused(tmp_path):
+    fake_run(tmp_path / "runs", "a", "window_sinks_kl", 0, 0.5)
+    other = fake_run(tmp_path / "runs", "b", "window_sinks_kl", 1, 0.5)
+    sequences = json.loads((other / "eval_sequences.json").read_text())
+    for entry in sequences.values():
+        if "seq/heldout/teacher" in entry:
+            entry["seq/heldout/teacher"][0] += 1.0
+    (other / "eval_sequences.json").write_text(json.dumps(sequences))
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
+    with pytest.raises(SystemExit, match="different heldout/teacher text"):
+        results.headline(load_records(tmp_path / "records"))
