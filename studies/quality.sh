@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quality table of README "A real sweep on the embedded model" (issue 7), as one command:
+# A quality grid like docs/results/embedded_sweeps.md's, as one command:
 # every feature map × layerwise loss × allocation at the paper's budget, end-to-end (`direct`)
 # training, hybrid attention and LoRA, all into one sweep directory, then one report.
 #

@@ -191,7 +191,7 @@ def distill_endpoints(out_dir: Path, steps: int = 8) -> dict:
 
 
 def write_card(student_dir: Path, metrics: dict) -> None:
-    """The evaluated student's model card, now with the run's numbers."""
-    from dofla.models.card import write_model_card
+    """The evaluated student's model card, with the run's numbers and how its lm-eval scores were made."""
+    from dofla.models.card import lm_eval_settings, write_model_card
 
-    write_model_card(student_dir, metrics, name=str(student_dir))
+    write_model_card(student_dir, metrics, lm_eval=lm_eval_settings(student_dir.parent, metrics))

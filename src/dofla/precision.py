@@ -1,6 +1,6 @@
 """One switch for the arithmetic of training: ``precision=fp32 | tf32 | bf16``.
 
-- ``fp32``: everything in float32 (the ``l2`` loss in float64), as the results so far were made.
+- ``fp32``: everything in float32 (the ``l2`` loss in float64), as every result in docs/results was made.
 - ``tf32``: float32 tensors, but CUDA matmuls on TensorFloat-32 (Ampere and newer; a no-op on CPU).
 - ``bf16``: the teacher's distillation forwards run in a bfloat16 copy (unless ``train.teacher_dtype``
   says otherwise), and every training computation (layer losses, the student's forwards in ``direct``,

@@ -6,6 +6,7 @@ in offline mode, so the "cannot be downloaded" path is the same on every machine
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 
@@ -54,6 +55,12 @@ def test_tasks_protocol_and_mqar_in_one_run(tmp_path, offline_env):
     assert "no training split" in skipped["finetune/mmlu_dev_offline"]
     assert "downstream task piqa skipped" in result.stdout
     assert "mmlu_dev_offline" in (run / "report.md").read_text()
+    # the student's card says how its task scores were made, and names no path of this machine
+    card = (run / "student" / "README.md").read_text()
+    assert f"lm-eval {version('lm_eval')}," in card and "zero-shot (`num_fewshot=0`), batch size 8" in card
+    assert "the first 6 documents of each task" in card and str(tmp_path) not in card
+    acc, norm = metrics["tasks/student/piqa_local/acc"], metrics["tasks/student/piqa_local/acc_norm"]
+    assert f"| piqa_local | not recorded | {acc:.4g} | {norm:.4g} |" in card
 
 
 @pytest.mark.long

@@ -3,7 +3,9 @@
 Written by every ``save_pretrained`` from the directory's config.json (teacher, attention form,
 feature map, dims; ``dofla_run``, when the pipeline set it: loss, allocation, seed) and written
 again by the pipeline after evaluation with the run's metrics (distillation tokens, held-out
-perplexity, attention error, task scores).
+perplexity, attention error, task scores) and how its lm-eval scores were made (lm-eval version,
+task versions, shots, batch size, limit, the metrics' definitions: :func:`lm_eval_settings`).
+The usage snippet names a hub repository or a placeholder path, never the training machine's path.
 """
 from __future__ import annotations
 
@@ -20,10 +22,21 @@ CARD_METRICS = (  # (metrics.json key, label), in the card's order
 )
 
 
-def write_model_card(directory: str | Path, metrics: dict | None = None, name: str | None = None) -> Path:
-    """Write ``directory/README.md``; ``metrics`` (a run's metrics.json) adds the measured rows and
-    ``name`` is what the usage snippet loads (default: a placeholder, the directory may move)."""
+# lm-eval's definitions of the two multiple-choice metrics dofla reports (lm_eval.api.task)
+METRIC_MEANINGS = (
+    ("acc", "the share of questions whose choice of highest log-likelihood is the answer"),
+    ("acc_norm", "the same, each choice's log-likelihood divided by its length in characters"),
+)
+
+
+def write_model_card(directory: str | Path, metrics: dict | None = None, name: str | None = None,
+                     lm_eval: dict | None = None) -> Path:
+    """Write ``directory/README.md``; ``metrics`` (a run's metrics.json) adds the measured rows,
+    ``lm_eval`` (:func:`lm_eval_settings`) how its task scores were made, and ``name`` is the hub
+    repository the usage snippet loads (anything else, a local path included, gives a placeholder
+    path: the directory moves, and the training machine's path means nothing to a reader)."""
     directory = Path(directory)
+    metrics = metrics or {}
     config = json.loads((directory / "config.json").read_text())
     spec, run = config["dofla"], config.get("dofla_run") or {}
     teacher = run.get("teacher") or config.get("_name_or_path") or "unknown"
@@ -42,14 +55,18 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
         *[f"| {label} | {run[key]} |" for key, label in (("loss", "distillation loss"),
                                                           ("allocation", "dims allocation"),
                                                           ("seed", "seed")) if key in run],
-        *_metric_rows(metrics or {}),
+        *_metric_rows(metrics),
+        *_lm_eval_section(metrics, lm_eval),
         "", "## Use", "",
         "Needs the dofla package installed (the student's attention is its code):", "",
         "```python",
         "from transformers import AutoModelForCausalLM",
-        f'model = AutoModelForCausalLM.from_pretrained("{name or "<this directory or hub repository>"}", '
+        f'model = AutoModelForCausalLM.from_pretrained("{_usage_path(name, directory)}", '
         "trust_remote_code=True)",
         "```", "",
+        *([] if name and _is_hub_id(name) else
+          [f"`{_usage_path(name, directory)}` stands for this directory (the one holding this card) "
+           "wherever it lies, or its hub repository id.", ""]),
         "Decoding keeps a fixed-size recurrent state per linear layer (no growing key/value cache for them).",
         "",
     ]
@@ -80,10 +97,65 @@ def _dims(dims: list) -> str:
 
 
 def _metric_rows(metrics: dict) -> list[str]:
-    rows = [f"| {label} | {_fmt(metrics[key])} |" for key, label in CARD_METRICS if key in metrics]
-    rows += [f"| {key.removeprefix('tasks/student/')} (lm-eval) | {_fmt(value)} |"
-             for key, value in sorted(metrics.items()) if key.startswith("tasks/student/")]
-    return rows
+    return [f"| {label} | {_fmt(metrics[key])} |" for key, label in CARD_METRICS if key in metrics]
+
+
+def lm_eval_settings(run_dir: str | Path, metrics: dict) -> dict | None:
+    """How the run's zero-shot lm-eval scores of the student were made, read from the settings its
+    eval stage stored them under (``eval_measurements.json``): ``{"lm_eval": version, "tasks",
+    "limit", "batch_size"}``; None when the run scored no task. The entry is the one whose scores
+    are the run's (the store keeps earlier settings' entries too)."""
+    from dofla.eval.store import MEASUREMENTS
+    from dofla.record import read_json
+
+    entries = read_json(Path(run_dir) / MEASUREMENTS) or {}
+    for key, entry in sorted(entries.items()):
+        scores = entry.get("metrics") or {}
+        if key.startswith("tasks/student-") and scores and all(metrics.get(k) == v for k, v in scores.items()):
+            return {k: entry["settings"].get(k) for k in ("lm_eval", "tasks", "limit", "batch_size")}
+    return None
+
+
+def _task_scores(metrics: dict, who: str) -> dict[str, dict]:
+    """{task: {metric: value}} of ``tasks/<who>/<task>/<metric>`` (avg_acc left out)."""
+    scores: dict[str, dict] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 4 and parts[:2] == ["tasks", who]:
+            scores.setdefault(parts[2], {})[parts[3]] = value
+    return scores
+
+
+def _lm_eval_section(metrics: dict, lm_eval: dict | None) -> list[str]:
+    """The task scores with what makes them comparable: lm-eval and task versions, shots, metric,
+    batch size and limit. Task versions are read from ``tasks/student/<task>/version`` when the run
+    recorded them."""
+    student, teacher = _task_scores(metrics, "student"), _task_scores(metrics, "teacher")
+    if not student:
+        return []
+    settings = lm_eval or {}
+    limit = settings.get("limit")
+    lines = ["", "## lm-eval scores", "",
+             f"lm-eval {settings.get('lm_eval') or '(version not recorded)'}, "
+             "`lm_eval.simple_evaluate` on the model in memory, zero-shot (`num_fewshot=0`), "
+             f"batch size {settings.get('batch_size') or '(not recorded)'}, "
+             + (f"the first {limit} documents of each task" if limit else
+                "every document of each task" if lm_eval else "documents per task not recorded")
+             + ", no bootstrap.", "",
+             "| task | task version | student acc | student acc_norm | teacher acc | teacher acc_norm |",
+             "|---|---|---|---|---|---|"]
+    for task, scores in sorted(student.items()):
+        theirs = teacher.get(task, {})
+        cells = [scores.get("acc"), scores.get("acc_norm"), theirs.get("acc"), theirs.get("acc_norm")]
+        lines.append(f"| {task} | {scores.get('version', 'not recorded')} | "
+                     + " | ".join("–" if c is None else _fmt(c) for c in cells) + " |")
+    lines += ["", *(f"- `{metric}`: {meaning}." for metric, meaning in METRIC_MEANINGS)]
+    return lines
+
+
+def _usage_path(name: str | None, directory: Path) -> str:
+    """A hub id as given; otherwise a placeholder named after the directory (never a local path)."""
+    return name if name and _is_hub_id(name) else f"path/to/{directory.name}"
 
 
 def _fmt(value) -> str:
