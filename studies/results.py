@@ -143,7 +143,7 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
     readme = markdown(["student", "preset", "held-out ppl", "× teacher", "passkey @ 1K"],
                       [[r[0], r[1], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "A − B"], rows),
-            ("README", "headline"): readme}
+            ("README", "table"): readme}
 
 
 PAGES = {"headline": headline}
