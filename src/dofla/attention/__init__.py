@@ -1,4 +1,12 @@
 """Attention kernels: quadratic references (naive) and the linear-time forms (chunked, recurrent)."""
+from dofla.attention.delta import (
+    DeltaState,
+    delta_rule_chunked,
+    delta_rule_naive,
+    delta_rule_recurrent,
+    unit_features,
+)
+from dofla.attention.delta_backend import delta_rule
 from dofla.attention.hybrid import HybridState, hybrid_attention_chunked, hybrid_attention_naive
 from dofla.attention.linear import LinearState, linear_attention_chunked, linear_attention_recurrent
 from dofla.attention.naive import (
@@ -15,6 +23,11 @@ ATTENTION_FORMS = ("linear", "hybrid", "sliding_window")
 
 __all__ = [
     "ATTENTION_FORMS",
+    "DeltaState",
+    "delta_rule",
+    "delta_rule_chunked",
+    "delta_rule_naive",
+    "delta_rule_recurrent",
     "HybridState",
     "hybrid_attention_chunked",
     "hybrid_attention_naive",
@@ -28,4 +41,5 @@ __all__ = [
     "causal_log_kernel",
     "stable_block",
     "softmax_attention",
+    "unit_features",
 ]
