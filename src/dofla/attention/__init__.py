@@ -19,7 +19,8 @@ from dofla.attention.naive import (
 from dofla.attention.stable import causal_log_kernel, stable_block
 
 # What replaces softmax in a student's global layers (dofla.models.convert, config attention.name)
-ATTENTION_FORMS = ("linear", "hybrid", "sliding_window")
+# gated_delta: the gated delta rule (pure with window 0, the hybrid's older part with a window)
+ATTENTION_FORMS = ("linear", "hybrid", "sliding_window", "gated_delta")
 
 __all__ = [
     "ATTENTION_FORMS",
