@@ -84,8 +84,6 @@ def _validate_delta(cfg: RunConfig) -> None:
     a = cfg.attention
     if a.name != "gated_delta":
         return
-    require(cfg.feature_map.name != "softmax", "feature_map=softmax is the exact reference and has no state to "
-            "run the delta rule on; choose a feature map (e.g. hedgehog) or attention=linear")
     require(cfg.loss.name in DELTA_LOSSES, f"loss={cfg.loss.name} compares attention kernels, and a gated-delta "
             "layer has no normalised kernel to compare (its read is a decayed, overwritten state); use loss=output "
             "(its attention output against the teacher's) or loss=direct")

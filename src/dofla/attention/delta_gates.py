@@ -3,8 +3,12 @@
 
 Per head h and token t, from the layer's value vector v_t (after GQA expansion):
 
-    β_t = σ(w_β·v_t + b_β),   log α_t = −softplus(w_α·v_t + b_α),
-    out_t = RMSNorm(o_t) ⊙ g_h ⊙ 2σ(W_g v_t + b_g)
+    β_t = σ(w_β·v̄_t + b_β),   log α_t = −softplus(w_α·v̄_t + b_α),
+    out_t = RMSNorm(o_t) ⊙ g_h ⊙ 2σ(W_g v̄_t + b_g),      v̄_t = v_t/√d
+
+(the 1/√d keeps a weight's step under Adam, which moves every entry by about the learning rate,
+from moving the gates by d times as much: the weights start at 0 and a coherent step in all d
+entries of W_g changed the output gate by tens of percent within ten steps at 1e-2.)
 
 Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025) projects the layer input x_t for all three and
 gates with SiLU. Here they read v_t: the attention interface of a converted layer receives q, k, v
@@ -23,7 +27,8 @@ near 1 over a few hundred tokens. Training then raises β where overwriting help
 forgetting helps. The normalisation's gain g sets the output's scale, which the teacher's weights do
 not fix; it starts at 1 and :meth:`DeltaFeatureMap.calibrate_` sets it from data once (as ActNorm
 does): the layerwise stage calls it on its first batch with the teacher's attention output, and it
-takes, per head and channel, the least-squares gain (the output is linear in g).
+takes, per head and channel, the least-squares gain (the output is linear in g), kept as a fixed
+scale beside the trained weight (g = weight · scale, the weight starting at 1).
 
 Layouts: v (B, H, T, d) -> β, log α (B, H, T); o (B, H, T, dv) -> (B, H, T, dv).
 """
@@ -56,10 +61,13 @@ class DeltaGates(nn.Module):
         self.gate_weight = nn.Parameter(torch.zeros(num_heads, head_dim, head_dim))
         self.gate_bias = nn.Parameter(torch.zeros(num_heads, head_dim))
         self.norm_weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        # the gain's scale, set once from data (DeltaFeatureMap.calibrate_): training moves norm_weight
+        # around 1, so an Adam step changes the gain by a share, whatever its scale
+        self.register_buffer("norm_scale", torch.ones(num_heads, head_dim))
 
     def forward(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """v (B, H, T, d) -> (log α, β), each (B, H, T), in float32 (or v's wider dtype)."""
-        x = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+        x = (v.float() if v.dtype in (torch.float16, torch.bfloat16) else v) * v.shape[-1] ** -0.5
         beta = torch.sigmoid(torch.einsum("bhtd,hd->bht", x, self.beta_weight.to(x.dtype))
                              + self.beta_bias.to(x.dtype)[:, None])
         log_alpha = -nn.functional.softplus(torch.einsum("bhtd,hd->bht", x, self.decay_weight.to(x.dtype))
@@ -69,11 +77,11 @@ class DeltaGates(nn.Module):
     def output(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """RMSNorm(o) ⊙ g ⊙ 2σ(W_g v + b_g): o (B, H, T, dv) the state's read, v the same tokens' values."""
         o = o.float() if o.dtype in (torch.float16, torch.bfloat16) else o
-        x = v.to(o.dtype)
+        x = v.to(o.dtype) * v.shape[-1] ** -0.5
         gate = 2 * torch.sigmoid(torch.einsum("bhtd,hde->bhte", x, self.gate_weight.to(o.dtype))
                                  + self.gate_bias.to(o.dtype)[:, None])
         scale = o.pow(2).mean(-1, keepdim=True).add(NORM_EPS).rsqrt()
-        return o * scale * self.norm_weight.to(o.dtype)[:, None] * gate
+        return o * scale * (self.norm_weight * self.norm_scale).to(o.dtype)[:, None] * gate
 
 
 class DeltaFeatureMap(nn.Module):
@@ -140,14 +148,15 @@ class DeltaFeatureMap(nn.Module):
         """Set the gain g (H, dv) once, to the least-squares fit of this batch's teacher attention output
         y (B, H, T, dv): the output is a + g·b per head and channel (a the exact part of a hybrid, 0
         when pure), so g = Σ (y − a)·b / Σ b² over batch and time. ``attend``: :meth:`attend`'s options."""
-        gain = self.gates.norm_weight
-        start = gain.detach().clone()
-        gain.zero_()
+        weight, scale = self.gates.norm_weight, self.gates.norm_scale
+        start = (weight * scale).detach()
+        weight.fill_(1.0)
+        scale.zero_()
         base = self.attend(q, k, v, **attend)[0].float()
-        gain.fill_(1.0)
+        scale.fill_(1.0)
         unit = self.attend(q, k, v, **attend)[0].float() - base
         num, den = ((y.float() - base) * unit).sum((0, 2)), unit.pow(2).sum((0, 2))
-        gain.copy_(torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), start).to(gain.dtype))
+        scale.copy_(torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), start).to(scale.dtype))
         self.calibrated.fill_(True)
 
     def extra_repr(self) -> str:
