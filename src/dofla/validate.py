@@ -115,9 +115,9 @@ def _validate_attention(cfg: RunConfig) -> None:
     if a.name in ("hybrid", "sliding_window"):
         require(a.window >= 1, f"attention={a.name} needs attention.window ≥ 1 (the exact softmax window), "
                                 f"got {a.window}")
-    require(a.sinks == 0 or a.name != "linear" or a.window > 0,
-             f"attention.sinks={a.sinks} needs attention=hybrid or attention=sliding_window (pure linear "
-             "attention has no exact part to keep sinks in)")
+    require(a.sinks == 0 or a.name not in ("linear", "gated_delta") or a.window > 0,
+             f"attention.sinks={a.sinks} needs an exact part to keep sinks in: attention=hybrid, sliding_window, or "
+             "gated_delta with attention.window > 0")
     k = cfg.allocation.softmax_layers
     require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
     positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)

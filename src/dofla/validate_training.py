@@ -21,6 +21,7 @@ def one_of(key: str, value, valid) -> None:
 def validate_training(cfg: RunConfig) -> None:
     _validate_distill(cfg)
     _validate_hybrid_training(cfg)
+    _validate_delta(cfg)
     _validate_gate(cfg)
     _validate_linear_scale(cfg)
     _validate_compile(cfg)
@@ -69,9 +70,29 @@ def _validate_gate(cfg: RunConfig) -> None:
 
 
 def _has_hybrid_layers(cfg: RunConfig) -> bool:
-    """attention=hybrid, or linear with a window (what it meant before ``attention.name`` existed)."""
+    """attention=hybrid, or linear with a window (what it meant before ``attention.name`` existed), or
+    gated_delta with a window (the hybrid whose older tokens live in a delta state)."""
     a = cfg.attention
-    return a.name == "hybrid" or (a.name == "linear" and a.window > 0)
+    return a.name == "hybrid" or (a.name in ("linear", "gated_delta") and a.window > 0)
+
+
+DELTA_LOSSES = ("output", "direct")
+
+
+def _validate_delta(cfg: RunConfig) -> None:
+    """attention=gated_delta: what it trains with and what it does not take."""
+    a = cfg.attention
+    if a.name != "gated_delta":
+        return
+    require(cfg.loss.name in DELTA_LOSSES, f"loss={cfg.loss.name} compares attention kernels, and a gated-delta "
+            "layer has no normalised kernel to compare (its read is a decayed, overwritten state); use loss=output "
+            "(its attention output against the teacher's) or loss=direct")
+    require(cfg.allocation.policy != "dof_head", "allocation.policy=dof_head gives heads their own feature dims, "
+            "and a gated-delta layer runs its heads batched with one dim; use dof, dof_clip, fix, fix_max or measured")
+    require(a.linear_scale == "fixed", f"attention.linear_scale={a.linear_scale} weighs an additive linear part; "
+            "a gated-delta layer weighs its older tokens by their kernel mass, set attention.linear_scale=fixed")
+    require(not cfg.train.compile, "train.compile compiles the additive kernels' losses and has not been made "
+            "to compile the delta rule; unset train.compile with attention=gated_delta")
 
 
 def _validate_linear_scale(cfg: RunConfig) -> None:

@@ -1,4 +1,12 @@
 """Attention kernels: quadratic references (naive) and the linear-time forms (chunked, recurrent)."""
+from dofla.attention.delta import (
+    DeltaState,
+    delta_rule_chunked,
+    delta_rule_naive,
+    delta_rule_recurrent,
+    unit_features,
+)
+from dofla.attention.delta_backend import delta_rule
 from dofla.attention.hybrid import HybridState, hybrid_attention_chunked, hybrid_attention_naive
 from dofla.attention.linear import LinearState, linear_attention_chunked, linear_attention_recurrent
 from dofla.attention.naive import (
@@ -11,10 +19,16 @@ from dofla.attention.naive import (
 from dofla.attention.stable import causal_log_kernel, stable_block
 
 # What replaces softmax in a student's global layers (dofla.models.convert, config attention.name)
-ATTENTION_FORMS = ("linear", "hybrid", "sliding_window")
+# gated_delta: the gated delta rule (pure with window 0, the hybrid's older part with a window)
+ATTENTION_FORMS = ("linear", "hybrid", "sliding_window", "gated_delta")
 
 __all__ = [
     "ATTENTION_FORMS",
+    "DeltaState",
+    "delta_rule",
+    "delta_rule_chunked",
+    "delta_rule_naive",
+    "delta_rule_recurrent",
     "HybridState",
     "hybrid_attention_chunked",
     "hybrid_attention_naive",
@@ -28,4 +42,5 @@ __all__ = [
     "causal_log_kernel",
     "stable_block",
     "softmax_attention",
+    "unit_features",
 ]

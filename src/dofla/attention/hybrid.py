@@ -18,6 +18,11 @@ attention; the exact part does not decay. Decoding keeps the last W keys/values 
 state of the older tokens and the sinks: memory O(sinks + W + M·dv) per head, not O(T). The linear
 part's row scale uses only keys that have left the row's window (:mod:`dofla.attention.stable`).
 
+A ``far`` reader (:mod:`dofla.attention.delta_hybrid`) replaces the older keys' numerator: the
+linear part then keeps only its mass Σ_older K̂_ij (a state of M numbers per head), and the older
+tokens' output is the reader's, weighted by that mass:
+y_i = (Σ_exact e^{s_ij} v_j + Σ_older K̂_ij · ô_i) / (Σ_exact e^{s_ij} + Σ_older K̂_ij).
+
 Layouts: q, k (B, H, T, d) with q scaled so the kernel is exp(q·k/sqrt(d)); v (B, H, T, dv);
 log_q, log_k (B, H, T, M) feature-map log features. Keys/values already expanded to H heads.
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dofla.attention.delta import DeltaState
 from dofla.attention.linear import LinearState, carry_decay, chunk_step
 from dofla.attention.naive import log_kernel_matrix, masked_softmax
 from dofla.attention.stable import widened
@@ -45,7 +51,7 @@ class HybridState:
     ``sinks_held`` (a host-side bool): every row holds all its sinks, so none can be in the window any
     more and the steps skip the sink bookkeeping without asking the device. ``decay`` (B, H, n): the
     gate's log decays at the window's positions (None: ungated so far); the linear state is decayed
-    up to the last position seen.
+    up to the last position seen. ``delta``: a ``far`` reader's state (None: none, or empty so far).
     """
 
     linear: LinearState
@@ -59,6 +65,7 @@ class HybridState:
     is_sink: torch.Tensor
     sinks_held: bool = False
     decay: torch.Tensor | None = None
+    delta: DeltaState | None = None
 
     @property
     def length(self) -> int:
@@ -70,11 +77,14 @@ class HybridState:
     def index_select(self, index: torch.Tensor) -> "HybridState":
         pick = lambda t: t.index_select(0, index.to(t.device))  # noqa: E731
         decay = None if self.decay is None else pick(self.decay)
-        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()), self.sinks_held, decay)
+        delta = None if self.delta is None else self.delta.index_select(index)
+        return HybridState(self.linear.index_select(index), *(pick(t) for t in self._tensors()), self.sinks_held, decay,
+                           delta)
 
     def nbytes(self) -> int:
         extra = () if self.decay is None else (self.decay,)
-        return self.linear.nbytes() + sum(t.numel() * t.element_size() for t in self._tensors() + extra)
+        delta = 0 if self.delta is None else self.delta.nbytes()
+        return self.linear.nbytes() + delta + sum(t.numel() * t.element_size() for t in self._tensors() + extra)
 
 
 def _exact_mask(queries: int, keys: int, window: int, sink: torch.Tensor, device) -> torch.Tensor:
@@ -130,9 +140,9 @@ def hybrid_attention_naive(
     return masked_softmax(scores).to(v.dtype) @ v
 
 
-def _empty_state(q, v, log_k, dtype) -> HybridState:
+def _empty_state(q, v, log_k, dtype, mass_only: bool = False) -> HybridState:
     b, h, _, m = log_k.shape
-    linear = LinearState.zeros(b, h, m, v.shape[-1], dtype, v.device)
+    linear = LinearState.zeros(b, h, m, 0 if mass_only else v.shape[-1], dtype, v.device)
     empty = lambda last: q.new_zeros(b, h, 0, last, dtype=dtype)  # noqa: E731
     none = torch.zeros(b, 0, dtype=torch.bool, device=q.device)
     return HybridState(linear, empty(q.shape[-1]), empty(v.shape[-1]), empty(m), none,
@@ -167,8 +177,12 @@ def _gate_shift(state: HybridState, log_decay: torch.Tensor):
     return (cumulative - cumulative[..., n_b - 1:n_b] if n_b else cumulative), decays
 
 
-def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None, log_decay=None):
-    """New tokens (C of them) against [sinks ; window buffer ; new tokens]; returns (out, new state)."""
+def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None, log_decay=None,
+          far=None):
+    """New tokens (C of them) against [sinks ; window buffer ; new tokens]; returns (out, new state).
+    ``far(log_q, v, log_k, v_leaving, keep, delta state) -> (ô (B, H, C, dv), delta state)`` reads the
+    older tokens instead of the linear numerator (module docstring); log_k, v_leaving (B, H, L, ·) are
+    the keys leaving the window, in order, keep (B, L) which of them are neither pads nor sinks."""
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
     ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v), (state.log_k, log_k)))
     ctx_valid = torch.cat([state.valid, valid], dim=1)  # (B, n_b + C)
@@ -179,7 +193,12 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     lin_ok = ctx_valid[:, :leave] & ~ctx_sink[:, :leave]  # a sink stays exact, never linear
     first_sees = min(max(n_b - window + 1, 0), leave) > 0  # limit[0] > 0, known without the device
     shift, decays = (None, None) if log_decay is None else _gate_shift(state, log_decay)
-    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state, limit, first_sees, shift)
+    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v if far is None else ctx_v[..., :0], lin_ok, state, limit,
+                                    first_sees, shift)
+    delta = state.delta
+    if far is not None:  # the far reader's output, weighted by the older keys' mass (total is that mass)
+        read, delta = far(log_q, v, ctx_lk[:, :, :leave], ctx_v[:, :, :leave], lin_ok, delta)
+        total = torch.cat([total * read.to(total.dtype), total], dim=-1)
 
     exact = _exact_mask(c, n_b + c, window, ctx_sink, q.device) & ctx_valid[:, None, :]
     keys, vals = ctx_k, ctx_v
@@ -201,7 +220,7 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     if sinks and leave and not done:  # the bookkeeping reads the host: only while a sink can still leave
         held, done = _hold_sinks(state, ctx_k[:, :, :leave], ctx_v[:, :, :leave], ctx_sink[:, :leave], sinks)
     new = HybridState(linear, ctx_k[:, :, leave:], ctx_v[:, :, leave:], ctx_lk[:, :, leave:], ctx_valid[:, leave:],
-                      *held, ctx_sink[:, leave:], done, None if decays is None else decays[:, :, leave:])
+                      *held, ctx_sink[:, leave:], done, None if decays is None else decays[:, :, leave:], delta)
     return out, new
 
 
@@ -236,7 +255,7 @@ def _scatter_slots(buffer, slot, x, size: int) -> torch.Tensor:
 def hybrid_attention_chunked(
     q, k, v, log_q, log_k, window: int, chunk_size: int | None = None, state: HybridState | None = None,
     *, sinks: int = 0, key_valid: torch.Tensor | None = None, softcap: float | None = None,
-    log_decay: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None, far=None,
 ) -> tuple[torch.Tensor, HybridState]:
     """Hybrid attention in chunks (default chunk = window); continues from ``state``.
 
@@ -245,6 +264,7 @@ def hybrid_attention_chunked(
     tokens' real keys (False = padding); a row that sees no valid key outputs 0. ``softcap``
     caps the exact part's logits as the teacher does (Gemma 2); None = no capping. ``log_decay``
     (B, H, T) ≤ 0: the gate (module docstring; a pad does not decay the state); None = ungated.
+    ``far``: a reader of the older tokens (module docstring, :func:`_step`); None = linear attention.
     """
     if window < 1:
         raise ValueError(f"window must be ≥ 1 for hybrid attention, got {window}")
@@ -263,14 +283,14 @@ def hybrid_attention_chunked(
         if log_decay.shape != q.shape[:3]:
             raise ValueError(f"log_decay must be (B, H, T) = {tuple(q.shape[:3])}; got {tuple(log_decay.shape)}")
         log_decay = log_decay.to(dtype).masked_fill(~key_valid.to(torch.bool)[:, None, :], 0.0)
-    state = _cast(state, dtype) if state is not None else _empty_state(q, v, log_k, dtype)
+    state = _cast(state, dtype) if state is not None else _empty_state(q, v, log_k, dtype, far is not None)
     chunk = chunk_size or window
     outs = []
     for start in range(0, t, chunk):
         sl = slice(start, start + chunk)
         out, state = _step(q[:, :, sl], k[:, :, sl], v[:, :, sl], log_q[:, :, sl], log_k[:, :, sl],
                            key_valid[:, sl].to(torch.bool), state, window, sinks, softcap,
-                           None if log_decay is None else log_decay[:, :, sl])
+                           None if log_decay is None else log_decay[:, :, sl], far)
         outs.append(out)
     if not outs:
         return v.new_zeros(v.shape).to(out_dtype), state
@@ -281,4 +301,4 @@ def _cast(state: HybridState, dtype: torch.dtype) -> HybridState:
     f = lambda t: t.to(dtype)  # noqa: E731
     return HybridState(state.linear.to(dtype), f(state.k), f(state.v), f(state.log_k), state.valid,
                        f(state.sink_k), f(state.sink_v), state.sink_valid, state.is_sink, state.sinks_held,
-                       None if state.decay is None else f(state.decay))
+                       None if state.decay is None else f(state.decay), None if state.delta is None else state.delta.to(dtype))

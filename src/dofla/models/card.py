@@ -86,8 +86,11 @@ def _attention(spec: dict) -> str:
         gate += ", weighted against the window by a learned per-head scale"
     if attention == "linear":
         return ("linear (every global layer)" if not kept else "linear") + gate + exact
+    if attention == "gated_delta" and not spec.get("window"):
+        return "gated delta rule (every global layer)" + exact
     return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (
-        ", linear attention before" + gate if attention == "hybrid" else "") + exact
+        ", linear attention before" + gate if attention == "hybrid" else
+        ", a gated-delta state before" if attention == "gated_delta" else "") + exact
 
 
 def _dims(dims: list) -> str:

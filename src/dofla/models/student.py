@@ -8,7 +8,7 @@ softmax reference, which keeps its keys/values like the teacher's own cache).
 
 What each layer becomes:
 
-- the requested ``attention`` ("linear", "hybrid" or "sliding_window"), or the exact softmax
+- the requested ``attention`` ("linear", "hybrid", "sliding_window" or "gated_delta"), or the exact softmax
   reference for ``feature_map="softmax"``;
 - except teacher layers that already use a sliding window (``geometry.layer_windows[i]`` = W,
   e.g. Gemma 2's local layers, Mistral): they become exact sliding-window softmax with window W,
@@ -29,6 +29,7 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
 from dofla.attention.gate import build_gate
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
@@ -195,6 +196,10 @@ def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int
         spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
         seed=spec.seed + i, **spec.feature_map_options,
     )
+    if spec.attention == "gated_delta":  # the feature map and the gates, trained and saved together
+        feature_map = DeltaFeatureMap(feature_map, DeltaGates(geometry.num_heads, geometry.head_dim))
+        return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
+                                softcap if spec.window > 0 else None)
     return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
                             softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]),
                             learned_scale=spec.linear_scale == "learned")
@@ -226,6 +231,9 @@ def convert(
       linear attention before.
     - ``"sliding_window"``: exact softmax over the first ``sinks`` valid tokens and the last
       ``window`` tokens, training-free; ``feature_map`` and ``dims`` are ignored.
+    - ``"gated_delta"``: the gated delta rule with ``feature_map``'s features of ``dims`` (one int
+      per layer: the state is dims[i]×head_dim per head) and its own gates; with a ``window`` > 0 the
+      hybrid whose older tokens live in the delta state (dofla.attention.delta_hybrid).
 
     ``feature_map="softmax"`` swaps in the exact softmax reference instead (no window, no sinks);
     ``softmax_layers`` keeps the listed layers of a linear, hybrid or sliding-window student exact (they

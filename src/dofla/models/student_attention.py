@@ -3,10 +3,13 @@
 Hugging Face attention modules (GPT-2, GPT-NeoX, Llama, ...) form post-RoPE q, k, v themselves and
 then call the function registered under ``config._attn_implementation``. dofla registers
 ``dofla_linear``: it looks up the :class:`StudentAttention` attached to the calling module as
-``module.dofla`` and runs it there. A layer has one of four modes:
+``module.dofla`` and runs it there. A layer has one of five modes:
 
 - ``linear``: the paper's linear attention (a feature map, fixed-size state);
-- ``hybrid``: exact softmax over the last ``window`` tokens (+ ``sinks``), linear before;
+- ``gated_delta``: the gated delta rule (:mod:`dofla.attention.delta`; a feature map and gates,
+  :class:`~dofla.attention.delta_gates.DeltaFeatureMap`, state M×dv per head);
+- ``hybrid``: exact softmax over the last ``window`` tokens (+ ``sinks``), linear attention (or,
+  with a delta feature map, a delta state, :mod:`dofla.attention.delta_hybrid`) before;
 - ``sliding_window``: exact softmax over the first ``sinks`` valid tokens and the last ``window``
   positions, nothing else (training-free; state O(sinks + window));
 - ``softmax``: the exact reference. Its cache layer keeps every key/value (memory grows, it is
@@ -38,6 +41,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dofla.attention import (
+    DeltaState,
     HybridState,
     LinearState,
     hybrid_attention_chunked,
@@ -45,12 +49,13 @@ from dofla.attention import (
     linear_attention_recurrent,
     softmax_attention,
 )
+from dofla.attention.delta_gates import is_delta
 from dofla.attention.sliding import SlidingState, sliding_window_chunked
 from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
 from dofla.feature_maps.blocks import BlockState, for_each_block
 
 ATTN_IMPLEMENTATION = "dofla_linear"
-State = LinearState | HybridState | BlockState | SlidingState
+State = LinearState | HybridState | BlockState | SlidingState | DeltaState
 
 
 class StudentAttention(nn.Module):
@@ -58,7 +63,8 @@ class StudentAttention(nn.Module):
 
     ``feature_map`` None and ``window`` 0 is the softmax reference; None and ``window`` > 0 the
     sliding-window + ``sinks`` attention; a feature map with ``window`` > 0 is hybrid, without it
-    linear. A :class:`HeadBlockFeatureMap` gives heads their own feature dims. ``softcap`` (Gemma 2)
+    linear (gated delta for a :class:`~dofla.attention.delta_gates.DeltaFeatureMap`, which holds its gates).
+    A :class:`HeadBlockFeatureMap` gives heads their own feature dims. ``softcap`` (Gemma 2)
     caps the exact softmax scores of the softmax and sliding modes.
     """
 
@@ -76,9 +82,9 @@ class StudentAttention(nn.Module):
         learned_scale: bool = False,
     ):
         super().__init__()
-        if gate is not None and feature_map is None:
-            raise ValueError("a decay gate decays a linear state: it needs a linear or hybrid layer (a feature map); "
-                             "drop the gate")
+        if gate is not None and (feature_map is None or is_delta(feature_map)):
+            raise ValueError("a scalar decay gate decays an additive linear state: it needs a linear or hybrid layer "
+                             "(a feature map, not a gated-delta layer, which has its own gates); drop the gate")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -88,7 +94,7 @@ class StudentAttention(nn.Module):
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
         self.gate = gate  # linear and hybrid: a per-head decay of the linear state (dofla.attention.gate), or None
-        if learned_scale and (feature_map is None or window < 1):
+        if learned_scale and (feature_map is None or window < 1 or is_delta(feature_map)):
             raise ValueError("a learned linear scale weighs a hybrid's linear part against its exact window; this "
                              "layer has none (in pure linear attention a per-head scale cancels): drop it")
         # hybrid: per-head log scale β_h of the linear kernel (e^β K̂ against the window's e^{q·k/√d}), from 0
@@ -101,7 +107,9 @@ class StudentAttention(nn.Module):
     def mode(self) -> str:
         if self.feature_map is None:
             return "softmax" if self.window == 0 else "sliding_window"
-        return "linear" if self.window == 0 else "hybrid"
+        if self.window > 0:
+            return "hybrid"
+        return "gated_delta" if is_delta(self.feature_map) else "linear"
 
     @property
     def num_features(self) -> float:
@@ -127,6 +135,9 @@ class StudentAttention(nn.Module):
         if self.mode == "sliding_window":
             return sliding_window_chunked(q, k, v, self.window, self.sinks, self.chunk_size, state,
                                           key_valid=key_valid, softcap=softcap)
+        if is_delta(self.feature_map):  # its gates read v; the hybrid's exact part is the teacher's (capped) softmax
+            return self.feature_map.attend(q, k, v, state, key_valid=key_valid, window=self.window, sinks=self.sinks,
+                                           softcap=softcap if self.window > 0 else None, chunk_size=self.chunk_size)
         attend = functools.partial(self._attend, key_valid=key_valid)
         log_decay = None if self.gate is None else self.gate(v)
         scale = None if self.linear_log_scale is None else self.linear_log_scale.expand(q.shape[0], -1)

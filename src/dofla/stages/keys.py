@@ -121,6 +121,8 @@ def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
             "format": ARTIFACT_FORMAT}
     if sinks != LEGACY_VALUES[("attention", "sinks")]:
         meta["sinks"] = sinks
+    if cfg.attention.name == "gated_delta":  # its layers hold gates too: never shared with linear layers
+        meta["attention"] = "gated_delta"
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
         meta["stream"] = {"data": section(cfg, "data", legacy=True)}
     return with_precision(meta, cfg)

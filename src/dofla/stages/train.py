@@ -56,14 +56,20 @@ def linear_layers(cfg: RunConfig, geometry) -> list[int]:
 
 
 def build_feature_maps(cfg: RunConfig, geometry, dims: list) -> list:
-    """One fresh feature map per layer (seeded by layer); None for a layer without features (dim 0)."""
+    """One fresh feature map per layer (seeded by layer); None for a layer without features (dim 0).
+    A gated-delta layer's is its feature map with its gates (they train and are saved together)."""
+    from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
     from dofla.feature_maps import build_layer_feature_map
 
-    return [
+    maps = [
         None if m == 0 else build_layer_feature_map(cfg.feature_map.name, geometry.num_heads, geometry.head_dim,
                                                     m, seed=cfg.seed + i, **cfg.feature_map.options)
         for i, m in enumerate(dims)
     ]
+    if cfg.attention.name != "gated_delta":
+        return maps
+    return [None if fm is None else DeltaFeatureMap(fm, DeltaGates(geometry.num_heads, geometry.head_dim))
+            for fm in maps]
 
 
 def layer_train_config(cfg: RunConfig):

@@ -193,18 +193,26 @@ def _on_graph(loss: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return loss + 0.0 * log_q.sum() if log_q.requires_grad and not loss.requires_grad else loss
 
 
-def output_error(log_q, log_k, q, k, v, window: int, sinks: int, softcap) -> torch.Tensor:
+@torch.no_grad()
+def teacher_output(q, k, v, softcap=None) -> torch.Tensor:
+    """The teacher's causal attention output (B, H, L, dv) at ≥ fp32: fused, or with ``softcap`` the
+    capped softmax."""
+    if softcap is None:
+        return widened(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    s = exact_logits(q, k, softcap)
+    return widened(torch.softmax(s.masked_fill(hidden(s), float("-inf")), -1) @ v)
+
+
+def output_error(log_q, log_k, q, k, v, window: int, sinks: int, softcap, student=None) -> torch.Tensor:
     """The ``output`` loss of a causal layer, Σ‖y − ŷ‖² / Σ‖y‖²: ŷ from the student's chunked
-    kernel (linear, or hybrid with its window and sinks), y from the teacher's fused causal
-    attention (``scaled_dot_product_attention``; with ``softcap`` its capped softmax, no graph)."""
+    kernel (linear, or hybrid with its window and sinks; ``student``: a gated-delta layer's own
+    attention), y from the teacher's fused causal attention (``scaled_dot_product_attention``; with
+    ``softcap`` its capped softmax, no graph)."""
     check_softcap(softcap)
-    with torch.no_grad():
-        if softcap is None:
-            y = widened(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-        else:
-            s = exact_logits(q, k, softcap)
-            y = widened(torch.softmax(s.masked_fill(hidden(s), float("-inf")), -1) @ v)
-    if window > 0:
+    y = teacher_output(q, k, v, softcap)
+    if student is not None:
+        y_hat, _ = student.attend(q, k, v, log_q=log_q, log_k=log_k, window=window, sinks=sinks, softcap=softcap)
+    elif window > 0:
         y_hat, _ = hybrid_attention_chunked(q, k, v, log_q, log_k, window, sinks=sinks, softcap=softcap)
     else:
         y_hat, _ = linear_attention_chunked(log_q, log_k, v)

@@ -22,6 +22,7 @@ from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.attention.stable import widened
 from dofla.precision import autocast
 from dofla.train.live import Live, Log, latest
+from dofla.train.causal_losses import teacher_output
 from dofla.train.losses import LOSSES, compiled_loss
 from dofla.train.step import Accumulator, lr_factor, micro_batches
 
@@ -127,6 +128,11 @@ def _block_losses(feature_map, q, k, v, cfg: LayerTrainConfig, loss_fn, values: 
             extra["softcap"] = cfg.softcap
         if values:
             extra["v"] = v if heads is None else v[:, heads]
+        if getattr(block, "delta", False):  # a gated-delta layer: the output loss runs its own attention
+            extra["student"] = block
+            if not block.calibrated:  # its output gain starts from the first batch (DeltaFeatureMap.calibrate_)
+                block.calibrate_(qb, kb, extra["v"], teacher_output(qb, kb, extra["v"], cfg.softcap), window=cfg.window,
+                                 sinks=cfg.sinks, softcap=cfg.softcap)
         loss = loss_fn(widened(block.log_features(qb)), widened(block.log_features(kb)), qb, kb, window=cfg.window,
                        **extra, **cfg.loss_options)
         total = total + loss * (qb.shape[1] / q.shape[1])

@@ -223,7 +223,7 @@ def _l2_rows(log_q, log_k, s, causal, window, sinks) -> torch.Tensor:
 
 @LOSSES.register("output")
 def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: torch.Tensor | None = None,
-                sinks: int = 0, softcap: float | None = None) -> torch.Tensor:
+                sinks: int = 0, softcap: float | None = None, student=None) -> torch.Tensor:
     """Relative squared error of the attention output, Σ‖y − ŷ‖² / Σ‖y‖² over the batch (LoLCATs'
     attention-transfer MSE, scaled so layers compare; its square root is the attention error).
 
@@ -233,12 +233,14 @@ def output_loss(log_q, log_k, q, k, causal: bool = True, window: int = 0, *, v: 
     rewards the student's rows only through what they change in the output: a hybrid's linear part
     learns to stay small where the window already carries the output. A causal layer's ŷ comes
     from its own chunked kernel and y from fused attention (:mod:`dofla.train.causal_losses`).
+    ``student``: a gated-delta layer's :class:`~dofla.attention.delta_gates.DeltaFeatureMap`, whose
+    own attention (delta rule, gates, normalisation) gives ŷ; causal only.
     """
     if v is None:
         raise ValueError("loss 'output' compares attention outputs and needs the teacher's values v")
     _check_sinks(window, sinks)
-    if causal:
-        return causal_losses.output_error(log_q, log_k, q, k, v, window, sinks, softcap)
+    if causal or student is not None:
+        return causal_losses.output_error(log_q, log_k, q, k, v, window, sinks, softcap, student)
     return output_dense(log_q, log_k, q, k, v, causal, window, sinks, softcap)
 
 
