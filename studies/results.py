@@ -104,6 +104,8 @@ HEADLINE = (  # (label, preset), in the order of the tables
     ("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"),
     ("hybrid: window + sinks + gated Hedgehog", "hybrid_text"),
     ("recall hybrid: + 6 exact copying layers", "hybrid_recall"),
+    ("pure linear: gated delta rule", "linear_delta_kl"),
+    ("hybrid: window + sinks + gated delta", "hybrid_delta"),
 )
 COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the same))
     ("hybrid − window + sinks, held-out loss (nats)", "hybrid_text", "window_sinks_kl", "heldout/student", None),
@@ -117,6 +119,15 @@ COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the 
     ("recall hybrid − hybrid, passkey @ 1K (share of prompts)", "hybrid_recall", "hybrid_text",
      "passkey/student/T1024", None),
     ("pure linear − window + sinks, held-out loss", "linear_hedgehog_kl", "window_sinks_kl", "heldout/student", None),
+    ("gated delta − additive (Hedgehog + gate), held-out loss", "linear_delta_kl", "linear_hedgehog_kl",
+     "heldout/student", None),
+    ("gated delta − additive, loss at positions 1,024–2,047", "linear_delta_kl", "linear_hedgehog_kl",
+     "position/student/1024-2048", None),
+    ("gated delta − additive, passkey @ 1K (share of prompts)", "linear_delta_kl", "linear_hedgehog_kl",
+     "passkey/student/T1024", None),
+    ("delta hybrid − additive hybrid, held-out loss", "hybrid_delta", "hybrid_text", "heldout/student", None),
+    ("delta hybrid − window + sinks, loss at positions 1,024–2,047", "hybrid_delta", "window_sinks_kl",
+     "position/student/1024-2048", None),
 )
 MAIN_HEADER = ["student", "preset", "runs", "held-out ppl", "× teacher", "loss − teacher (nats)",
                "at positions 1,024–2,047", "passkey @ 1K", "passkey @ 2K"]
