@@ -15,6 +15,18 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # Every test runs offline as far as trackers and tokenizer threads go; the subprocesses the tests
 # start inherit this environment. Tests that need the hub offline set their own caches as well.
+# Folders under a cache root that are not activation caches: the prepared corpus and the store of the
+# teacher's measurements that every run on the same held-out text shares.
+SHARED_CACHE_FOLDERS = ("prepared", "teacher_scores")
+
+
+def activation_caches(root: Path) -> list[Path]:
+    """The activation caches under a cache root (one folder per cache key)."""
+    if not root.exists():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and p.name not in SHARED_CACHE_FOLDERS]
+
+
 OFFLINE_ENVIRONMENT = {"WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 

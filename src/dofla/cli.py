@@ -82,6 +82,7 @@ def main() -> None:
 REPORT_TABLES = {  # dofla-report --table NAME: a table module with main(argv)
     "hybrid": "dofla.report.hybrid_table",  # trained hybrids over seeds against a training-free baseline
     "tokens": "dofla.report.tokens",  # quality against distillation tokens, over seeds, with plots
+    "frontier": "dofla.report.frontier",  # held-out loss and passkey against decode memory, one point per student
 }
 
 
@@ -93,6 +94,8 @@ def report_main(argv: list[str] | None = None) -> None:
     from dofla.report import write_report
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--frontier"]:  # the frontier is one of the tables; --frontier is its short form
+        argv = ["--table", "frontier", *argv[1:]]
     if argv[:1] == ["--table"] or (argv and argv[0].startswith("--table=")):
         name = argv[1] if argv[0] == "--table" and len(argv) > 1 else argv[0].partition("=")[2]
         if name not in REPORT_TABLES:

@@ -225,6 +225,7 @@ class EvalConfig:
     long_seq_len: Optional[int] = None  # None: data.seq_len
     passkey_lengths: List[int] = field(default_factory=list)  # passkey probe lengths: accuracy and answer NLL
     passkey_trials: int = 4
+    memory_contexts: List[int] = field(default_factory=list)  # decode memory per sequence at these context lengths
     passkey_seed: Optional[int] = None  # seed of the passkey prompts (None: the run's seed); fixed: the same prompts in every run
 
 

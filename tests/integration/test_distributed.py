@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import activation_caches
 from tests.integration.test_pipeline import run_cli
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -41,7 +42,7 @@ def _both(tmp_path, *args: str):
 
 
 def _cache_arrays(cache_root):
-    (cache,) = [p for p in cache_root.iterdir() if p.is_dir()]
+    (cache,) = activation_caches(cache_root)
     return {p.name: np.load(p) for p in sorted(cache.glob("*.npy"))}
 
 

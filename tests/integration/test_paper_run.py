@@ -11,7 +11,7 @@ import pytest
 
 from dofla.cli import prepare_main
 from tests.config.test_configs import PAPER
-from tests.conftest import write_local_tasks
+from tests.conftest import activation_caches, write_local_tasks
 from tests.integration.test_paper_grid import _variant
 from tests.integration.test_pipeline import run_cli
 
@@ -64,8 +64,7 @@ def test_the_paper_gpt2_experiment_runs_its_grid_from_prepared_data(tmp_path):
     assert len(rows) == 11 and all(row["finetuned/student/avg_acc"] for row in rows)  # the report's column
     assert len(list((tmp_path / "cache" / "teacher_scores").glob("teacher_finetuned-*.json"))) == 1
     # Algorithm 1's sample, drawn at random from the whole split, is the same for every cell: one cache
-    kept = ("prepared", "teacher_scores")
-    caches = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name not in kept]
+    caches = activation_caches(tmp_path / "cache")
     assert len(caches) == 1, caches
 
 

@@ -12,6 +12,7 @@ import torch
 
 from dofla.feature_maps import HeadBlockFeatureMap
 from dofla.models import load_student
+from tests.conftest import activation_caches
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,7 +54,7 @@ def test_two_job_multirun_shares_one_cache_and_reports(tmp_path):
     assert len(runs) == 2
     keys = {json.loads((r / "run.json").read_text())["cache_key"] for r in runs}
     assert len(keys) == 1
-    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert len(activation_caches(cache)) == 1
     report = (sweep / "report.md").read_text()
     assert "allocation" in report and report.count("\n| ") >= 3
     assert (sweep / "report.csv").exists() and (sweep / "dims.png").exists()
@@ -107,5 +108,5 @@ def test_sweep_through_joblib_launcher_builds_the_shared_cache_once(tmp_path):
                      "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
-    assert len(runs) == 2 and len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert len(runs) == 2 and len(activation_caches(cache)) == 1
     assert (sweep / "report.md").exists()

@@ -48,3 +48,17 @@ def test_the_headline_tables_build_from_the_presets_records(runs):
     for _, preset in results.HEADLINE:
         assert f"`{preset}`" in blocks[("headline", "main")]
     assert "hybrid − window + sinks, held-out loss (nats)" in blocks[("headline", "comparisons")]
+
+
+def test_the_frontier_puts_every_preset_against_its_decode_memory(runs, tmp_path):
+    from dofla.cli import report_main
+
+    report_main(["--frontier", str(runs / "runs"), "--out", str(tmp_path)])
+    table = (tmp_path / "frontier.md").read_text()
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()[4:]}
+    assert set(rows) == {"teacher", *PRESETS}
+    mib = {name: (float(r[-2]), float(r[-1].strip(" |"))) for name, r in rows.items()}
+    assert mib["teacher"][1] == pytest.approx(4 * mib["teacher"][0], rel=0.01)  # every key and value kept
+    assert mib["linear_hedgehog_kl"][0] == mib["linear_hedgehog_kl"][1]  # a fixed-size state
+    assert mib["hybrid_recall"][1] > mib["hybrid_recall"][0]  # its exact layer keeps every key

@@ -69,3 +69,23 @@ def load_record(directory: Path) -> RunRecord:
 def load_records(root: Path) -> list[RunRecord]:
     """Every record directly under ``root``, by name."""
     return [load_record(d) for d in sorted(Path(root).iterdir()) if (d / "run.json").is_file()]
+
+
+def run_record(run_dir: Path) -> RunRecord:
+    """A finished run directory read as its record would be (without writing one)."""
+    run_dir = Path(run_dir)
+    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence()
+    return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], read_json(run_dir / "metrics.json"),
+                     {k.removeprefix("seq/"): v for k, v in sequences.items()})
+
+
+def read_runs(paths: list[Path]) -> list[RunRecord]:
+    """Every run record and finished run directory at or below ``paths``."""
+    found = []
+    for path in map(Path, paths):
+        for run in sorted(p.parent for p in [path / "run.json", *path.rglob("*/run.json")] if p.is_file()):
+            if (run / "sequences.json").is_file():
+                found.append(load_record(run))
+            elif (run / "metrics.json").is_file():
+                found.append(run_record(run))
+    return found

@@ -181,6 +181,12 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
                                  lambda: probes.window_mass_metrics(cfg, teacher, heldout_tokens)))
     long = None
     for who, model in models:
+        if ev.memory_contexts:
+            from dofla.eval.memory import memory_metrics
+
+            metrics.update(store.get(f"memory/{who}", {"model": who_settings[who], "contexts": ev.memory_contexts},
+                                     lambda who=who, model=model: memory_metrics(who, model, ev.memory_contexts),
+                                     share=who == "teacher"))
         if ev.position_buckets:
             long = long if long is not None else probes.long_tokens(cfg, tokenizer, source or open_data(cfg)[1])
             settings = {"model": who_settings[who], "tokens": tokens_digest(long), "edges": ev.position_buckets}

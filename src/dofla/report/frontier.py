@@ -1,0 +1,113 @@
+"""``dofla-report --table frontier DIR...``: quality against decode memory, one point per student.
+
+Each student is a group of finished runs (run directories or run records) of one preset
+(``experiment``; else one attention form and allocation). Its point: the held-out loss over its runs
+and held-out sequences (mean and 95 % interval over both, :func:`dofla.report.crossed_interval`),
+passkey recall at each measured length, and the decode memory of one sequence at each context the
+runs measured (``eval.memory_contexts``: a layer kept exact grows with the context, a state does not).
+The teacher is a point too. Writes ``frontier.md`` and ``frontier.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from dofla.report.intervals import crossed_interval
+from dofla.report.records import RunRecord, read_runs
+
+MEMORY = re.compile(r"^memory/(teacher|student)/decode_mib/T(\d+)$")
+
+
+def student_label(record: RunRecord) -> str:
+    """A group's name: the preset, or the attention form, window, exact layers and allocation."""
+    if record.experiment:
+        return record.experiment
+    c = record.config
+    a, k = c["attention"], c["allocation"].get("softmax_layers", 0)
+    window = f" w{a['window']}+{a['sinks']}" if a.get("window") else ""
+    return f"{a['name']}{window}{f' {k} exact' if k else ''} {c['allocation']['policy']}"
+
+
+def point(name: str, runs: list[RunRecord], who: str) -> dict:
+    """One student's (or the teacher's) numbers over its runs."""
+    losses = torch.tensor([r.sequences[f"heldout/{who}"] for r in runs], dtype=torch.float64)
+    loss = crossed_interval(losses if who == "student" else losses[:1])
+    passkey = {int(k.rsplit("T", 1)[1]): sum(sum(r.sequences[k]) / len(r.sequences[k]) for r in runs) / len(runs)
+               for k in runs[0].sequences if k.startswith(f"passkey/{who}/T")}
+    memory = {int(m[2]): v for k, v in runs[0].metrics.items() if (m := MEMORY.match(k)) and m[1] == who}
+    return {"name": name, "runs": len(runs) if who == "student" else 0, "loss": loss, "passkey": passkey,
+            "memory": memory}
+
+
+def frontier_points(records: list[RunRecord]) -> list[dict]:
+    """The teacher's point, then each student's, by decode memory at the longest context."""
+    usable = [r for r in records if "heldout/student" in r.sequences]
+    if not usable:
+        raise SystemExit("no finished run with per-sequence held-out losses (eval_sequences.json) among the inputs")
+    groups: dict[str, list[RunRecord]] = {}
+    for record in sorted(usable, key=lambda r: r.seed):
+        groups.setdefault(student_label(record), []).append(record)
+    students = [point(name, runs, "student") for name, runs in groups.items()]
+    longest = max((max(p["memory"]) for p in students if p["memory"]), default=None)
+    students.sort(key=lambda p: p["memory"].get(longest, math.inf))
+    return [point("teacher", usable[:1], "teacher"), *students]
+
+
+def frontier_table(points: list[dict]) -> str:
+    contexts = sorted({c for p in points for c in p["memory"]})
+    lengths = sorted({n for p in points for n in p["passkey"]})
+    header = ["student", "runs", "held-out loss", "ppl", *[f"passkey @ {n}" for n in lengths],
+              *[f"decode MiB @ {c}" for c in contexts]]
+    rows = []
+    for p in points:
+        loss = p["loss"]
+        rows.append([p["name"], str(p["runs"] or "–"), str(loss), f"{math.exp(loss.mean):.2f}",
+                     *[f"{p['passkey'][n]:.2f}" if n in p["passkey"] else "–" for n in lengths],
+                     *[f"{p['memory'][c]:.1f}" if c in p["memory"] else "–" for c in contexts]])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def frontier_plot(points: list[dict], path: Path) -> Path:
+    """Held-out loss (top) and passkey recall (bottom) against decode memory, one column per context."""
+    from dofla.report.plot_common import plt
+
+    contexts = sorted({c for p in points for c in p["memory"]})
+    if not contexts:
+        raise SystemExit("the runs measured no decode memory: evaluate them with eval.memory_contexts=[2048,8192]")
+    fig, axes = plt.subplots(2, len(contexts), figsize=(5.2 * len(contexts), 7), squeeze=False)
+    for col, context in enumerate(contexts):
+        top, bottom = axes[0][col], axes[1][col]
+        for p in (p for p in points if context in p["memory"]):
+            x, loss = p["memory"][context], p["loss"]
+            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, label=p["name"])
+            top.annotate(p["name"], (x, loss.mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            for length, share in sorted(p["passkey"].items()):
+                bottom.scatter([x], [share], marker="os^v"[sorted(p["passkey"]).index(length) % 4], s=18)
+        for ax, label in ((top, "held-out loss (nats)"), (bottom, "passkey recall (○ shortest length)")):
+            ax.set_xscale("log")
+            ax.set_xlabel(f"decode memory per sequence at {context:,} tokens (MiB)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dofla-report --table frontier", description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="run directories, run records, or folders of them")
+    parser.add_argument("--out", type=Path, default=Path("."), help="where frontier.md and frontier.png go")
+    args = parser.parse_args(argv)
+    points = frontier_points(read_runs(args.paths))
+    table = frontier_table(points)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "frontier.md").write_text("# Quality against decode memory\n\n" + table)
+    frontier_plot(points, args.out / "frontier.png")
+    print(table, end="")
+    print(f"dofla-report: wrote {args.out / 'frontier.md'} and {args.out / 'frontier.png'}")
