@@ -183,3 +183,61 @@ def test_two_jobs_reading_the_same_text_compute_it_once(tmp_path):
         job.join(timeout=120)
     assert [job.exitcode for job in jobs] == [0, 0]
     assert log.read_text().count("row") == 6
+
+
+def stage_context(tmp_path, **distill):
+    """What the distill stage's cache needs of a run: its config and its teacher."""
+    from types import SimpleNamespace
+
+    from dofla.config import PathsConfig, RunConfig
+
+    cfg = RunConfig()
+    cfg.model = dataclasses.replace(cfg.model, source="tiny:llama")
+    cfg.paths = PathsConfig(cache_dir=str(tmp_path))
+    cfg.distill = dataclasses.replace(cfg.distill, name="kl", **distill)
+    return SimpleNamespace(cfg=cfg, teacher=build_tiny_model("llama", seed=0))
+
+
+@pytest.mark.parametrize("distill, says", [
+    ({"teacher_cache": "off"}, None),
+    ({"logit_chunk": 8}, "exact targets with distill.logit_chunk are never whole"),
+    ({"teacher_cache_gb": 1e-4}, "need 0.5 MiB, more than distill.teacher_cache_gb=0.0001"),
+])
+def test_the_stage_goes_without_the_cache_when_off_chunked_exact_or_too_large_saying_why(tmp_path, capsys, distill,
+                                                                                          says):
+    from dofla.stages.distill import teacher_logit_cache
+
+    ctx = stage_context(tmp_path, **distill)
+    s = dataclasses.replace(SCHEDULE, logit_chunk=ctx.cfg.distill.logit_chunk)
+    assert teacher_logit_cache(ctx, s, 64, 8) is None
+    out = capsys.readouterr().out
+    assert (says in out) if says else out == ""
+
+
+def test_the_stage_cache_is_keyed_by_teacher_precision_format_and_temperature(tmp_path):
+    from dofla.stages.distill import teacher_logit_cache
+
+    def namespace(**distill):
+        ctx = stage_context(tmp_path, **distill)
+        return teacher_logit_cache(ctx, dataclasses.replace(SCHEDULE, teacher_topk=ctx.cfg.distill.teacher_topk),
+                                   64, 8)
+
+    exact, top = namespace(), namespace(teacher_topk=8)
+    assert exact.dir.parent == tmp_path / "teacher_logits" and exact.fields["format"] == "exact"
+    assert "temperature" not in exact.fields  # exact logits are the same at any temperature
+    assert namespace(temperature=2.0).dir == exact.dir
+    assert len({exact.dir, top.dir, namespace(teacher_topk=8, temperature=2.0).dir}) == 3
+    assert top.fields["teacher"]["model"]["source"] == "tiny:llama" and top.fields["precision"] == "fp32"
+
+
+def test_a_topk_beyond_the_vocabulary_and_bad_cache_values_are_refused_before_training(tmp_path):
+    from dofla.errors import ConfigError
+    from dofla.stages.distill import teacher_logit_cache
+    from dofla.validate_training import validate_training
+
+    with pytest.raises(ConfigError, match=r"distill.teacher_topk=300 must be less than the teacher's vocabulary of 257 tokens"):
+        teacher_logit_cache(stage_context(tmp_path, teacher_topk=300), SCHEDULE, 64, 8)
+    for distill, key in (({"teacher_cache": "on"}, "distill.teacher_cache"), ({"teacher_topk": -1}, "teacher_topk"),
+                         ({"teacher_cache_gb": 0}, "distill.teacher_cache_gb")):
+        with pytest.raises(ConfigError, match=key):
+            validate_training(stage_context(tmp_path, **distill).cfg)

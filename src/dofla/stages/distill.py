@@ -89,7 +89,7 @@ def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
     half = cfg.precision == "bf16" or param.dtype != torch.float32
     need, limit = rows * entry_bytes(seq_len, vocab, d.teacher_topk, 2 if half else 4), d.teacher_cache_gb * 2**30
     if need > limit:
-        print(f"dofla: distill.teacher_cache: this text's teacher targets need {need / 2**30:.1f} GiB, more than "
+        print(f"dofla: distill.teacher_cache: this text's teacher targets need {need / 2**20:,.1f} MiB, more than "
               f"distill.teacher_cache_gb={d.teacher_cache_gb:g}; they are not stored (raise the limit or set "
               "distill.teacher_topk)", flush=True)
         return None
