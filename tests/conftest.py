@@ -16,8 +16,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # Every test runs offline as far as trackers and tokenizer threads go; the subprocesses the tests
 # start inherit this environment. Tests that need the hub offline set their own caches as well.
 # Folders under a cache root that are not activation caches: the prepared corpus and the store of the
-# teacher's measurements that every run on the same held-out text shares.
-SHARED_CACHE_FOLDERS = ("prepared", "teacher_scores")
+# teacher's measurements and its KL targets that every run on the same text shares.
+SHARED_CACHE_FOLDERS = ("prepared", "teacher_scores", "teacher_logits")
 
 
 def activation_caches(root: Path) -> list[Path]:

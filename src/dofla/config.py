@@ -187,6 +187,12 @@ class DistillConfig:
     window_dropout_end: Optional[float] = None
     copy_share: float = 0.0  # far copies (dofla.data.copies): share of KL tokens that repeat earlier spans
     copy_distance: int = 128  # tokens from a span to its copy, at least
+    # the teacher's targets: 0 its whole next-token distribution, k > 0 its top k and the rest's mass (the KL
+    # over k + 1 buckets, dofla.train.kl_targets); stored once per text when teacher_cache=auto, within
+    # teacher_cache_gb for every text and teacher together (dofla.cache.teacher_logits)
+    teacher_topk: int = 0
+    teacher_cache: str = "auto"  # auto | off
+    teacher_cache_gb: float = 20.0
     checkpoint_every: int = 50
     log_every: int = 10
 
@@ -297,6 +303,7 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("distill", "scale_lr"): 0.1,
     ("distill", "copy_share"): 0.0,
     ("distill", "copy_distance"): 128,
+    ("distill", "teacher_topk"): 0,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

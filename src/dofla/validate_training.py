@@ -162,6 +162,14 @@ def _validate_distill(cfg: RunConfig) -> None:
     require(d.grad_clip >= 0 and d.warmup_steps >= 0,
             "distill.grad_clip and distill.warmup_steps must be ≥ 0")
     _validate_copies(d, seq_len)
+    _validate_teacher_targets(d)
+
+
+def _validate_teacher_targets(d) -> None:
+    one_of("distill.teacher_cache", d.teacher_cache, ("auto", "off"))
+    require(isinstance(d.teacher_topk, int) and d.teacher_topk >= 0,
+            f"distill.teacher_topk={d.teacher_topk!r} must be 0 (the whole distribution) or a number of tokens")
+    positive("distill.teacher_cache_gb", d.teacher_cache_gb)
 
 
 def _validate_copies(d, seq_len: int) -> None:

@@ -70,4 +70,6 @@ def test_chunks_lower_the_traced_memory_per_sequence():
 
     whole, chunked = per_sample(0), per_sample(32)
     logits = 256 * teacher.config.vocab_size * 4  # one sequence's logits in float32
-    assert whole - chunked > 3 * logits  # the teacher's, the student's, their log-softmaxes and gradient
+    # whole, the student's logits, the teacher's probabilities and the logits' gradient are alive at once in the
+    # KL's backward (the fused KL keeps nothing else: the peak may then be the body's backward, with neither)
+    assert whole - chunked > logits / 2

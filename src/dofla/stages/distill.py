@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dofla import distributed
+import torch
+
 from dofla.artifacts import canonical
+from dofla.errors import require
 from dofla.record import read_json, write_json
 from dofla.stages.assemble import with_settings
 from dofla.stages.context import RunContext, RunData
@@ -31,7 +34,7 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     every ``distill.log_every`` steps while it trains."""
     from dofla.artifacts import model_dir_matches, save_model_dir
     from dofla.models import load_student
-    from dofla.train.distill import train_kl
+    from dofla.train.distill import teacher_targets, train_kl
 
     cfg, target = ctx.cfg, ctx.out_dir / TARGET
     settings = distill_settings(cfg, getattr(student, "dofla_settings", None))
@@ -47,15 +50,54 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
 
         stream = CopySpans(stream, d.copy_share, d.copy_distance, cfg.seed)
     log = None if tracker is None else (lambda values: tracker.log(values))
-    student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, schedule(ctx, stream.batch_tokens),
+    s = schedule(ctx, stream.batch_tokens)
+    cache = teacher_logit_cache(ctx, s, stream.seq_len, s.steps * d.batch_size)
+    targets_of = None if cache is None else (lambda rows: cache.targets(rows, lambda m: teacher_targets(ctx.teacher, m, s)))
+    student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, s,
                                       checkpoint_path=ctx.out_dir / "distill_ckpt.pt", meta=settings,
-                                      lora=(d.lora_rank, d.lora_alpha), on_log=log, data_parallel=True)
+                                      lora=(d.lora_rank, d.lora_alpha), on_log=log, data_parallel=True,
+                                      targets_of=targets_of)
+    if cache is not None:
+        print(f"dofla: teacher-logit cache {cache.dir}: {cache.hits} rows read, {cache.misses} computed", flush=True)
     if distributed.is_main():  # every rank holds the same student
         write_json(ctx.out_dir / "distill_summary.json", {"tokens": tokens, "curve": curve, "settings": settings})
         save_model_dir(student, ctx.tokenizer, target, settings)
         (ctx.out_dir / "distill_ckpt.pt").unlink(missing_ok=True)  # the student directory supersedes it
     distributed.barrier()
     return Distilled(with_settings(student, settings), tokens)
+
+
+def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
+    """The store of the teacher's targets for this run's text (``distill.teacher_cache``), or None: off,
+    exact targets in logit chunks (never whole, so never stored), or a text too large for
+    ``distill.teacher_cache_gb`` (said in one sentence)."""
+    from dofla.cache.teacher_logits import TeacherLogitCache, entry_bytes
+    from dofla.stages.cache import cache_root
+    from dofla.stages.keys import teacher_settings
+
+    cfg, d, teacher = ctx.cfg, ctx.cfg.distill, ctx.teacher
+    vocab = teacher.get_output_embeddings().weight.shape[0]
+    require(d.teacher_topk < vocab, f"distill.teacher_topk={d.teacher_topk} must be less than the teacher's "
+            f"vocabulary of {vocab} tokens; 0 keeps the whole distribution")
+    if d.teacher_cache == "off":
+        return None
+    if s.logit_chunk and not s.teacher_topk:
+        print("dofla: distill.teacher_cache: exact targets with distill.logit_chunk are never whole logits and are "
+              "not stored; set distill.teacher_topk to store the text's targets", flush=True)
+        return None
+    param = next(teacher.parameters())
+    half = cfg.precision == "bf16" or param.dtype != torch.float32
+    need, limit = rows * entry_bytes(seq_len, vocab, d.teacher_topk, 2 if half else 4), d.teacher_cache_gb * 2**30
+    if need > limit:
+        print(f"dofla: distill.teacher_cache: this text's teacher targets need {need / 2**20:,.1f} MiB, more than "
+              f"distill.teacher_cache_gb={d.teacher_cache_gb:g}; they are not stored (raise the limit or set "
+              "distill.teacher_topk)", flush=True)
+        return None
+    fields = {"teacher": teacher_settings(cfg), "dtype": str(param.dtype), "precision": cfg.precision,
+              "device": param.device.type, "format": f"top{d.teacher_topk}" if d.teacher_topk else "exact"}
+    if d.teacher_topk:  # the stored log-probabilities are at this temperature; exact logits are not
+        fields["temperature"] = d.temperature
+    return TeacherLogitCache(cache_root(cfg) / "teacher_logits", fields, int(limit))
 
 
 def schedule(ctx: RunContext, batch_tokens: int):
@@ -68,7 +110,7 @@ def schedule(ctx: RunContext, batch_tokens: int):
                            warmup_steps=d.warmup_steps, schedule=d.schedule, grad_clip=d.grad_clip, log_every=d.log_every,
                            checkpoint_every=d.checkpoint_every, precision=ctx.cfg.precision,
                            window_dropout=d.window_dropout, window_dropout_end=d.window_dropout_end, seed=ctx.cfg.seed,
-                           logit_chunk=d.logit_chunk)
+                           logit_chunk=d.logit_chunk, teacher_topk=d.teacher_topk)
 
 
 def offset(ctx: RunContext, data: RunData) -> int:

@@ -34,7 +34,7 @@ IN_KEY: dict[str, tuple[str, ...]] = {
               "max_steps", "teacher_dtype", "hybrid_target"),
     "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
                 "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
-                "window_dropout_end", "copy_share", "copy_distance"),
+                "window_dropout_end", "copy_share", "copy_distance", "teacher_topk"),
     "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
 }
 OUT_OF_KEY: dict[str, tuple[str, ...]] = {
@@ -43,7 +43,8 @@ OUT_OF_KEY: dict[str, tuple[str, ...]] = {
     # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
     # prepared tokens are the text path's tokens, read faster
     "data": ("prepared", "prefetch"),
-    "distill": ("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every"),
+    # the teacher-logit cache stores the targets the teacher would give (bit for bit): not what is learnt
+    "distill": ("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every", "teacher_cache", "teacher_cache_gb"),
 }
 
 

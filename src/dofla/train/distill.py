@@ -9,7 +9,9 @@ What trains is named by the config: ``features`` (every layer's feature map), ``
 attention projections, fully), ``lora`` (low-rank adapters on them, merged on return), ``gate``
 (the decay gates of a gated student, at the feature maps' rate); a hybrid's learned linear scale
 trains with the features, at its own rate. Everything else is frozen. The
-teacher's logits are computed on the fly, never stored. Batches are micro-batched
+teacher's targets are computed on the fly, or read from a store of them (``distill.teacher_cache``:
+:mod:`dofla.cache.teacher_logits`), in the format ``distill.teacher_topk`` names
+(:mod:`dofla.train.kl_targets`). Batches are micro-batched
 (gradient accumulation), so the effective batch does not set the peak memory. Under torchrun
 (``data_parallel``) every rank reads the same batches, runs teacher and student on its own rows of
 each, and the gradients are averaged before clipping: the single-process step at the same batch.
@@ -33,7 +35,8 @@ from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.precision import autocast
-from dofla.train.logit_chunks import check_head, chunked_kl_backward
+from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
+from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
 from dofla.train.step import lr_factor, micro_batches
 
 TRAINABLE = ("features", "attention", "lora", "gate")
@@ -59,6 +62,7 @@ class DistillSchedule:
     window_dropout_end: float | None = None  # linear schedule to this by the last step (None: constant)
     seed: int = 0  # which layers drop their window at each step
     logit_chunk: int = 0  # positions per LM-head chunk of the KL (0: the whole sequence; dofla.train.logit_chunks)
+    teacher_topk: int = 0  # the targets: 0 the whole distribution, k > 0 the top k and the rest (kl_targets)
 
 
 def window_dropout_rate(step: int, s: DistillSchedule) -> float:
@@ -190,35 +194,61 @@ def finish(model, student):
     return model.eval()
 
 
-def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule) -> torch.Tensor:
+def teacher_targets(teacher, ids: torch.Tensor, s: DistillSchedule) -> Targets:
+    """The teacher's targets for ``ids`` (B, L) in the format ``s.teacher_topk`` names
+    (:mod:`dofla.train.kl_targets`). With ``s.logit_chunk`` the teacher's logits are never whole: exact
+    targets are its hidden states and head, top-k ones are made a chunk of positions at a time."""
+    with torch.no_grad(), autocast(s.precision, ids.device):
+        if not s.logit_chunk:
+            logits = teacher(input_ids=ids, use_cache=False).logits
+            return ExactTargets(logits) if not s.teacher_topk else topk_targets(logits, s.teacher_topk, s.temperature)
+        body, head = body_and_head(teacher)
+        hidden = body(ids)
+        if not s.teacher_topk:
+            return HeadTargets(hidden, head)
+        parts = [topk_targets(head(hidden[:, i:i + s.logit_chunk]), s.teacher_topk, s.temperature)
+                 for i in range(0, ids.shape[1], s.logit_chunk)]
+        return TopKTargets(*(torch.cat([getattr(p, name) for p in parts], dim=1) for name in TopKTargets.FIELDS))
+
+
+def kl_backward(model, ids: torch.Tensor, targets: Targets, s: DistillSchedule, weight: float = 1.0) -> torch.Tensor:
+    """The student's forward on ``ids``, its KL to ``targets`` and ``weight`` × its backward (the
+    KL step without the teacher). Returns the KL, detached."""
+    if s.logit_chunk:
+        return chunked_kl_backward(model, ids, targets, s.logit_chunk, s.temperature, s.precision, weight)
+    with autocast(s.precision, ids.device):
+        logits = model(input_ids=ids, use_cache=False).logits
+    loss = targets.kl(logits, s.temperature)  # in float32 whatever the logits' dtype
+    (loss * weight).backward()
+    return loss.detach()
+
+
+def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule,
+               targets_of: Callable[[torch.Tensor], Targets] | None = None) -> torch.Tensor:
     """Forward/backward of one effective batch in micro-batches; the gradients are the full batch's
-    (each micro-batch's mean KL weighted by its share of the rows). Returns the batch's KL (a tensor:
-    no host synchronisation)."""
+    (each micro-batch's mean KL weighted by its share of the rows). ``targets_of(rows)``: the teacher's
+    targets (None: ``teacher`` runs, :func:`teacher_targets`; else e.g. a teacher-logit cache's).
+    Returns the batch's KL (a tensor: no host synchronisation)."""
     total = torch.zeros((), device=batch.device)
     for micro, share in micro_batches(batch, s):
-        if s.logit_chunk:
-            total += chunked_kl_backward(model, teacher, micro, s.logit_chunk, s.temperature, s.precision, share) * share
-            continue
-        with torch.no_grad(), autocast(s.precision, batch.device):
-            target = teacher(input_ids=micro, use_cache=False).logits
-        with autocast(s.precision, batch.device):
-            logits = model(input_ids=micro, use_cache=False).logits
-        loss = kl_to_teacher(logits, target, s.temperature)  # in fp32 whatever the logits' dtype
-        (loss * share).backward()
-        total += loss.detach() * share
+        targets = teacher_targets(teacher, micro, s) if targets_of is None else targets_of(micro)
+        targets = targets.prepared(s.temperature)  # exact logits give way to the probabilities before the student runs
+        total += kl_backward(model, micro, targets, s, share) * share
     return total
 
 
 def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,
              meta: dict | None = None, lora: tuple[int, int] = (8, 16),
-             on_log: Callable[[dict], None] | None = None, data_parallel: bool = False, progress: bool = True):
+             on_log: Callable[[dict], None] | None = None, data_parallel: bool = False, progress: bool = True,
+             targets_of: Callable[[torch.Tensor], Targets] | None = None):
     """Distil ``teacher`` into ``student`` for ``s.steps`` batches of ``batches`` (a ``BatchStream``-like
     source: ``next_batch()``, ``state()``, ``restore()``, ``batch_tokens``).
 
     Returns (the trained student, the curve, the tokens trained on). Resumes from ``checkpoint_path``
     when it was written with ``meta``. A source that runs out ends the stage early, saying so; the
     tokens returned are the ones actually used. ``progress=False`` hides the bar (the memory preflight's
-    probe steps). ``data_parallel``: torchrun's ranks share every batch
+    probe steps). ``targets_of(rows)``: the teacher's targets for token rows (None: ``teacher`` runs on
+    every batch; :class:`dofla.cache.TeacherLogitCache` gives them once per text). ``data_parallel``: torchrun's ranks share every batch
     (each its rows ``rank::world``; every rank must call this alike; rank 0 writes the checkpoint and
     the KL logged is the batch's, the mean over the ranks).
     """
@@ -271,7 +301,7 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
             group["lr"] = lr * lr_factor(step, s, floor=0.1)
         optimizer.zero_grad(set_to_none=True)
         with windows_dropped(student, dropped_windows(num_hybrid, step, s)):
-            kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s)
+            kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s, targets_of)
         if split:
             distributed.average_gradients(params)
         if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:

@@ -1,10 +1,10 @@
 """The distill stage's KL with the LM head applied a chunk of positions at a time (``distill.logit_chunk``).
 
-Whole, a micro-batch's KL holds (rows, length, vocab) float32 logits for the teacher and the student
-and as many again for the log-softmaxes and their gradient: at 2,048 tokens and a 128K vocabulary
-several GB per row. Chunked, the model bodies run once; then for each chunk of positions the
-teacher's logits (no gradient), the student's logits and the chunk's KL are computed and the
-chunk's backward runs at once, down to a detached copy of the student's final hidden states, whose
+Whole, a micro-batch's KL holds (rows, length, vocab) float32 logits for the teacher and the student,
+the teacher's probabilities and the logits' gradient: at 2,048 tokens and a 128K vocabulary several
+GB per row. Chunked, the model bodies run once; then for each chunk of positions the teacher's
+logits (no gradient) or its top-k targets, the student's logits and the chunk's KL are computed and
+the chunk's backward runs at once, down to a detached copy of the student's final hidden states, whose
 gradient gathers over the chunks; one backward through the body ends it. Only one chunk's logits
 are alive at a time, nothing is recomputed, and the gradient is the whole KL's (float rounding
 aside; ``tests/component/test_distill.py`` compares them).
@@ -56,15 +56,12 @@ def check_head(model, ids: torch.Tensor) -> None:
                          f"(largest difference {(got - expected).abs().max().item():.3g}); set distill.logit_chunk=0")
 
 
-def chunked_kl_backward(model, teacher, ids: torch.Tensor, chunk: int, temperature: float, precision: str,
+def chunked_kl_backward(model, ids: torch.Tensor, targets, chunk: int, temperature: float, precision: str,
                         weight: float = 1.0) -> torch.Tensor:
     """The mean KL(teacher ‖ student) over ``ids``' tokens (returned detached) with ``weight`` × its
-    gradient accumulated into the student's parameters, the logits a ``chunk`` of positions at a time."""
-    from dofla.train.distill import kl_to_teacher
-
-    (teacher_body, teacher_head), (body, head) = body_and_head(teacher), body_and_head(model)
-    with torch.no_grad(), autocast(precision, ids.device):
-        target_hidden = teacher_body(ids)
+    gradient accumulated into the student's parameters, the logits a ``chunk`` of positions at a time.
+    ``targets``: the teacher's (:mod:`dofla.train.kl_targets`), whose ``part(positions)`` gives a chunk's."""
+    body, head = body_and_head(model)
     with autocast(precision, ids.device):
         hidden = body(ids)
     detached = hidden.detach().requires_grad_(True)
@@ -73,11 +70,11 @@ def chunked_kl_backward(model, teacher, ids: torch.Tensor, chunk: int, temperatu
     for start in range(0, length, chunk):
         part = slice(start, min(start + chunk, length))
         with torch.no_grad(), autocast(precision, ids.device):
-            target = teacher_head(target_hidden[:, part])
+            target = targets.part(part)
         with autocast(precision, ids.device):
             logits = head(detached[:, part])
         share = (part.stop - part.start) / length  # the chunk's tokens over the micro-batch's
-        loss = kl_to_teacher(logits, target, temperature) * share
+        loss = target.kl(logits, temperature) * share
         (loss * weight).backward()
         total += loss.detach()
     hidden.backward(detached.grad)
