@@ -17,9 +17,9 @@ HEADS, KV_HEADS, D = 6, 3, 8
 DIMS = [4, 12, 4, 7, 12, 4]  # three blocks of different widths, heads interleaved
 
 
-def _layer(gate: bool) -> StudentAttention:
+def _layer(gate: bool, name: str = "learned_prf") -> StudentAttention:
     torch.manual_seed(0)
-    fm = build_layer_feature_map("learned_prf", HEADS, D, DIMS, seed=3)
+    fm = build_layer_feature_map(name, HEADS, D, DIMS, seed=3)
     return StudentAttention(HEADS, KV_HEADS, D, fm, chunk_size=4, gate=build_gate("scalar", HEADS, D) if gate else None)
 
 
@@ -37,9 +37,10 @@ def _valid(t: int):
 
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["learned_prf", "hedgehog"])  # PRF blocks merge into one map; others pad
 @torch.no_grad()
-def test_decoding_blocks_token_by_token_equals_the_one_pass_forward(gate, padded):
-    layer = _layer(gate)
+def test_decoding_blocks_token_by_token_equals_the_one_pass_forward(gate, padded, name):
+    layer = _layer(gate, name)
     if gate:  # move the gate off its identity start so decays matter
         for p in layer.gate.parameters():
             p.uniform_(0.2, 0.8)
@@ -78,3 +79,19 @@ def test_the_merged_state_splits_into_the_per_block_states_and_keeps_its_size():
     assert first.nbytes() == second.nbytes()
     picked = second.index_select(torch.tensor([1, 0]))
     assert torch.equal(picked.merged.kv[0], second.merged.kv[1]) and picked.length == second.length
+
+
+@torch.no_grad()
+def test_decoding_follows_a_parameter_update():
+    """The PRF blocks' merged map is kept between decoding steps; an in-place update of the
+    parameters (an optimiser step) must be seen by the next step."""
+    layer = _layer(gate=False)
+    q, k, v = _inputs(8)
+    _, state = layer(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+    layer(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:], state=state)  # the merged map is now kept
+    for p in layer.feature_map.parameters():
+        p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    _, state = layer(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+    out, _ = layer(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:], state=state)
+    full, _ = layer(q, k, v)
+    torch.testing.assert_close(out, full[:, :, 7:], rtol=1e-5, atol=1e-6)

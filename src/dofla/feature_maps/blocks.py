@@ -8,6 +8,7 @@ and reassembles the heads in their original order.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from dofla.feature_maps.base import FeatureMap, build_feature_map
+from dofla.feature_maps.performer import PerformerFeatureMap, prf_log_features
 
 # A layer's dimension: one int for every head (the paper's), or one int per head.
 LayerDims = int | Sequence[int]
@@ -124,6 +126,9 @@ def block_layout(feature_map: HeadBlockFeatureMap, device) -> BlockLayout:
 def padded_log_features(feature_map: HeadBlockFeatureMap, x: torch.Tensor) -> torch.Tensor:
     """(B, H, T, d) -> (B, H, T, M_max): every block's log features in head order, padded to the
     widest block with −inf (features that are exactly 0: they add nothing to any sum)."""
+    merged = _merged_prf(feature_map, x.device)
+    if merged is not None:  # PRF blocks: one product for every head
+        return prf_log_features(x, *merged)
     out = None
     for block, heads in zip(feature_map.blocks, block_layout(feature_map, x.device).index):
         feats = block.log_features(x.index_select(1, heads))
@@ -131,6 +136,33 @@ def padded_log_features(feature_map: HeadBlockFeatureMap, x: torch.Tensor) -> to
             out = feats.new_full((*x.shape[:3], max(feature_map.head_dims)), float("-inf"))
         out.narrow(-1, 0, feats.shape[-1]).index_copy_(1, heads, feats)
     return out
+
+
+def _merged_prf(feature_map: HeadBlockFeatureMap, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """PRF blocks (performer, learned_prf) as one map over every head: z (H, M_max, d) with zero rows
+    and log α' (H, M_max) with −inf past each block's width (those features are −inf: exactly 0), and
+    log α' = log α + log(M_max / M_b), so that prf_log_features' ½ log(α'/M_max) is each block's
+    ½ log(α/M_b). Without autograd it is kept until a parameter changes; None for other maps."""
+    blocks = feature_map.blocks
+    if not all(isinstance(b, PerformerFeatureMap) for b in blocks):
+        return None
+    alphas = [b.log_alpha() for b in blocks]
+    key = (str(device), tuple((t._version, t.data_ptr()) for b, a in zip(blocks, alphas)
+                              for t in (b.z, a) if t is not None))
+    cached = feature_map.__dict__.get("_merged_prf")
+    if cached is not None and cached[0] == key and not torch.is_grad_enabled():
+        return cached[1]
+    layout = block_layout(feature_map, device)
+    width = max(layout.dims)
+    z = blocks[0].z.new_zeros(layout.num_heads, width, feature_map.head_dim)
+    log_alpha = z.new_full((layout.num_heads, width), float("-inf"))
+    for block, alpha, heads, m in zip(blocks, alphas, layout.index, layout.dims):
+        z.narrow(1, 0, m).index_copy_(0, heads, block.z)
+        alpha = z.new_zeros(len(heads), m) if alpha is None else alpha
+        log_alpha.narrow(1, 0, m).index_copy_(0, heads, alpha + math.log(width / m))
+    if not torch.is_grad_enabled():
+        feature_map.__dict__["_merged_prf"] = (key, (z, log_alpha))
+    return z, log_alpha
 
 
 class BlockState:
