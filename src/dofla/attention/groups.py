@@ -61,7 +61,10 @@ def chunk_group(log_q, log_k, vals, kv1, offset, chunk: int, decay=None, fast: b
     base = torch.maximum(floors, held[:, :, :, 0])
     r = (lq.detach() + base[:, :, :, None]).amax(-1, keepdim=True).clamp_min(torch.finfo(lq.dtype).min)
     d = (lq + offsets[:, :, :, None]).sub_(r)
-    if not (fast if fast is not None else not bool(d.detach().amax() > guard(d.dtype)[0])):
+    if fast is None:  # d ≤ max_m(offset − base) (as lq + base ≤ r): read d itself only when that bound fails
+        g_max = guard(d.dtype)[0]
+        fast = bool((offsets - base).amax() <= g_max) or not bool(d.detach().amax() > g_max)
+    if not fast:
         return None
     query, keys = d.exp_(), (lk - offsets[:, :, :, None]).exp_()  # (B, H, g, C, M)
     v5 = vals.view(b, h, g, chunk, e)
