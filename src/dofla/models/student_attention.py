@@ -180,8 +180,9 @@ def dofla_attention_forward(
     softcap = student.softcap if softcap is None else softcap
     if student.mode == "softmax":
         return softmax_reference_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
-    if scaling is not None:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d))
-        query = query * (scaling * math.sqrt(query.shape[-1]))
+    factor = 1.0 if scaling is None else scaling * math.sqrt(query.shape[-1])
+    if factor != 1.0:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d)); 1/sqrt(d) needs no pass
+        query = query * factor
     layer = student.cache_layer
     out, state = student(query, key, value, state=None if layer is None else layer.state,
                          key_valid=student.key_valid, softcap=softcap)
