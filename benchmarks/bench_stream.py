@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Row, add_common_args, print_rows, set_threads
+from benchmarks.common import Row, add_common_args, print_rows, set_threads, timeit
+from benchmarks.counting import StepCounter, replay
 from dofla.cache import build_or_load_cache
 from dofla.data import build_source, pack_tokens
 from dofla.data.stream import BatchStream
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models import EMBEDDED, get_adapter, load_teacher
-from dofla.train.layerwise import LayerTrainConfig, run_layerwise
+from dofla.train.layerwise import LayerTrainConfig, layer_loss, param_groups, run_layerwise
 from dofla.train.stream import train_layers_streaming
-from dofla.train.teacher_acts import teacher_heldout
+from dofla.train.teacher_acts import teacher_heldout, teacher_qk
 
 
 def corpus_stream(tokenizer, batch_size: int, seq_len: int) -> BatchStream:
@@ -80,6 +81,40 @@ def cache_run(teacher, batches: list[torch.Tensor], args) -> tuple[float, float,
         return built - start, time.perf_counter() - built, cache.nbytes()
 
 
+def layer_step_row(teacher, ids: torch.Tensor, args, forward_s: float, teacher_s: float) -> Row:
+    """Where a streaming step's layer time goes: one layer's softmax loss, backward and Adam step on the
+    teacher's q, k of layer 0, timed, then its ops replayed alone (matmuls, the other ops); the rest of
+    its time is Python and autograd bookkeeping between ops. With the teacher part of a step
+    (``teacher_s``, the early-exit forward) it gives the streaming ratio this loss allows."""
+    g = get_adapter(teacher).geometry(teacher.config)
+    q, k, _ = teacher_qk(teacher, get_adapter(teacher).attention_modules(teacher), ids, [0])[0]
+    fm = build_layer_feature_map("learned_prf", g.num_heads, g.head_dim, args.features, seed=0)
+    cfg = LayerTrainConfig(batch_size=args.batch_size)
+    opt = torch.optim.Adam(param_groups(fm, cfg), betas=(0.9, 0.999))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        layer_loss(fm, q, k, cfg).backward()
+        opt.step()
+
+    whole = timeit(step, repeats=5)
+    with StepCounter(keep=True) as counter:
+        step()
+    matmuls, others = [op for op in counter.ops if op.flops], [op for op in counter.ops if not op.flops]
+    t_mm, t_other = replay(matmuls, 3), replay(others, 3)
+    n = g.num_layers
+    allowed = max(0.0, forward_s / 0.8 - teacher_s) / n
+    return Row(f"one layer's softmax loss + backward + Adam step (B={args.batch_size}, L={ids.shape[1]}, "
+               f"M={args.features}), its ops replayed alone", f"{n} of them beside the teacher's early-exit forward "
+               f"({teacher_s:.2f} s; the full forward {forward_s:.2f} s)", "explains the streaming ratio",
+               f"{whole * 1e3:.1f} ms: matmuls {t_mm * 1e3:.1f} ms ({len(matmuls)} ops), other ops "
+               f"{t_other * 1e3:.1f} ms ({len(others)} ops), Python and autograd "
+               f"{max(0.0, whole - t_mm - t_other) * 1e3:.1f} ms; {n} layers {n * whole:.2f} s",
+               forward_s / (teacher_s + n * whole), None,
+               "ratio = the streaming ratio these costs give: full forward / (early-exit forward + the layers' "
+               f"steps); 0.80 allows {allowed * 1e3:.1f} ms per layer")
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = add_common_args(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--model", default=EMBEDDED)
@@ -107,6 +142,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ratio = stream_rate / fwd_rate
     layers = len(result.summaries)
     shape = f"B={args.batch_size}, L={args.seq_len}, {args.steps} steps, {layers} layers, M={args.features}"
+    per_step = args.batch_size * args.seq_len
+    breakdown = layer_step_row(teacher, batches[0], args, per_step / fwd_rate, teacher_share * per_step / stream_rate)
     build_s, train_s, nbytes = cache_run(teacher, batches, args)
     cache_rate = tokens / (build_s + train_s)
     return [Row(f"streaming step throughput ({args.model}, {shape})",
@@ -119,7 +156,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 "disk grows with tokens; stream none", f"cache {cache_rate:.0f} tok/s (build {build_s:.1f} s + train "
                 f"{train_s:.1f} s, {nbytes / 2**20:.1f} MiB on disk = {nbytes / tokens / 1024:.0f} KiB/token) vs "
                 f"stream {stream_rate:.0f} tok/s", cache_rate / stream_rate, True,
-                "a cache pays its build once and is reused by every run of a sweep on the same data")]
+                "a cache pays its build once and is reused by every run of a sweep on the same data"),
+            breakdown]
 
 
 if __name__ == "__main__":

@@ -80,6 +80,18 @@ def paired_ratio(slow, fast, repeats: int) -> tuple[float, float, float, list[fl
             statistics.median(ratios), ratios)
 
 
+def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of each of ``fns`` (name -> callable) over ``repeats`` rounds that call every one
+    once in turn (after one warm-up call each): round i of every function saw the same minutes."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            times[name].append(timeit(fn, repeats=1, warmup=0))
+    return times
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """This machine's fp32 matmul rate (GFLOP/s), measured now (best of ``repeats``)."""
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dofla.attention import groups
+from dofla.attention.groups import carry_decay, chunk_group
 from dofla.attention.stable import decide_ahead, fast_path_flags, stable_block
 
 
@@ -111,13 +113,6 @@ def _query_features(log_q: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return torch.exp(u - shift)
 
 
-def carry_decay(kv1: torch.Tensor, offset: torch.Tensor, decay: torch.Tensor):
-    """The state (kv1 (B, H, M, e) at offset (B, H, M)) decayed by e^{decay}, decay (B, H, 1): the
-    offset moves by the detached decay, kv1 takes a factor of value 1 that carries its gradient."""
-    fixed = decay.detach()
-    return kv1 * torch.exp(decay - fixed)[..., None], offset + fixed
-
-
 def _causal_mask(size: int, like: torch.Tensor) -> torch.Tensor:
     """(size, size) lower-triangular ones (diagonal included) in ``like``'s dtype and device."""
     return torch.ones(size, size, dtype=like.dtype, device=like.device).tril_()
@@ -182,11 +177,13 @@ def linear_attention_chunked(
     new tokens' real keys (False = padding: no contribution); a row that sees no key outputs 0.
     log_decay (B, H, T) ≤ 0: the gate (module docstring); None = ungated.
 
-    Per chunk of C tokens: three (C×M)/(C×C) matrix products and about a dozen small element-wise
-    ops, all on tensors that stay in cache; each row's shift uses only keys it sees
-    (:mod:`dofla.attention.stable`). Values carry a column of ones ([v | 1]) and the state is kept
-    as [kv | k_sum], so numerator and denominator come out of the same products. The chunk loop
-    is deliberate: a version batching all chunks at once measured 1.6× slower on CPU.
+    Per chunk of C tokens: three (C×M)/(C×C) matrix products and a few element-wise ops; each
+    row's shift uses only keys it sees (:mod:`dofla.attention.stable`). Values carry a column of
+    ones ([v | 1]) and the state is kept as [kv | k_sum], so numerator and denominator come out of
+    the same products. Chunks are batched in groups of about ``groups.GROUP_TOKENS`` tokens
+    (:func:`~dofla.attention.groups.chunk_group`): the in-chunk work of a group is one op per step, on tensors small
+    enough to stay in cache; a group with a chunk on the stabiliser's guarded path, and a last
+    partial chunk, go chunk by chunk (:func:`chunk_step`).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
@@ -195,26 +192,56 @@ def linear_attention_chunked(
     if length == 0:
         return v.new_zeros(v.shape).to(out_dtype), state
     dv = v.shape[-1]
-    v1 = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)  # (B, H, T, dv+1)
     kv1 = torch.cat([state.kv, state.k_sum[..., None]], dim=-1)  # (B, H, M, dv+1)
-    offset, tiny, mask, outs = state.offset, torch.finfo(v.dtype).tiny, None, []
+    offset, outs = state.offset, []
+    # without autograd, each group's output is written in place (no final concatenation)
+    out = None if torch.is_grad_enabled() and any(x.requires_grad for x in (log_q, log_k, v, kv1)) else \
+        v.new_empty(*v.shape)
     decays = None if log_decay is None else _chunk_decay(log_decay, chunk_size)
     flags = (_chunk_flags(log_q, log_k, decays, offset, chunk_size) if decide_ahead(log_q)
              else [None] * -(-length // chunk_size))
-    for start, fast in zip(range(0, length, chunk_size), flags):
-        lq, lk, vc = (x[:, :, start:start + chunk_size] for x in (log_q, log_k, v1))
-        if mask is None or mask.shape[0] != lk.shape[2]:
-            mask = _causal_mask(lk.shape[2], v)
-            limit = torch.arange(1, lk.shape[2] + 1, device=v.device)
-        if decays is not None:  # decay counted from the chunk's start (B, H, C, 1)
-            decay = decays[:, :, start:start + chunk_size]
-            lq, lk = lq + decay, lk - decay
-        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True, fast=fast)
-        if log_decay is not None:
-            kv1, offset = carry_decay(kv1, offset, decay[:, :, -1])
-        outs.append(total[..., :dv] / total[..., dv:].clamp_min(tiny))
+    group = max(1, groups.GROUP_TOKENS // chunk_size)
+    for first in range(0, len(flags), group):
+        start, stop = first * chunk_size, min(length, (first + group) * chunk_size)
+        lq, lk, vc = (x[:, :, start:stop] for x in (log_q, log_k, v))
+        vc = torch.cat([vc, vc.new_ones(*vc.shape[:3], 1)], dim=-1)  # [v | 1] (B, H, n, dv+1)
+        decay = None if decays is None else decays[:, :, start:stop]
+        full = (stop - start) // chunk_size * chunk_size
+        done = None
+        if full == stop - start:
+            known = flags[first:first + group]
+            done = chunk_group(lq, lk, vc, kv1, offset, chunk_size, decay, None if known[0] is None else all(known))
+        if done is None:
+            total, kv1, offset = _chunks_one_by_one(lq, lk, vc, kv1, offset, chunk_size, decay,
+                                                   flags[first:first + group])
+        else:
+            total, kv1, offset = done
+        den = total[..., dv:]
+        den = torch.where(den > 0, den, 1.0)  # a row that sees no key: 0 / 1, a finite gradient
+        if out is None:
+            outs.append(total[..., :dv] / den)
+        else:
+            torch.div(total[..., :dv], den, out=out[:, :, start:stop])
     final = LinearState(kv1[..., :dv].contiguous(), kv1[..., dv].contiguous(), offset, state.length + length)
-    return torch.cat(outs, dim=2).to(out_dtype), final
+    return (torch.cat(outs, dim=2) if out is None else out).to(out_dtype), final
+
+
+def _chunks_one_by_one(log_q, log_k, vals, kv1, offset, chunk: int, decay, flags):
+    """The chunks of a group one at a time (:func:`chunk_step`): (total, kv1', offset')."""
+    totals, mask = [], None
+    for start, fast in zip(range(0, log_k.shape[2], chunk), flags):
+        lq, lk, vc = (x[:, :, start:start + chunk] for x in (log_q, log_k, vals))
+        if mask is None or mask.shape[0] != lk.shape[2]:
+            mask = _causal_mask(lk.shape[2], vals)
+            limit = torch.arange(1, lk.shape[2] + 1, device=vals.device)
+        if decay is not None:  # decay counted from the chunk's start (B, H, C, 1)
+            dc = decay[:, :, start:start + chunk]
+            lq, lk = lq + dc, lk - dc
+        total, _, kv1, offset = chunk_step(lq, lk, vc, kv1, offset, limit, mask, first_sees=True, fast=fast)
+        if decay is not None:
+            kv1, offset = carry_decay(kv1, offset, dc[:, :, -1])
+        totals.append(total)
+    return torch.cat(totals, dim=2), kv1, offset
 
 
 def linear_attention_recurrent(
@@ -228,7 +255,6 @@ def linear_attention_recurrent(
     """
     out_dtype = v.dtype
     log_q, log_k, v, state, log_decay = _prepare(log_q, log_k, v, state, key_valid, log_decay)
-    tiny = torch.finfo(v.dtype).tiny
     outs = []
     for t in range(v.shape[2]):
         old = state
@@ -243,7 +269,7 @@ def linear_attention_recurrent(
         phi_q = _query_features(log_q[:, :, t], offset)  # (B, H, M)
         num = torch.einsum("bhm,bhmv->bhv", phi_q, kv)
         den = (phi_q * k_sum).sum(-1)
-        outs.append(num / den.clamp_min(tiny)[..., None])
+        outs.append(num / torch.where(den > 0, den, 1.0)[..., None])  # no key seen: 0, finite gradient
         state = LinearState(kv, k_sum, offset, state.length + 1)
     if not outs:
         return v.new_zeros(v.shape).to(out_dtype), state

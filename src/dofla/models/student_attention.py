@@ -52,7 +52,7 @@ from dofla.attention import (
 from dofla.attention.delta_gates import is_delta
 from dofla.attention.sliding import SlidingState, sliding_window_chunked
 from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
-from dofla.feature_maps.blocks import BlockState, for_each_block
+from dofla.feature_maps.blocks import BlockState, decode_blocks, for_each_block
 
 ATTN_IMPLEMENTATION = "dofla_linear"
 State = LinearState | HybridState | BlockState | SlidingState | DeltaState
@@ -141,14 +141,19 @@ class StudentAttention(nn.Module):
         attend = functools.partial(self._attend, key_valid=key_valid)
         log_decay = None if self.gate is None else self.gate(v)
         scale = None if self.linear_log_scale is None else self.linear_log_scale.expand(q.shape[0], -1)
+        if isinstance(state, BlockState) and self.window == 0 and q.shape[2] == 1:  # one recurrence for all blocks
+            return decode_blocks(self.feature_map, q, k, v, state, linear_attention_recurrent, key_valid=key_valid,
+                                 log_decay=log_decay)
         return for_each_block(self.feature_map, attend, q, k, v, log_decay, scale, state=state)
 
     def _attend(self, feature_map: FeatureMap, q, k, v, log_decay=None, log_scale=None, state: State | None = None,
                 key_valid=None):
         """Linear (or hybrid) attention of heads sharing one feature map; log_decay (B, H, T) the gate's,
         log_scale (B, H) the hybrid's learned linear scale (None: 0)."""
-        log_q = feature_map.log_features(q)
-        log_k = feature_map.log_features(k)
+        if q.shape[2] == 1 and k.shape[2] == 1:  # a decoding step: both tokens' features in one call
+            log_q, log_k = feature_map.log_features(torch.cat([q, k], dim=2)).split(1, dim=2)
+        else:
+            log_q, log_k = feature_map.log_features(q), feature_map.log_features(k)
         if log_scale is not None:  # e^β on every older key's kernel: log q̂ + β (the exact part reads q, k)
             log_q = log_q + log_scale.to(log_q.dtype)[:, :, None, None]
         if self.window > 0:
@@ -186,8 +191,9 @@ def dofla_attention_forward(
     softcap = student.softcap if softcap is None else softcap
     if student.mode == "softmax":
         return softmax_reference_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
-    if scaling is not None:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d))
-        query = query * (scaling * math.sqrt(query.shape[-1]))
+    factor = 1.0 if scaling is None else scaling * math.sqrt(query.shape[-1])
+    if factor != 1.0:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d)); 1/sqrt(d) needs no pass
+        query = query * factor
     layer = student.cache_layer
     out, state = student(query, key, value, state=None if layer is None else layer.state,
                          key_valid=student.key_valid, softcap=softcap)
