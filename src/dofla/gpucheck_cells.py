@@ -26,6 +26,7 @@ EPOCHS = {task: 1 if task == "mmlu" else 3 for task in TRAIN_EXAMPLES}
 # DiJiang train no features: their cells cost the task fine-tunes only
 SWEEPS = {"gpt2": {"direct": 3, "softmax": 3, "l2": 3, "cells": 11}, "pythia-1b": {"softmax": 2, "cells": 2}}
 SYNCS = {"__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__"}
+PEAKS: dict = {}  # (cell, precision) -> the preflight's Peak, traced once per process
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class HostSyncs(TorchFunctionMode):
 
 
 def builders(cell: Cell, precision: str, device: torch.device, teacher):
-    """(the cell's step builder, its predicted :class:`~dofla.train.capacity.Peak` at micro-batch 1)."""
+    """(the cell's step builder, a callable that predicts its :class:`~dofla.train.capacity.Peak`: the
+    memory preflight's trace, on the CPU)."""
     from dofla.feature_maps import build_layer_feature_map
     from dofla.models import convert
     from dofla.precision import teacher_dtype
@@ -120,23 +122,20 @@ def builders(cell: Cell, precision: str, device: torch.device, teacher):
                            micro_batch_size=1, precision=precision)
     if cell.stage == "finetune":
         step = probe_steps.task_step(lambda cut: cut, teacher, cell.seq_len, precision, steps=1, device=device)
-        peak = capacity.task_step_peak([lambda cut: cut], teacher, n, cell.seq_len, precision,
-                                       2 * capacity.module_bytes(teacher), 1, cell.batch)
-        return step, peak
+        return step, lambda: capacity.task_step_peak([lambda cut: cut], teacher, n, cell.seq_len, precision,
+                                                     2 * capacity.module_bytes(teacher), 1, cell.batch)
 
     def student_of(cut):
         return convert(cut, feature_map="learned_prf", dims=[cell.budget] * cut.config.num_hidden_layers)
 
     if loss == "direct":
         step = probe_steps.direct_step(student_of, teacher, cfg, cell.seq_len, steps=1, device=device)
-        peak = capacity.direct_step_peak(student_of, teacher, n, cfg, cell.seq_len,
-                                         2 * capacity.module_bytes(teacher) + features)
-        return step, peak
+        return step, lambda: capacity.direct_step_peak(student_of, teacher, n, cfg, cell.seq_len,
+                                                       2 * capacity.module_bytes(teacher) + features)
     dtype = getattr(torch, teacher_dtype(precision, "float32"))
     step = probe_steps.stream_step(teacher, maps, list(range(n)), cfg, cell.seq_len, dtype, steps=1, device=device)
-    peak = capacity.stream_step_peak(teacher, maps, list(range(n)), cfg, cell.seq_len,
-                                     capacity.copy_bytes(teacher, dtype), dtype)
-    return step, peak
+    return step, lambda: capacity.stream_step_peak(teacher, maps, list(range(n)), cfg, cell.seq_len,
+                                                   capacity.copy_bytes(teacher, dtype), dtype)
 
 
 def finetune_tokens(seq_len: int) -> float:
@@ -161,7 +160,9 @@ def check_cell(cell: Cell, precision: str, device: torch.device, tiny: bool, tol
             from transformers import AutoModelForCausalLM
 
             teacher = AutoModelForCausalLM.from_config(config_of(cell.teacher, tiny))
-        step, peak = builders(cell, precision, device, teacher)
+        step, predict = builders(cell, precision, device, teacher)
+        twin = (cell, "fp32" if precision == "tf32" else precision)  # tf32 changes no tensor: fp32's memory
+        peak = PEAKS[twin] = PEAKS[twin] if twin in PEAKS else predict()
         micro = capacity.largest_fitting(peak, cell.batch, limit or capacity.device_memory(device))
         if micro is None:
             result.problem = f"does not fit even at micro-batch 1 (≈ {peak.at(1).bytes / 2**30:.1f} GiB predicted)"

@@ -18,7 +18,8 @@ def test_metrics_hold_measured_peaks_and_step_times_beside_the_predictions(tmp_p
                      "distill.log_every=2",
                      "eval.protocol=finetune", "eval.tasks=[piqa_local]", f"eval.task_dirs=[{tasks}]",
                      "eval.finetune_lr_grid=[1e-3]", "eval.finetune_epochs=1", "eval.finetune_train_limit=8",
-                     "eval.task_limit=4", "eval.finetune_micro_batch_size=auto", "eval.finetune_log_every=1")
+                     "eval.task_limit=4", "eval.finetune_micro_batch_size=auto", "eval.finetune_log_every=1",
+                     timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "dofla: predicted time on cpu" in out and "a sweep of n such cells" in out
