@@ -15,8 +15,12 @@ counts per token follow. Then, per GPU:
 - **memory**: the memory preflight's trace at this precision (``dofla.train.capacity``), at the whole
   batch and at the micro-batch ``train.micro_batch_size=auto`` picks on the GPU.
 
+With ``--sweeps`` it also counts the evaluation protocol's task fine-tunes (teacher and student) and
+totals each paper sweep: every cell's distillation and student fine-tunes, the teacher's grid once
+(:mod:`studies.cost_sweep`).
+
     python -m studies.cost_model [--teachers gpt2,pythia-1b] [--losses softmax,l2,direct]
-                                 [--precisions fp32,tf32,bf16] [--tokens 362e6] [--out PATH]
+                                 [--precisions fp32,tf32,bf16] [--tokens 362e6] [--sweeps] [--out PATH]
 """
 from __future__ import annotations
 
@@ -83,6 +87,19 @@ def counted(step) -> list[Op]:
     return counter.ops
 
 
+COUNTED: dict = {}  # (teacher, step, precision) -> {depth: ops}, for tf32 to reuse fp32's
+
+
+def counted_cuts(step, key: tuple) -> dict[int, list[Op]]:
+    """The ops of ``step(n, 1)`` for n = 1, 2; tf32 changes no tensor and no dtype (only the GPU's
+    matmul mode), so its ops are fp32's, counted once."""
+    teacher, name, precision = key
+    if precision == "tf32" and (teacher, name, "fp32") in COUNTED:
+        return COUNTED[teacher, name, "fp32"]
+    COUNTED[key] = {n: counted(step(n, 1)) for n in (1, 2)}
+    return COUNTED[key]
+
+
 @dataclass
 class CellCost:
     teacher: Teacher
@@ -124,7 +141,7 @@ def cell_cost(t: Teacher, loss: str, precision: str, memory: bool = True) -> Cel
     started = time.perf_counter()
     step, teacher, maps, cfg, features = steps_of(t, loss, precision)
     depth = teacher.config.num_hidden_layers
-    ops = {n: counted(step(n, 1)) for n in (1, 2)}
+    ops = counted_cuts(step, (t.name, loss, precision))
     per_token = 1 / t.seq_len
     kinds = {op.kind for n in ops for op in ops[n] if op.flops}
     flops = {kind: per_token * capacity.in_depth(*(sum(op.flops for op in ops[n] if op.kind == kind) for n in (1, 2)),
@@ -250,13 +267,15 @@ NOTES = """How to read it:
 def main(argv: list[str] | None = None) -> list[CellCost]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teachers", default="gpt2,pythia-1b")
-    parser.add_argument("--losses", default="softmax,l2,direct")
+    parser.add_argument("--losses", default="softmax,l2,direct", help="'' with --sweeps: the fine-tunes only")
     parser.add_argument("--precisions", default="fp32,tf32,bf16")
     parser.add_argument("--tokens", type=float, default=PAPER_TOKENS, help="distillation tokens (default 362e6)")
     parser.add_argument("--mfu", type=float, nargs="+", default=[0.4, 0.25], help="matmul FLOP utilisations")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory traces (minutes per cell)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables as markdown here")
     parser.add_argument("--calibrate", action="store_true", help="only the check against this CPU (a minute)")
+    parser.add_argument("--sweeps", action="store_true",
+                        help="also count the task fine-tunes of the evaluation protocol and total each sweep")
     args = parser.parse_args(argv)
     if args.calibrate:
         text = "\n".join([CALIBRATION_HEAD] + [calibration(loss) for loss in ("softmax", "l2")])
@@ -266,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[CellCost]:
                                 f"`python -m studies.cost_model --calibrate --out {args.out}`\n\n{text}\n")
         return []
     chosen = [t for t in TEACHERS if t.name in args.teachers.split(",")]
-    losses, precisions = args.losses.split(","), args.precisions.split(",")
+    losses, precisions = [x for x in args.losses.split(",") if x], args.precisions.split(",")
     if not chosen or not set(losses) <= {"softmax", "l2", "direct"} or not set(precisions) <= {"fp32", "tf32", "bf16"} \
             or args.tokens <= 0 or not all(0 < m <= 1 for m in args.mfu):
         parser.error("--teachers from gpt2,pythia-1b; --losses from softmax,l2,direct; --precisions from "
@@ -289,11 +308,27 @@ def main(argv: list[str] | None = None) -> list[CellCost]:
               f"## One pass of {args.tokens / 1e6:.0f}M tokens on one GPU\n\n"
               f"{hours_table(costs, args.tokens, args.mfu)}\n\n{NOTES}\n\n"
               f"## Disk: caching every token's activations against streaming\n\n{disk_table(chosen, args.tokens)}\n")
+    if args.sweeps:
+        report += sweeps_report(chosen, precisions, costs, args)
     print(report)
     if args.out is not None:
         args.out.write_text("# Cost model: the paper's cells on one GPU\n\n"
                             f"`python -m studies.cost_model --out {args.out}`\n\n" + report)
     return costs
+
+
+def sweeps_report(chosen: list[Teacher], precisions: list[str], costs: list[CellCost], args) -> str:
+    """The task fine-tunes' counts and hours, and each sweep's total (:mod:`studies.cost_sweep`)."""
+    from studies.cost_sweep import EVAL_TOKENS, eval_costs, sweep_table
+
+    evals = []
+    for t in chosen:
+        for precision in precisions:
+            evals += eval_costs(t, precision, memory=not args.no_memory)
+            print(f"{t.name} task fine-tunes {precision}: counted", flush=True)
+    return (f"\n## The evaluation protocol: one model's task fine-tunes ({EVAL_TOKENS / 1e6:.0f}M tokens, a bound)\n\n"
+            f"{counts_table(evals)}\n\n{hours_table(evals, EVAL_TOKENS, args.mfu)}\n\n"
+            f"## Each paper sweep on one GPU\n\n" + "\n\n".join(sweep_table(costs + evals, m) for m in args.mfu) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ batch, at the experiment's micro-batch and at micro-batch 1, in fp32: the trace 
 of 1- and 2-layer cuts on this CPU (:mod:`dofla.train.capacity`). Other precisions are traced by
 ``studies.cost_model`` (bf16 is not always smaller: the losses keep float32 terms). Every layer gets the
 budget's dim (``fix``); ``dof`` moves individual layers, not the per-layer peak of the widest one
-by much at these budgets. It prints markdown; ``--out`` writes it with the command on top.
+by much at these budgets. ``--losses finetune`` adds the evaluation protocol's task fine-tune (every
+parameter of the teacher, AdamW, MMLU's batch of 128 rows of 512 tokens, the student and the working
+copy loaded beside the teacher). It prints markdown; ``--out`` writes it with the command on top.
 """
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,8 +61,18 @@ def on_meta(config):
         return AutoModelForCausalLM.from_config(config)
 
 
+def finetune_cell(t: Teacher) -> Teacher:
+    """The evaluation protocol's task fine-tune of ``t``: MMLU's batch of 128 rows of 512 tokens."""
+    return replace(t, seq_len=512, batch=128, micro=16)
+
+
 def cell_peaks(t: Teacher, loss: str) -> tuple[capacity.Peak, float]:
     teacher = on_meta(t.config())
+    if loss == "finetune":  # every parameter of the teacher, AdamW; teacher, student and the working copy loaded
+        start = time.perf_counter()
+        peak = capacity.task_step_peak([lambda cut: cut], teacher, teacher.config.num_hidden_layers, t.seq_len, "fp32",
+                                       3 * capacity.module_bytes(teacher), 1, t.batch)
+        return peak, time.perf_counter() - start
     layers, heads = teacher.config.num_hidden_layers, teacher.config.num_attention_heads
     head_dim = teacher.config.hidden_size // heads
     maps = [build_layer_feature_map("learned_prf", heads, head_dim, t.budget, seed=i) for i in range(layers)]
@@ -90,7 +102,7 @@ def table(rows: list[tuple[Teacher, str, capacity.Peak, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--losses", default="softmax,l2,direct")
+    parser.add_argument("--losses", default="softmax,l2,direct,finetune")
     parser.add_argument("--teachers", default="gpt2,pythia-1b")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         if t.name not in args.teachers.split(","):
             continue
         for loss in args.losses.split(","):
+            t = finetune_cell(t) if loss == "finetune" else next(c for c in TEACHERS if c.name == t.name)
             peak, seconds = cell_peaks(t, loss)
             rows.append((t, loss, peak, seconds))
             print(f"{t.name} {loss}: {peak.at(t.batch).bytes / GIB:.1f} GiB at batch {t.batch} ({seconds:.0f} s)", flush=True)

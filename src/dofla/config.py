@@ -221,6 +221,11 @@ class EvalConfig:
     # ({path, name, split}) or local JSON lines ({files: [...]}), rows shaped like the task's docs;
     # eval=downstream7 sets MMLU's: cais/mmlu auxiliary_train, as the paper fine-tunes it
     finetune_train_data: Any = None
+    # sequences per fine-tune forward, gradients accumulated over finetune_batch_size: null (the whole
+    # batch), a number, per task {task: n, default: n}, or auto (the memory preflight picks the largest that fits)
+    finetune_micro_batch_size: Any = None
+    finetune_checkpoint_every: int = 0  # fine-tune steps between checkpoints inside an epoch (0: at epoch ends only)
+    finetune_log_every: int = 20  # fine-tune losses reach the host (one synchronisation) this often
     mqar: bool = False  # multi-query associative recall: accuracy vs sequence length
     mqar_seq_lens: List[int] = field(default_factory=lambda: [64, 128, 256])
     mqar_examples: int = 16
@@ -270,7 +275,8 @@ class RunConfig:
     # where the teacher, student and feature maps run: auto (the GPU when one is visible, under
     # torchrun this rank's), cpu, cuda or cuda:N; data and caches stay in host memory
     device: str = "auto"
-    # training arithmetic: fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 master weights; dofla.precision)
+    # training arithmetic: fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 master weights; dofla.precision);
+    # auto: tf32 where the run's device is a GPU, else fp32 (resolved before anything loads)
     precision: str = "fp32"
     # dof runs when the allocation policy needs it (dofla.validate.stage_plan); list it to run Algorithm 1 under fix
     stages: list[str] = field(default_factory=lambda: ["cache", "allocate", "train", "assemble", "distill", "finetune",
@@ -304,6 +310,9 @@ LEGACY_VALUES: dict[tuple[str, str], Any] = {
     ("distill", "copy_share"): 0.0,
     ("distill", "copy_distance"): 128,
     ("distill", "teacher_topk"): 0,
+    ("eval", "finetune_micro_batch_size"): None,
+    ("eval", "finetune_checkpoint_every"): 0,
+    ("eval", "finetune_log_every"): 1,
 }
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

@@ -16,6 +16,7 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.record import build_record, write_json
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
+from dofla.stages import estimate as predicted_time
 from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
@@ -27,7 +28,8 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     """Run the stages ``stage_plan(cfg)`` names in ``out_dir``; returns the metrics (also in metrics.json)."""
     from dofla.tracking import NullTracker
 
-    out_dir, tracker, timer = Path(out_dir), tracker or NullTracker(), StageTimer()
+    out_dir, timer = Path(out_dir), StageTimer()
+    tracker = timer.watch(tracker or NullTracker())  # the live logs also time the training steps
     main = distributed.is_main()
     # Every check that needs no model (config, world, run directory, data files, lm-eval tasks); the
     # data is opened (prepared tokens when they exist) and data.num_tokens=all becomes a number.
@@ -36,6 +38,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     # The teacher, its geometry, and where training reads activations from (printed with the costs).
     with timer("load"):
         ctx = load(cfg, out_dir, plan, source)
+    timer.device = next(ctx.teacher.parameters()).device  # where the stages' peak memory is measured
     # Token tensors: the training tokens the cache needs and the held-out tokens.
     with timer("data"):
         tokens = data.run(ctx)
@@ -64,7 +67,10 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         return {}
     # The memory preflight of the train and distill stages, before either runs: each stage's peak on
     # this device from a trace of its step (micro_batch_size=auto picks the largest that fits).
-    ctx = preflight.run(ctx, dims, plan)
+    ctx = preflight.run(ctx, dims, plan, timer.predicted)
+    # The predicted time of every stage on this device (each stage's step timed on cut models).
+    if cfg.train.preflight:
+        predicted_time.run(ctx, dims, plan, timer.predicted)
     # Each layer's features, layerwise (cache or stream) or end to end (direct).
     trained = train.TrainResult()
     if "train" in plan:
@@ -106,6 +112,8 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if distilled:
         metrics["distill/tokens"] = int(result.tokens)
         metrics.update(distill_endpoints(out_dir))
+    # Measured beside predicted: each stage's peak memory and step time, the preflight's peaks.
+    metrics.update(timer.metrics({"eval": metrics["finetuned/step_s"]} if "finetuned/step_s" in metrics else None))
     if main:
         write_json(out_dir / "metrics.json", metrics)
         final = "student_finetuned" if finetuned else distill.TARGET if distilled else "student"
@@ -122,6 +130,7 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     the eval task plan or None).
     """
     validate_config(cfg)
+    cfg = resolve_precision(cfg)
     validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
     plan = stage_plan(cfg)
@@ -133,6 +142,21 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
         tasks = plan_tasks(cfg.eval, out_dir, others_requested=others)
     return cfg, plan, source, tasks
+
+
+def resolve_precision(cfg: RunConfig) -> RunConfig:
+    """``precision=auto`` made tf32 on a GPU and fp32 on the CPU (said once); other settings unchanged."""
+    from dataclasses import replace
+
+    from dofla.precision import resolve
+
+    if cfg.precision != "auto":
+        return cfg
+    chosen = resolve(cfg.precision, cfg.device)
+    if distributed.is_main():
+        where = torch.cuda.get_device_name(distributed.device(cfg.device)) if chosen == "tf32" else "the CPU"
+        print(f"dofla: precision=auto: {chosen} on {where}", flush=True)
+    return replace(cfg, precision=chosen)
 
 
 def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> RunContext:

@@ -6,7 +6,11 @@
   says otherwise), and every training computation (layer losses, the student's forwards in ``direct``,
   ``distill`` and ``finetune``) runs under bfloat16 autocast. The trained parameters stay float32
   (master weights) and the losses keep their log-space math (autocast runs softmax, log-sum-exp and
-  reductions in float32). Evaluation always runs in float32, so numbers compare across precisions.
+  reductions in float32). Evaluation always runs in float32, so numbers compare across precisions;
+  the fine-tunes of the evaluation protocol (``eval.protocol=finetune``) train under it like the rest.
+
+``precision=auto`` (the paper experiments' setting) is tf32 where the run's device is a GPU and fp32
+on the CPU, resolved before anything loads (:func:`resolve`) and printed.
 """
 from __future__ import annotations
 
@@ -15,6 +19,16 @@ import contextlib
 import torch
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+SETTINGS = (*PRECISIONS, "auto")
+
+
+def resolve(precision: str, device: str = "auto") -> str:
+    """``auto``: tf32 when the run's ``device`` (auto, cpu, cuda, cuda:N) is a GPU, else fp32; any other
+    setting as it is."""
+    if precision != "auto":
+        return precision
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "tf32" if gpu else "fp32"
 
 
 def autocast(precision: str, device: torch.device | str):

@@ -21,7 +21,7 @@ TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 
 def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
-    from dofla.precision import PRECISIONS
+    from dofla.precision import SETTINGS
     from dofla.data import DATA_SOURCES
     from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
     from dofla.feature_maps import FEATURE_MAPS
@@ -35,7 +35,7 @@ def validate_config(cfg: RunConfig) -> None:
     one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     check_device(cfg.device)
-    one_of("precision", cfg.precision, PRECISIONS)
+    one_of("precision", cfg.precision, SETTINGS)
     for key, value in [
         ("allocation.lam", cfg.allocation.lam),
         ("allocation.num_samples", cfg.allocation.num_samples),
@@ -179,7 +179,7 @@ def _validate_options(cfg: RunConfig) -> None:
 
 
 def _validate_eval(cfg: RunConfig) -> None:
-    from dofla.eval.suite import finetune_batch_sizes, train_data_problem
+    from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes, train_data_problem
 
     ev = cfg.eval
     one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
@@ -197,6 +197,13 @@ def _validate_eval(cfg: RunConfig) -> None:
                        *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
                        *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
         positive(key, value)
+    micro = finetune_micro_batch_sizes(ev)
+    require(all(m is None or m == "auto" or (isinstance(m, int) and m > 0) for m in micro.values()),
+            f"eval.finetune_micro_batch_size={ev.finetune_micro_batch_size} must be null (the whole batch), auto, "
+            "a positive number or {task: n, default: n}")
+    positive("eval.finetune_log_every", ev.finetune_log_every)
+    require(ev.finetune_checkpoint_every >= 0,
+            f"eval.finetune_checkpoint_every={ev.finetune_checkpoint_every} must be ≥ 0 (0: at epoch ends only)")
     require((problem := train_data_problem(ev.finetune_train_data)) is None, problem or "")
     for folder in ev.task_dirs:
         require(Path(folder).expanduser().is_dir(),

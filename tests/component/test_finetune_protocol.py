@@ -28,9 +28,9 @@ def spy(monkeypatch):
     calls = []
     real = task_finetune.finetune_and_score
 
-    def recorded(model, tokenizer, task, pairs, lr, cfg):
+    def recorded(model, tokenizer, task, pairs, lr, cfg, *rest):
         calls.append((model, task, lr, cfg.batch_for(task)))
-        return real(model, tokenizer, task, pairs, lr, cfg)
+        return real(model, tokenizer, task, pairs, lr, cfg, *rest)
 
     monkeypatch.setattr(task_finetune, "finetune_and_score", recorded)
     return calls

@@ -32,7 +32,8 @@ def snapshot(run_dir: Path) -> dict:
         "dof_settings": _read(run_dir / "dof.json")["settings"],
         "measurements": sorted(_read(run_dir / "eval_measurements.json")),
         "allocation": _read(run_dir / "allocation.json"),
-        "metrics": _read(run_dir / "metrics.json"),
+        # resources/: this machine's measured memory and step times (and the preflight's prediction beside them)
+        "metrics": {k: v for k, v in _read(run_dir / "metrics.json").items() if not k.startswith("resources/")},
     }
 
 

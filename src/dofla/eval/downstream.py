@@ -21,6 +21,11 @@ from dofla.eval.mmlu_dev import write_mmlu_dev_task
 # lm-eval names. ``wsc`` is SuperGLUE WSC (aps/super_glue, wsc.fixed; validation has 104 docs);
 # lm-eval's other WSC, ``wsc273``, is the Winograd schema set the paper did not use.
 DOWNSTREAM7 = ("piqa", "logiqa", "arc_easy", "arc_challenge", "winogrande", "mmlu", "wsc")
+# Training examples of the seven tasks as the fine-tune protocol reads them (lm-eval's training splits;
+# winogrande: winogrande_xl; mmlu: cais/mmlu auxiliary_train, eval=downstream7's finetune_train_data):
+# the startup estimate's count, before any data is read (dofla.stages.estimate)
+TRAIN_EXAMPLES = {"piqa": 16_113, "logiqa": 7_376, "arc_easy": 2_251, "arc_challenge": 1_119,
+                  "winogrande": 40_398, "mmlu": 99_842, "wsc": 554}
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 PROBE_SCRIPT = Path(__file__).with_name("dataset_probe.py")
 __all__ = ["DOWNSTREAM7", "DownstreamUnavailable", "TaskResults", "evaluate_tasks", "write_mmlu_dev_task"]

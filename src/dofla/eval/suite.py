@@ -131,6 +131,13 @@ def finetune_batch_sizes(ev: EvalConfig) -> dict:
     return {"default": EvalConfig.finetune_batch_size, **sizes} if isinstance(sizes, dict) else {"default": sizes}
 
 
+def finetune_micro_batch_sizes(ev: EvalConfig) -> dict:
+    """``eval.finetune_micro_batch_size`` as {task: sequences per forward, "default": ...} (None: the
+    whole batch; ``auto`` stays ``auto`` until the memory preflight resolves it)."""
+    sizes = ev.finetune_micro_batch_size
+    return {"default": None, **sizes} if isinstance(sizes, dict) else {"default": sizes}
+
+
 def train_data_problem(data, task: str | None = None) -> str | None:
     """What is wrong with ``eval.finetune_train_data`` (or, given ``task``, with its entry ``data``
     for that task), in one sentence, or None."""
@@ -146,39 +153,72 @@ def train_data_problem(data, task: str | None = None) -> str | None:
     return f"{key} names files that do not exist: {', '.join(missing)}" if missing else None
 
 
-def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int):
-    """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune)."""
+def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int, precision: str = "fp32"):
+    """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune); a micro-batch still
+    ``auto`` (no memory preflight ran, e.g. ``dofla-eval``) is the whole batch, said once."""
     from dofla.eval.task_finetune import FinetuneProtocolConfig
 
-    sizes = finetune_batch_sizes(ev)
-    default = sizes.pop("default")
+    sizes, micro = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
+    if "auto" in micro.values():
+        print("dofla: eval.finetune_micro_batch_size=auto needs the memory preflight of a dofla run; "
+              "fine-tuning whole batches here", flush=True)
+        micro = {task: None if m == "auto" else m for task, m in micro.items()}
+    default, micro_default = sizes.pop("default"), micro.pop("default")
     return FinetuneProtocolConfig(lr_grid=tuple(ev.finetune_lr_grid), epochs=ev.finetune_epochs,
                                   batch_size=default, task_batch_sizes=tuple(sorted(sizes.items())),
                                   max_length=ev.finetune_max_length,
                                   train_limit=ev.finetune_train_limit, eval_limit=ev.task_limit,
                                   eval_batch_size=ev.task_batch_size, seed=seed, task_dirs=plan.task_dirs,
-                                  train_data={task: dict(spec) for task, spec in (ev.finetune_train_data or {}).items()})
+                                  train_data={task: dict(spec) for task, spec in (ev.finetune_train_data or {}).items()},
+                                  micro_batch_size=micro_default, task_micro_batch_sizes=tuple(sorted(micro.items())),
+                                  precision=precision, log_every=ev.finetune_log_every,
+                                  checkpoint_every=ev.finetune_checkpoint_every)
 
 
-def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, directory: Path | None = None
-                      ) -> dict[str, float]:
-    """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused. The
-    teacher's half (its grid search) is kept in ``directory`` and computed once per teacher and
-    protocol settings: every cell of a sweep reuses it."""
+# how the protocol runs, not what it computes: out of the teacher grid's key
+UNKEYED = ("task_dirs", "eval_batch_size", "micro_batch_size", "task_micro_batch_sizes", "log_every",
+           "checkpoint_every")
+
+
+def protocol_settings(pcfg) -> dict:
+    """What the fine-tune protocol's results depend on; settings added later are in it only when set
+    away from the value every earlier result used (older kept grids stay valid)."""
     from dataclasses import asdict
 
+    return {k: v for k, v in asdict(pcfg).items() if k not in UNKEYED
+            and not (k == "train_data" and not v) and not (k == "precision" and v == "fp32")}
+
+
+def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, directory: Path | None = None,
+                      trials_dir: Path | None = None, student_settings: dict | None = None) -> dict[str, float]:
+    """The paper's protocol on the plan's tasks: learning rate picked on the teacher, reused.
+
+    The teacher's half (its grid search) is kept in ``directory`` and computed once per teacher and
+    protocol settings: the cells of a sweep share it trial by trial (each (task, learning rate) runs in
+    one process, under a file lock; the others wait for it or reuse it), and a killed job resumes each
+    trial from its checkpoint. ``trials_dir`` (with ``student_settings``, what identifies the student)
+    keeps the student's trials the same way. Returns the ``finetuned/...`` metrics, with
+    ``finetuned/step_s``: the measured seconds per fine-tune step over the trials that report it.
+    """
+    from dofla.eval.finetune_store import TrialStore
     from dofla.eval.task_finetune import TeacherProtocol, run_finetune_protocol, run_teacher_protocol
 
-    pcfg = protocol_config(plan, cfg.eval, cfg.seed)
-    settings = {k: v for k, v in asdict(pcfg).items() if k not in ("task_dirs", "eval_batch_size")
-                and not (k == "train_data" and not v)}  # added later: keyed only when set
+    pcfg = protocol_config(plan, cfg.eval, cfg.seed, cfg.precision)
+    settings = protocol_settings(pcfg)
     path = None if directory is None else teacher_file(directory, plan, cfg, "teacher_finetuned", settings)
+    grid = None if path is None else TrialStore(path.with_suffix(""), {"grid": path.stem}, pcfg.checkpoint_every)
     teacher_half = TeacherProtocol.from_json(kept(
-        path, lambda: run_teacher_protocol(teacher, tokenizer, plan.runnable, pcfg).to_json(),
+        path, lambda: run_teacher_protocol(teacher, tokenizer, plan.runnable, pcfg, store=grid).to_json(),
         "the teacher's fine-tune protocol (learning rates and scores)"))
-    result = run_finetune_protocol(teacher, {"student": student}, tokenizer, plan.runnable, pcfg, teacher_half)
+    stores = {}
+    if trials_dir is not None and student_settings is not None:
+        stores["student"] = TrialStore(trials_dir, {"student": student_settings, "protocol": settings},
+                                       pcfg.checkpoint_every)
+    result = run_finetune_protocol(teacher, {"student": student}, tokenizer, plan.runnable, pcfg, teacher_half, stores)
     plan.skipped.update({f"finetune/{task}": why for task, why in result.skipped.items()})
-    return result.flat()
+    timed = [s for trials in [*teacher_half.grid.values(), result.scores["student"].values()] for s in trials if s.steps]
+    steps = {"finetuned/step_s": sum(s.seconds for s in timed) / sum(s.steps for s in timed)} if timed else {}
+    return {**result.flat(), **steps}
 
 
 def mqar(model, who: str, ev: EvalConfig, seed: int) -> dict[str, float]:

@@ -46,15 +46,66 @@ class RunData:
 
 
 class StageTimer:
-    """Wall time per stage, accumulated into ``seconds`` (and time/<stage> metrics)."""
+    """Wall time per stage, accumulated into ``seconds`` (and time/<stage> metrics), and what each stage
+    used beside what the preflight predicted (:meth:`metrics`, ``resources/<stage>/...``): its measured
+    peak memory (:func:`dofla.measure.peak_memory` on ``device``), its step time (from the live logs
+    that pass through :meth:`watch`'s tracker) and the preflight's predicted peak (``predicted``,
+    filled by :func:`dofla.stages.preflight.run`)."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, dict] = {}
+        self.predicted: dict[str, dict] = {}
+        self.device = device
+        self.clock = None
 
     @contextmanager
     def __call__(self, stage: str):
+        from dofla.measure import peak_memory
+
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+        with peak_memory(self.device) as peak:
+            try:
+                yield
+            finally:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+        self.peaks[stage] = peak
+        line = self.summary(stage)
+        if line is not None:
+            from dofla import distributed
+
+            if distributed.is_main():
+                print(line, flush=True)
+
+    def watch(self, tracker):
+        """``tracker``, with the training steps it is told of timed."""
+        from dofla.measure import StepClock
+
+        self.clock = StepClock(tracker)
+        return self.clock
+
+    def metrics(self, extra_steps: dict | None = None) -> dict[str, float]:
+        """``resources/<stage>/peak_bytes`` (a GPU's allocated memory) or ``peak_rss_bytes`` (the CPU
+        process's resident set, monotone over the run), ``predicted_bytes``, ``step_s``; ``extra_steps``:
+        step times measured elsewhere ({stage: seconds per step}). Only stages that trained or were predicted."""
+        steps = {**(self.clock.step_seconds() if self.clock else {}), **(extra_steps or {})}
+        out = {}
+        for stage in sorted(set(self.predicted) | set(steps)):
+            peak = self.peaks.get(stage)
+            if peak:
+                out[f"resources/{stage}/{'peak_bytes' if peak['kind'] == 'cuda' else 'peak_rss_bytes'}"] = peak["bytes"]
+            for key, name in (("predicted", "predicted_bytes"), ("seconds", "predicted_s")):
+                if key in self.predicted.get(stage, {}):
+                    out[f"resources/{stage}/{name}"] = self.predicted[stage][key]
+            if stage in steps:
+                out[f"resources/{stage}/step_s"] = steps[stage]
+        return out
+
+    def summary(self, stage: str) -> str | None:
+        """One line: the stage's measured peak beside its prediction (None when neither is known)."""
+        peak, predicted = self.peaks.get(stage), self.predicted.get(stage, {})
+        if not peak or "predicted" not in predicted:
+            return None
+        kind = "allocated on the GPU" if peak["kind"] == "cuda" else "the process's peak RSS so far"
+        return (f"dofla: the {stage} stage peaked at {peak['bytes'] / 2**30:.2f} GiB ({kind}); the preflight "
+                f"predicted {predicted['predicted'] / 2**30:.2f} GiB")

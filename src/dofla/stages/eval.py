@@ -152,8 +152,11 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
         settings.update({name.removeprefix("finetune_"): getattr(ev, name)
                          for name in ("finetune_batch_size", "finetune_max_length", "finetune_train_data")
                          if getattr(ev, name) != LEGACY_VALUES[("eval", name)]})
+        if cfg.precision != LEGACY_VALUES[("run", "precision")]:  # the fine-tunes train under it
+            settings["precision"] = cfg.precision
         metrics.update(store.get("finetuned", settings, lambda: suite.finetune_protocol(
-            teacher, student, tokenizer, plan, cfg, teacher_scores), plan))
+            teacher, student, tokenizer, plan, cfg, teacher_scores, store.path.parent / "finetune_trials",
+            who_settings["student"]), plan))
     if "tasks/teacher/avg_acc" in metrics and "tasks/student/avg_acc" in metrics:
         # what the distillation lost
         metrics["tasks/acc_gap"] = metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"]

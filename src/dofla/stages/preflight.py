@@ -79,13 +79,14 @@ def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch:
         d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)), batch)
 
 
-def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
-    """Check the memory of the training stages in ``plan`` (train, distill) before either runs; returns
-    ``ctx`` with their ``micro_batch_size`` resolved."""
+def run(ctx: RunContext, dims: list, plan=("train",), records: dict | None = None) -> RunContext:
+    """Check the memory of the training stages in ``plan`` (train, distill, and the evaluation
+    protocol's task fine-tunes) before any runs; returns ``ctx`` with their micro-batches resolved.
+    ``records``: filled with each stage's prediction (also written to ``preflight.json``)."""
     from dofla.train.losses import end_to_end
 
     cfg = ctx.cfg
-    records = {}
+    records = {} if records is None else records
     if "train" in plan and any(dims):
         # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
         # process traces its own share
@@ -101,9 +102,23 @@ def run(ctx: RunContext, dims: list, plan=("train",)) -> RunContext:
         micro = check(ctx, "distill", lambda m: predict_distill(ctx, dims, m, batch), batch, records)
         if micro != cfg.distill.micro_batch_size:
             ctx = replace(ctx, cfg=replace(ctx.cfg, distill=replace(ctx.cfg.distill, micro_batch_size=micro)))
+    if "eval" in plan and cfg.eval.protocol == "finetune" and cfg.eval.tasks and not partial:
+        ctx = check_task_finetune(ctx, dims, records)
     if records and distributed.is_main():
         write_json(ctx.out_dir / "preflight.json", records)
     return ctx
+
+
+def memory_limit(ctx: RunContext) -> tuple[int, str]:
+    """(bytes the preflight plans against, where they come from in words)."""
+    from dofla.train import capacity
+
+    cfg = ctx.cfg
+    device = next(ctx.teacher.parameters()).device
+    if cfg.train.memory_limit_gb:
+        return int(cfg.train.memory_limit_gb * GIB), f"{cfg.train.memory_limit_gb:g} GiB (train.memory_limit_gb)"
+    limit = capacity.device_memory(device)
+    return limit, f"{size(limit)} usable on {device}" + (" (free now)" if device.type == "cuda" else "")
 
 
 def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
@@ -116,10 +131,7 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     auto, name = setting == "auto", f"{stage}.micro_batch_size"
     if not (cfg.train.preflight or auto):
         return setting
-    device = next(ctx.teacher.parameters()).device
-    limit = int(cfg.train.memory_limit_gb * GIB) if cfg.train.memory_limit_gb else capacity.device_memory(device)
-    where = f"{cfg.train.memory_limit_gb:g} GiB (train.memory_limit_gb)" if cfg.train.memory_limit_gb else \
-        f"{size(limit)} usable on {device}"
+    limit, where = memory_limit(ctx)
     started = time.perf_counter()
     try:
         with distributed.alone():
@@ -152,3 +164,73 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     if auto:
         print(f"dofla: {name}=auto: {micro} (of batch {batch})", flush=True)
     return micro if micro < batch else None
+
+
+def predict_task_finetune(ctx: RunContext, dims: list, batch: int):
+    """The evaluation protocol's task fine-tune :class:`~dofla.train.capacity.Peak` (``eval`` stage): the
+    larger of the teacher's and the student's, every row at ``eval.finetune_max_length`` tokens, with the
+    teacher, the student (and the teacher's capture copy) loaded beside the working copy."""
+    from dofla.precision import teacher_dtype
+    from dofla.stages.train import build_feature_maps, make_student
+    from dofla.train import capacity
+
+    cfg, teacher = ctx.cfg, ctx.teacher
+    maps = build_feature_maps(cfg, ctx.geometry, dims)
+    features = sum(capacity.module_bytes(m) for m in maps if m is not None)
+    capture = capacity.copy_bytes(teacher, getattr(torch, teacher_dtype(cfg.precision, cfg.train.teacher_dtype)))
+    weights = loaded_bytes(teacher, maps) + capacity.module_bytes(teacher) + features + capture
+    models = [lambda cut: cut, lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers])]
+    return capacity.task_step_peak(models, teacher, ctx.geometry.num_layers, cfg.eval.finetune_max_length,
+                                   cfg.precision, weights, 1, batch)
+
+
+def check_task_finetune(ctx: RunContext, dims: list, records: dict) -> RunContext:
+    """The preflight of the task fine-tunes (``eval.finetune_micro_batch_size``, per task): prints the
+    peak at the micro-batch of the largest batch, refuses a micro-batch that cannot fit, resolves
+    ``auto`` per task to the largest that fits; returns ``ctx`` with the resolved sizes."""
+    from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
+    from dofla.train import capacity
+
+    ev, name = ctx.cfg.eval, "eval.finetune_micro_batch_size"
+    batches, settings = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
+    tasks = expand_tasks(list(ev.tasks))
+    batch_of = {t: batches.get(t, batches["default"]) for t in tasks}
+    setting_of = {t: settings.get(t, settings["default"]) for t in tasks}
+    auto = "auto" in setting_of.values()
+    if not (ctx.cfg.train.preflight or auto):
+        return ctx
+    limit, where = memory_limit(ctx)
+    started = time.perf_counter()
+    try:
+        with distributed.alone():
+            peak = predict_task_finetune(ctx, dims, max(batch_of.values()))
+    except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, run anyway
+        if auto:
+            raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
+                                  f"({type(err).__name__}: {err}); set {name} to a number") from err
+        print(f"dofla: memory preflight of the task fine-tunes skipped ({type(err).__name__}: {err})", flush=True)
+        return ctx
+    chosen = {}
+    for task in tasks:
+        batch, setting = batch_of[task], setting_of[task]
+        fitting = capacity.largest_fitting(peak, batch, limit)
+        micro = fitting if setting == "auto" else (setting or batch)
+        if fitting is None or micro > fitting:
+            fix = "use a shorter eval.finetune_max_length, precision=bf16 or a larger device" if fitting is None \
+                else f"{name}={{{task}: {fitting}}} fits, or {name}=auto picks it"
+            raise DoesNotFitError(f"the task fine-tune of {task} needs ≈ {size(peak.at(micro or 1).bytes)} at "
+                                  f"micro-batch {micro or 1}, more than {where}; {fix}")
+        chosen[task] = micro if micro < batch else None
+    largest = max(tasks, key=batch_of.get)
+    micro = chosen[largest] or batch_of[largest]
+    need = peak.at(micro)
+    print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the task fine-tunes need "
+          f"≈ {size(need.bytes)} at micro-batch {micro} of {largest}'s {batch_of[largest]} ({size(need.fixed)} "
+          f"models and optimiser state + {micro} × {size(need.per_sample or 0)} per sequence); {where}", flush=True)
+    records["eval"] = {"micro_batch": chosen, "batch": batch_of, "fixed": peak.fixed, "per_sample": peak.per_sample,
+                       "predicted": need.bytes, "limit": limit}
+    if not auto:
+        return ctx
+    print(f"dofla: {name}=auto: " + ", ".join(f"{t} {chosen[t] or batch_of[t]}" for t in tasks), flush=True)
+    resolved = {**chosen, "default": min((m for m in chosen.values() if m), default=None)}
+    return replace(ctx, cfg=replace(ctx.cfg, eval=replace(ev, finetune_micro_batch_size=resolved)))

@@ -15,15 +15,17 @@ extrapolation against the traced peak of the full step at its real micro-batch.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import weakref
-from types import SimpleNamespace
 from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from dofla.train.probe_steps import (  # noqa: F401 - the step builders, also reached from here
+    cached_step, cut_to, direct_step, kl_step, model_step, stream_step, task_step, widest_layer)
+
 
 class PeakTracker(TorchDispatchMode):
     """Bytes of every tensor storage created under it and still alive (``live``), and the peak."""
@@ -83,19 +85,6 @@ def module_bytes(module: torch.nn.Module, trainable_only: bool = False) -> int:
         + (0 if trainable_only else sum(b.numel() * b.element_size() for b in module.buffers()))
 
 
-def cut_to(model, layers: int):
-    """A fresh, randomly initialised copy of ``model``'s architecture with ``layers`` layers (CPU, fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    for name in ("layer_types", "sliding_window_pattern_list"):
-        if isinstance(getattr(config, name, None), list):
-            setattr(config, name, getattr(config, name)[:layers])
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).float().eval()
-
-
 @dataclass
 class Peak:
     """A stage's predicted peak at ``micro_batch``: ``fixed`` (weights and optimiser state) plus
@@ -135,37 +124,6 @@ def in_depth(one: float, two: float, layers: int) -> float:
     return one + (layers - 1) * (two - one)
 
 
-def stream_step(teacher, feature_maps: list, layers: list[int], cfg, seq_len: int, dtype=torch.float32,
-                steps: int = 2):
-    """``step(depth, micro)``: a callable that runs ``steps`` streamed layerwise steps
-    (``dofla.train.stream``) on a ``depth``-layer cut of ``teacher`` in ``dtype`` (its distillation
-    copy's) at ``micro`` random sequences: one teacher forward, every layer's loss and backward, one
-    Adam step per layer (each layer has the widest of ``layers``' features). The memory trace and the
-    cost model (``studies/cost_model.py``) run it."""
-    from dofla.train.layerwise import param_groups
-    from dofla.train.live import Live
-    from dofla.train.stream import _train_step
-
-    widest = _widest(feature_maps, layers)
-    models: dict[int, torch.nn.Module] = {}
-
-    def step(depth: int, micro: int):
-        if depth not in models:
-            models[depth] = cut_to(teacher, depth).to(dtype)
-        model = models[depth]
-        maps = [copy.deepcopy(feature_maps[widest]) for _ in range(depth)]
-        optimizers = {i: torch.optim.Adam(param_groups(maps[i], cfg)) for i in range(depth) if list(maps[i].parameters())}
-        state = {"step": 0, "teacher_seconds": 0.0,
-                 "layers": {i: {"stopped": i not in optimizers, "seconds": 0.0, "curve": []} for i in range(depth)}}
-        ids = torch.randint(0, model.config.vocab_size, (micro, seq_len))
-        whole = replace(cfg, micro_batch_size=None, skip_nonfinite=True)
-        lrs = {i: [g["lr"] for g in opt.param_groups] for i, opt in optimizers.items()}
-        return lambda: [_train_step(model, _attention_modules(model), ids, maps, optimizers, lrs, state, whole,
-                                    Live(None, 1, 0)) for _ in range(steps)]
-
-    return step
-
-
 def copy_bytes(teacher, dtype: torch.dtype) -> int:
     """Bytes of the teacher's distillation copy in ``dtype`` (none for float32: the teacher itself runs)."""
     return 0 if dtype == torch.float32 else sum(p.numel() for p in teacher.parameters()) * dtype.itemsize
@@ -187,55 +145,10 @@ def cached_step_peak(teacher, feature_maps: list, layers: list[int], cfg, seq_le
     """The layerwise step on cached activations (``dofla.train.layerwise``, one layer at a time) at
     ``cfg.micro_batch_size``: the teacher's weights (it stays loaded), every layer's features, and
     one layer's batch of q, k (v) and its loss with the Adam state of the widest layer."""
-    from dofla.train.layerwise import layer_loss, needs_values, param_groups
-
-    widest = _widest(feature_maps, layers)
-    heads, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
-
-    def trace(depth: int, micro: int) -> int:  # layers train one after another: depth does not matter
-        feature_map = copy.deepcopy(feature_maps[widest])
-        optimizer = torch.optim.Adam(param_groups(feature_map, cfg)) if list(feature_map.parameters()) else None
-
-        def steps():
-            for _ in range(2):
-                q, k = torch.randn(micro, heads, seq_len, d), torch.randn(micro, kv, seq_len, d)
-                v = torch.randn(micro, kv, seq_len, d) if needs_values(cfg.loss) else None
-                loss = layer_loss(feature_map, q, k, cfg, v)
-                if optimizer is not None:
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-
-        return traced_peak(steps)
-
+    step = cached_step(feature_maps, layers, cfg, seq_len, geometry)
     weights = module_bytes(teacher) + sum(module_bytes(feature_maps[i]) for i in layers)
-    return _fit("train", trace, 1, weights, cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
-
-
-def model_step(student_of, teacher, seq_len: int, run):
-    """``step(depth, micro)``: a callable that runs ``run(student, cut, tokens)`` on a fresh copy of the
-    student of a ``depth``-layer cut of ``teacher`` (``student_of(cut)`` converts it), the cut teacher,
-    and ``micro`` random sequences: a step of a stage that trains the whole student."""
-    models: dict[int, tuple] = {}
-
-    def step(depth: int, micro: int):
-        if depth not in models:
-            cut = cut_to(teacher, depth)
-            models[depth] = (cut, student_of(cut))
-        cut, student = models[depth]
-        student = copy.deepcopy(student)
-        tokens = torch.randint(0, student.config.vocab_size, (micro, seq_len))
-        return lambda: run(student, cut, tokens)
-
-    return step
-
-
-def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2):
-    """``steps`` end-to-end (``direct``) steps (:func:`model_step`)."""
-    from dofla.train import train_direct
-
-    return model_step(student_of, teacher, seq_len, lambda student, _, tokens: train_direct(
-        student, tokens, replace(cfg, steps=steps, batch_size=len(tokens), micro_batch_size=None), progress=False))
+    return _fit("train", lambda depth, micro: traced_peak(step(depth, micro)), 1, weights,
+                cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
 
 
 def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weights: int) -> Peak:
@@ -246,33 +159,24 @@ def direct_step_peak(student_of, teacher, layers: int, cfg, seq_len: int, weight
                 cfg.micro_batch_size or cfg.batch_size, cfg.batch_size)
 
 
+def task_step_peak(models_of: list, teacher, layers: int, seq_len: int, precision: str, weights: int,
+                   micro_batch: int, batch_size: int) -> Peak:
+    """The task fine-tune of the largest of the models ``models_of`` builds from a cut teacher (each
+    traced; the larger weights-and-state and per-sequence terms kept); ``weights``: every model loaded
+    while it runs, the working copy included."""
+    peaks = [_fit("eval", lambda depth, micro, step=task_step(of, teacher, seq_len, precision):
+                  traced_peak(step(depth, micro)), layers, weights, micro_batch, batch_size) for of in models_of]
+    per_sample = [p.per_sample for p in peaks if p.per_sample is not None]
+    return Peak("eval", max(p.fixed for p in peaks), max(per_sample) if per_sample else None, micro_batch)
+
+
 def kl_step_peak(student_of, teacher, layers: int, schedule, train: list[str], lora: tuple[int, int],
                  seq_len: int, weights: int, batch_size: int) -> Peak:
-    """The distill stage (``distill=kl``, :func:`dofla.train.distill.train_kl`: the teacher's forward, the
-    student's forward and backward, the KL on their logits, AdamW on what ``train`` names) at
-    ``schedule.micro_batch_size``; ``weights``: the teacher's and the student's bytes."""
-    from dofla.train.distill import train_kl
-
-    def run(student, cut, tokens):
-        batches = SimpleNamespace(next_batch=lambda: tokens, state=dict, restore=lambda _: None,
-                                  batch_tokens=tokens.numel())  # the same batch every step
-        train_kl(student, cut, batches, train, replace(schedule, steps=2, micro_batch_size=len(tokens),
-                                                               log_every=2, warmup_steps=0), lora=lora, progress=False)
-
-    step = model_step(student_of, teacher, seq_len, run)
+    """The distill stage (:func:`kl_step`) at ``schedule.micro_batch_size``; ``weights``: the teacher's and
+    the student's bytes."""
+    step = kl_step(student_of, teacher, schedule, train, lora, seq_len)
     return _fit("distill", lambda depth, micro: traced_peak(step(depth, micro)), layers, weights,
                 schedule.micro_batch_size or batch_size, batch_size)
-
-
-def _widest(feature_maps: list, layers: list[int]) -> int:
-    """The layer whose features have the most parameters (the one a per-layer trace sizes)."""
-    return max(layers, key=lambda i: sum(p.numel() for p in feature_maps[i].parameters()))
-
-
-def _attention_modules(model):
-    from dofla.models.adapters import get_adapter
-
-    return get_adapter(model).attention_modules(model)
 
 
 def largest_fitting(peak: Peak, batch_size: int, limit: int) -> int | None:
@@ -288,10 +192,13 @@ def usable(total: int) -> int:
 
 
 def device_memory(device: torch.device) -> int:
-    """Bytes the preflight plans against: a CUDA device's total memory less 10 % and 1 GiB (the CUDA
-    context, cuBLAS workspaces and the allocator's fragmentation), or the host's available memory."""
+    """Bytes the preflight plans against: on a GPU, what this process can have, i.e. the free memory
+    plus what its own allocator already holds (its models, which the prediction counts), at most the
+    total less 10 % and 1 GiB (the CUDA context, cuBLAS workspaces, the allocator's fragmentation):
+    another process on the same GPU shrinks it. On the CPU, the host's available memory."""
     if device.type == "cuda":
-        return usable(torch.cuda.get_device_properties(device).total_memory)
+        free, total = torch.cuda.mem_get_info(device)
+        return min(usable(total), free + torch.cuda.memory_reserved(device))
     try:
         with open("/proc/meminfo") as handle:
             info = dict(line.split(":", 1) for line in handle)

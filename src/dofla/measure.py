@@ -1,0 +1,87 @@
+"""What a run measures about itself, beside what the preflight predicted: each stage's peak memory
+and its training step time (``resources/<stage>/...`` in metrics.json).
+
+Peak memory is the CUDA caching allocator's ``max_memory_allocated`` on a GPU, reset when a stage
+starts (:func:`peak_memory`; nested scopes keep the outer one's peak whole): tensor storage, the same
+quantity the preflight predicts. On the CPU it is the process's peak resident set size
+(``getrusage``), which only grows over a process's life: a stage's value is the largest of any stage so
+far, and it includes the interpreter and libraries, which the prediction does not.
+
+Step time is read from the live logs the trainers send every ``log_every`` steps (:class:`StepClock`):
+the wall time between two log points over the steps between them, so it includes the host
+synchronisation each log point makes and leaves out whatever runs before the first one (compilation,
+warm-up).
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+
+import torch
+
+_OUTER: list[list[int]] = []  # the running peak of every enclosing CUDA scope
+
+
+def rss_peak() -> int:
+    """This process's peak resident set size so far, in bytes (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device | str | None = None):
+    """Yields a dict that holds, once the block ends, ``bytes`` (the block's peak) and ``kind``
+    (``cuda``: allocated tensor memory; ``rss``: the process's resident set, monotone)."""
+    out: dict = {}
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        try:
+            yield out
+        finally:
+            out.update(bytes=rss_peak(), kind="rss")
+        return
+    torch.cuda.synchronize(device)
+    if _OUTER:
+        _OUTER[-1][0] = max(_OUTER[-1][0], torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    _OUTER.append([0])
+    try:
+        yield out
+    finally:
+        torch.cuda.synchronize(device)
+        mine = max(_OUTER.pop()[0], torch.cuda.max_memory_allocated(device))
+        if _OUTER:
+            _OUTER[-1][0] = max(_OUTER[-1][0], mine)
+        out.update(bytes=mine, kind="cuda")
+
+
+class StepClock:
+    """A tracker that passes everything on to ``tracker`` and times the training steps it sees logged
+    (``<stage>/step`` keys): per stage, the seconds and steps between consecutive log points."""
+
+    def __init__(self, tracker, stages=("train", "distill")):
+        self.tracker, self.stages = tracker, stages
+        self.last: dict[str, tuple[float, int]] = {}
+        self.totals: dict[str, list[float]] = {}  # stage -> [seconds, steps]
+
+    def log(self, values: dict, *args, **kwargs):
+        now = time.perf_counter()
+        for stage in self.stages:
+            step = values.get(f"{stage}/step")
+            if step is None:
+                continue
+            before = self.last.get(stage)
+            if before is not None and step > before[1]:  # a new layer starts again from step 0: not counted
+                total = self.totals.setdefault(stage, [0.0, 0])
+                total[0] += now - before[0]
+                total[1] += step - before[1]
+            self.last[stage] = (now, step)
+        return self.tracker.log(values, *args, **kwargs)
+
+    def step_seconds(self) -> dict[str, float]:
+        return {stage: seconds / steps for stage, (seconds, steps) in self.totals.items() if steps}
+
+    def __getattr__(self, name):
+        return getattr(self.tracker, name)
