@@ -10,10 +10,10 @@ from typing import Any
 from dofla import distributed
 from dofla.artifacts import canonical
 from dofla.record import read_json, write_json
-from dofla.stages.assemble import with_settings
 from dofla.stages.context import RunContext, RunData
-from dofla.stages.data import cached_tokens, data_source, training_stream
 from dofla.stages.keys import distill_settings
+from dofla.stages.sources import data_source, training_stream
+from dofla.stages.students import with_settings
 
 TARGET = "student_distilled"
 
@@ -73,11 +73,7 @@ def schedule(ctx: RunContext, batch_tokens: int):
 
 def offset(ctx: RunContext, data: RunData) -> int:
     """Tokens of the training text skipped first: ``distill.offset``, else every token the layerwise
-    stage read (its cache, or its cached sample plus its stream), so distillation sees fresh text."""
-    cfg = ctx.cfg
-    if cfg.distill.offset is not None:
-        return cfg.distill.offset
-    if ctx.source == "stream" or (ctx.source == "none" and cfg.train.source == "stream"):
-        return cached_tokens(cfg, "stream") + cfg.data.num_tokens
-    return cfg.data.num_tokens
+    stage read (its cache, or its cached sample plus its stream), so distillation sees fresh text
+    (the run's token ledger, :class:`~dofla.stages.plan.TokenLedger`)."""
+    return ctx.train.ledger.kl_offset
 
