@@ -1,12 +1,26 @@
 """Typed run configuration: what Hydra composes from conf/, converted with ``OmegaConf.to_object``.
 
 Library code takes these dataclasses (or plain values), never a DictConfig, so every stage can be
-called from a notebook: ``pipeline.run(RunConfig(...), out_dir)``.
+called from a notebook: ``pipeline.run(RunConfig(...), out_dir)``. Each section declares, beside
+its fields, how they enter the artifact keys (``KEYS``, :class:`Keys`): a new option is one field
+and its name in that declaration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, List, Optional
+
+
+@dataclass(frozen=True)
+class Keys:
+    """How a section's fields enter the artifact keys (:mod:`dofla.stages.keys`): ``in_key`` change what
+    an artifact holds, ``out`` do not (how or where a job runs); a field in neither fails loudly once a
+    key reads the section. ``legacy``: fields added after artifacts were written, at the value that
+    reproduces those; a field at it is left out of its key, so older artifacts stay valid."""
+
+    in_key: tuple[str, ...] = ()
+    out: tuple[str, ...] = ()
+    legacy: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -15,6 +29,8 @@ class ModelConfig:
     source: str = "embedded:smollm2-135m-instruct"  # hub id, local dir, embedded:..., tiny:<arch>
     revision: Optional[str] = None
     tiny_layers: int = 2  # only for tiny:<arch> sources
+
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "source", "revision", "tiny_layers"))
 
 
 @dataclass
@@ -36,11 +52,17 @@ class DataConfig:
     # (prepared data only): the cached sample is a random sample of the split, the stream the rest
     shuffle_seed: Optional[int] = None
 
+    # prepared tokens are the text path's tokens, read faster; prefetching changes no batch
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens",
+                                        "shuffle_seed"), out=("prepared", "prefetch"), legacy={"shuffle_seed": None})
+
 
 @dataclass
 class FeatureMapConfig:
     name: str = "learned_prf"
     options: dict[str, Any] = field(default_factory=dict)
+
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "options"))
 
 
 @dataclass
@@ -52,11 +74,16 @@ class AttentionConfig:
     gate: str = "none"  # none | scalar (linear, hybrid: a per-head decay of the linear state, trained by distill=kl)
     linear_scale: str = "fixed"  # fixed | learned (hybrid: a per-head weight of the linear part, trained by distill=kl)
 
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "window", "sinks", "chunk_size", "gate", "linear_scale"),
+                                legacy={"sinks": 0, "gate": "none", "linear_scale": "fixed"})
+
 
 @dataclass
 class LossConfig:
-    name: str = "softmax"  # l2 | softmax | output | direct
+    name: str = "softmax"  # l2 | softmax | output, or direct (the direct training mode, dofla.stages.plan)
     options: dict[str, Any] = field(default_factory=dict)
+
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "options"))
 
 
 @dataclass
@@ -78,6 +105,10 @@ class AllocationConfig:
     softmax_layers: int = 0
     softmax_probe_seqs: int = 8
     softmax_rank: str = "kl"  # kl (each alone) | kl_greedy (chosen kept exact) | attention_error | retrieval | passkey
+
+    # its keys are built field by field (dofla.stages.keys.dof_settings, student_settings)
+    KEYS: ClassVar[Keys] = Keys(legacy={"resamples": 1, "softmax_layers": 0, "softmax_probe_seqs": 8,
+                                        "softmax_rank": "kl"})
 
 
 @dataclass
@@ -145,6 +176,14 @@ class TrainConfig(StepConfig):
     # compilation, on the CPU that needs a C++ compiler). Changes the speed, not what is learned
     compile: bool = False
 
+    # which job trains a layer, where it writes, how often it checkpoints: not what it learns
+    KEYS: ClassVar[Keys] = Keys(
+        in_key=("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule", "heldout_fraction",
+                "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source", "max_steps",
+                "teacher_dtype", "hybrid_target"),
+        out=("layers", "layer_dir", "cache_limit_gb", "preflight", "memory_limit_gb", "parallel", *NOT_LEARNT),
+        legacy={"teacher_dtype": "float32", "micro_batch_size": None, "hybrid_target": "hybrid"})
+
 
 @dataclass
 class FinetuneConfig:
@@ -157,6 +196,8 @@ class FinetuneConfig:
     rank: int = 8
     alpha: int = 16
     warmup_steps: int = 5
+
+    KEYS: ClassVar[Keys] = Keys(in_key=("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"))
 
 
 @dataclass
@@ -195,6 +236,16 @@ class DistillConfig:
     teacher_cache_gb: float = 20.0
     checkpoint_every: int = 50
     log_every: int = 10
+
+    # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
+    KEYS: ClassVar[Keys] = Keys(
+        in_key=("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
+                "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
+                "window_dropout_end", "copy_share", "copy_distance", "teacher_topk"),
+        # the teacher-logit cache stores the targets the teacher would give (bit for bit): not what is learnt
+        out=("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every", "teacher_cache", "teacher_cache_gb"),
+        legacy={"window_dropout": 0.0, "window_dropout_end": None, "logit_chunk": 0, "scale_lr": 0.1, "copy_share": 0.0,
+                "copy_distance": 128, "teacher_topk": 0})
 
 
 @dataclass
@@ -238,6 +289,11 @@ class EvalConfig:
     passkey_trials: int = 4
     memory_contexts: List[int] = field(default_factory=list)  # decode memory per sequence at these context lengths
     passkey_seed: Optional[int] = None  # seed of the passkey prompts (None: the run's seed); fixed: the same prompts in every run
+
+    # each measurement's key is built field by field (dofla.stages.eval)
+    KEYS: ClassVar[Keys] = Keys(legacy={"finetune_batch_size": 4, "finetune_max_length": 512,
+                                        "finetune_train_data": None, "finetune_micro_batch_size": None,
+                                        "finetune_checkpoint_every": 0, "finetune_log_every": 1})
 
 
 @dataclass
@@ -283,36 +339,21 @@ class RunConfig:
                                                        "eval", "report"])
     experiment: Optional[str] = None
 
+    KEYS: ClassVar[Keys] = Keys(legacy={"precision": "fp32"})
+
+
+def section_keys() -> dict[str, Keys]:
+    """Each section's key declaration by its name in RunConfig (none: no key reads it); ``run`` for
+    RunConfig's own fields."""
+    sections = {f.name: f.default_factory for f in fields(RunConfig) if isinstance(f.default_factory, type)}
+    return {"run": RunConfig.KEYS, **{name: getattr(cls, "KEYS", Keys()) for name, cls in sections.items()}}
+
 
 # Settings added after artifacts and runs were recorded without them, with the value that reproduces
-# what those did. A setting at this value is left out of the artifact key it belongs to (so older
-# artifacts stay valid, dofla.stages.keys) and filled in when older runs are compared (dofla.report).
-LEGACY_VALUES: dict[tuple[str, str], Any] = {
-    ("train", "teacher_dtype"): "float32",
-    ("allocation", "resamples"): 1,
-    ("attention", "sinks"): 0,
-    ("train", "micro_batch_size"): None,
-    ("run", "precision"): "fp32",  # "run": a top-level key
-    ("data", "shuffle_seed"): None,
-    ("eval", "finetune_batch_size"): 4,
-    ("eval", "finetune_max_length"): 512,
-    ("eval", "finetune_train_data"): None,
-    ("allocation", "softmax_layers"): 0,
-    ("allocation", "softmax_probe_seqs"): 8,
-    ("allocation", "softmax_rank"): "kl",
-    ("train", "hybrid_target"): "hybrid",
-    ("distill", "window_dropout"): 0.0,
-    ("distill", "window_dropout_end"): None,
-    ("distill", "logit_chunk"): 0,
-    ("attention", "gate"): "none",
-    ("attention", "linear_scale"): "fixed",
-    ("distill", "scale_lr"): 0.1,
-    ("distill", "copy_share"): 0.0,
-    ("distill", "copy_distance"): 128,
-    ("distill", "teacher_topk"): 0,
-    ("eval", "finetune_micro_batch_size"): None,
-    ("eval", "finetune_checkpoint_every"): 0,
-    ("eval", "finetune_log_every"): 1,
-}
+# what those did (each section's Keys.legacy): a setting at this value is left out of the artifact
+# key it belongs to (so older artifacts stay valid, dofla.stages.keys) and filled in when older runs
+# are compared (dofla.report).
+LEGACY_VALUES: dict[tuple[str, str], Any] = {(name, key): value for name, keys in section_keys().items()
+                                             for key, value in keys.legacy.items()}
 # Config sections added later: a run recorded without one ran with its defaults.
 ADDED_SECTIONS: dict[str, type] = {"distill": DistillConfig, "paths": PathsConfig}

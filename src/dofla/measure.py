@@ -85,3 +85,21 @@ class StepClock:
 
     def __getattr__(self, name):
         return getattr(self.tracker, name)
+
+
+@torch.no_grad()
+def teacher_tokens_per_second(teacher, seq_len: int) -> float:
+    """One timed teacher forward of a (1, seq_len) batch, after a warm-up forward and with the device
+    synchronised before and after (a GPU's first call and its asynchronous launch mislead): the
+    throughput the predictions use."""
+    device = next(teacher.parameters()).device
+    ids = torch.randint(0, teacher.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    teacher(input_ids=ids, use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    teacher(input_ids=ids, use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return seq_len / max(time.perf_counter() - start, 1e-9)

@@ -14,20 +14,26 @@ import torch
 
 from dofla import distributed
 from dofla.config import RunConfig
-from dofla.record import build_record, write_json
+from dofla.eval.probes import long_tokens
+from dofla.eval.suite import plan_tasks
+from dofla.models import get_adapter, load_teacher
+from dofla.models.card import lm_eval_settings, write_model_card
+from dofla.precision import configure_matmul, teacher_dtype
+from dofla.record import build_record, read_json, write_json
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
 from dofla.stages import estimate as predicted_time
 from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
+from dofla.stages.results import TrainResult
+from dofla.stages.students import layer_dir, linear_layers
+from dofla.tracking import NullTracker
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
 from dofla.world import train_split, validate_world
 
 
 def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
     """Run the stages ``stage_plan(cfg)`` names in ``out_dir``; returns the metrics (also in metrics.json)."""
-    from dofla.tracking import NullTracker
-
     out_dir, timer = Path(out_dir), StageTimer()
     tracker = timer.watch(tracker or NullTracker())  # the live logs also time the training steps
     main = distributed.is_main()
@@ -45,7 +51,8 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if main:
         write_json(out_dir / "run.json", {**build_record(cfg, overrides), "cache_key": tokens.cache_key,
                                           "world_size": distributed.world(), "stages": list(plan),
-                                          "train_source": ctx.source, "train_parallel": train_split(cfg, distributed.world(), ctx.source)})
+                                          "train_source": ctx.train.source,
+                                          "train_parallel": train_split(cfg, distributed.world(), ctx.train.source)})
     # The teacher's q, k, v over the training tokens (shared by every run with the same data).
     activations = None
     if "cache" in plan:
@@ -55,12 +62,12 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     estimate = None
     if "dof" in plan:
         with timer("dof"):
-            estimate = distributed.main_first(dof.run, ctx, activations, train.linear_layers(cfg, ctx.geometry))
+            estimate = distributed.main_first(dof.run, ctx, activations, linear_layers(cfg, ctx.geometry))
     # Feature dims per layer under the budget.
     dims = [0] * ctx.geometry.num_layers  # training-free attention: no feature maps
     if "allocate" in plan:
         with timer("allocate"):
-            dims = distributed.main_first(allocate.run, ctx, estimate, activations)
+            dims = distributed.main_first(allocate.run, ctx, estimate, activations).dims
     if "allocate" in plan or "train" not in plan:
         report.log_allocation(tracker, estimate, dims)
     if "train" not in plan and "assemble" not in plan:
@@ -72,7 +79,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if cfg.train.preflight:
         predicted_time.run(ctx, dims, plan, timer.predicted)
     # Each layer's features, layerwise (cache or stream) or end to end (direct).
-    trained = train.TrainResult()
+    trained = TrainResult()
     if "train" in plan:
         with timer("train"):
             trained = train.run(ctx, activations, dims, tokens, tracker if main else None)
@@ -82,31 +89,31 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
             report.log_training(tracker, trained.summaries)
     if cfg.train.layers is not None and len(set(cfg.train.layers)) < ctx.geometry.num_layers:
         if main:
-            print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {train.layer_dir(cfg, out_dir)}; "
+            print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {layer_dir(cfg, out_dir)}; "
                   "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
         return {}
     if "assemble" not in plan:
         return {}
     # The student as a Hugging Face model directory.
     with timer("assemble"):
-        student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key, tokens.train_tokens)
+        student = distributed.main_first(assemble.run, ctx, dims, tokens.cache_key, tokens.train_tokens).student
     # Optional model-level distillation: KL to the teacher's next-token distributions on fresh text
     # (under torchrun every rank trains on its share of each batch).
-    distilled = cfg.distill.name != "none" and "distill" in plan
+    distilled = "distill" in plan  # distill=kl turns it on (dofla.stages.plan.switched_stages)
     if distilled:
         with timer("distill"):
             result = distill.run(ctx, student, tokens, tracker if main else None)
         student = result.student
     # Optional LoRA fine-tune of the (distilled) student.
-    finetuned = cfg.finetune.name == "lora" and "finetune" in plan
+    finetuned = "finetune" in plan
     if finetuned:
         with timer("finetune"):
-            student = distributed.main_first(finetune.run, ctx, student, tokens)
+            student = distributed.main_first(finetune.run, ctx, student, tokens).student
     if "eval" not in plan:
         return {}
     # Teacher and student on held-out text, tasks and probes.
     with timer("eval"):
-        metrics = evaluation.run(ctx, student, tokens, tasks)
+        metrics = evaluation.run(ctx, student, tokens, tasks).metrics
     metrics.update(data_budget(ctx, tokens, trained, activations))
     metrics.update(softmax_layers.metrics(student))
     if distilled:
@@ -134,10 +141,9 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
     plan = stage_plan(cfg)
-    cfg, source = data.open_data(cfg)  # prepared tokens, or the text source (its files checked)
+    cfg, source = data.open_or_prepare(cfg)  # prepared tokens, or the text source (its files checked)
     tasks = None
     if cfg.eval.tasks and "eval" in plan and distributed.is_main():
-        from dofla.eval.suite import plan_tasks
 
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
         tasks = plan_tasks(cfg.eval, out_dir, others_requested=others)
@@ -160,11 +166,9 @@ def resolve_precision(cfg: RunConfig) -> RunConfig:
 
 
 def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> RunContext:
-    """Load the teacher onto ``cfg.device``, check the config against it, choose the training source;
+    """Load the teacher onto ``cfg.device``, check the config against it, plan the training (its mode,
+    source and token ledger: the :class:`~dofla.stages.plan.TrainPlan` every stage reads);
     ``data_source``: the data :func:`check_before_loading` opened (kept in the context)."""
-    from dofla.models import get_adapter, load_teacher
-    from dofla.precision import configure_matmul, teacher_dtype
-
     configure_matmul(cfg.precision)
     teacher, tokenizer = load_teacher(cfg.model.source, cfg.model.revision, cfg.seed, cfg.model.tiny_layers)
     teacher = teacher.to(distributed.device(cfg.device))  # the student is a copy: it follows
@@ -173,10 +177,10 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> Ru
     needs_capture = "cache" in plan or "train" in plan
     capture = data.capture_teacher(teacher, teacher_dtype(cfg.precision, cfg.train.teacher_dtype)) \
         if needs_capture else teacher
-    source = distributed.broadcast(data.choose_train_source(cfg, plan, geometry, capture) if distributed.is_main()
-                                   else None)
-    validate_world(cfg, distributed.world(), source)  # torchrun's split, now that the source is known
-    return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture, source, data_source)
+    training = distributed.broadcast(data.plan_training(cfg, plan, geometry, capture) if distributed.is_main()
+                                     else None)
+    validate_world(cfg, distributed.world(), training.source)  # torchrun's split, now that the source is known
+    return RunContext(cfg, out_dir, tuple(plan), teacher, tokenizer, geometry, capture, training, data_source)
 
 
 def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
@@ -187,25 +191,21 @@ def heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
 def long_heldout_tokens(cfg: RunConfig, tokenizer) -> torch.Tensor:
     """(eval.long_context_seqs, eval.long_seq_len) the long held-out tokens the position and passkey
     measurements read."""
-    from dofla.eval.probes import long_tokens
-
     return long_tokens(cfg, tokenizer, data.open_data(cfg)[1])
 
 
-def data_budget(ctx: RunContext, tokens: RunData, trained: train.TrainResult, activations) -> dict:
+def data_budget(ctx: RunContext, tokens: RunData, trained: TrainResult, activations) -> dict:
     """``train/tokens``: distinct distillation tokens the features saw (the cached tokens, or the
     tokens streamed); ``cache/bytes``: the activation cache's size on disk (0 without a cache)."""
     seen = trained.tokens()
     if seen is None:
-        seen = tokens.train_tokens.numel() if ctx.source == "cache" else 0
+        seen = tokens.train_tokens.numel() if ctx.train.reads_cache else 0
     return {"train/tokens": int(seen), "cache/bytes": int(activations.nbytes()) if activations is not None else 0}
 
 
 def distill_endpoints(out_dir: Path, steps: int = 8) -> dict:
     """What the KL stage reached: the mean batch KL of its first and last ``steps`` logged steps
     (``distill/kl_first``, ``distill/kl_last``), from ``distill_summary.json``'s curve."""
-    from dofla.record import read_json
-
     curve = [point["kl"] for point in (read_json(out_dir / "distill_summary.json") or {}).get("curve", [])
              if point.get("kl") is not None]
     if not curve:
@@ -216,6 +216,4 @@ def distill_endpoints(out_dir: Path, steps: int = 8) -> dict:
 
 def write_card(student_dir: Path, metrics: dict) -> None:
     """The evaluated student's model card, with the run's numbers and how its lm-eval scores were made."""
-    from dofla.models.card import lm_eval_settings, write_model_card
-
     write_model_card(student_dir, metrics, lm_eval=lm_eval_settings(student_dir.parent, metrics))

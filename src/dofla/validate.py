@@ -10,9 +10,18 @@ from pathlib import Path
 
 from dofla.attention import ATTENTION_FORMS
 from dofla.config import RunConfig
+from dofla.data import DATA_SOURCES
+from dofla.data.prepared import PREPARED_MODES
 from dofla.distributed import check_device
+from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
 from dofla.errors import ConfigError, require
-from dofla.stages.plan import stage_plan
+from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes, train_data_problem
+from dofla.feature_maps import FEATURE_MAPS
+from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
+from dofla.precision import SETTINGS
+from dofla.stages.plan import DIRECT, stage_plan, training_mode
+from dofla.train.layerwise import mean_over_rows
+from dofla.train.losses import LOSSES, next_token_loss
 from dofla.validate_training import SCHEDULES, one_of, positive, validate_training
 
 TRAIN_SOURCES = ("auto", "cache", "stream")
@@ -21,14 +30,8 @@ TEACHER_DTYPES = ("float32", "bfloat16", "float16")
 
 def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
-    from dofla.precision import SETTINGS
-    from dofla.data import DATA_SOURCES
-    from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
-    from dofla.feature_maps import FEATURE_MAPS
-    from dofla.train.losses import LOSSES
-
     one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
-    one_of("loss.name", cfg.loss.name, LOSSES.names())
+    one_of("loss.name", cfg.loss.name, [*LOSSES.names(), DIRECT])  # a layer loss, or the direct training mode
     one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
     one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
     one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
@@ -61,12 +64,9 @@ def validate_config(cfg: RunConfig) -> None:
             f"attention.chunk_size=auto tunes the linear kernel, and attention={cfg.attention.name} chunks by its "
             "window; give a number")
     if cfg.train.micro_batch_size is not None:
-        from dofla.train.layerwise import mean_over_rows
-        from dofla.train.losses import end_to_end
-
         if cfg.train.micro_batch_size != "auto":
             positive("train.micro_batch_size", cfg.train.micro_batch_size)
-        require(end_to_end(cfg.loss.name) or mean_over_rows(cfg.loss.name),
+        require(training_mode(cfg) == DIRECT or mean_over_rows(cfg.loss.name),
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
@@ -91,8 +91,6 @@ def validate_config(cfg: RunConfig) -> None:
 
 
 def _validate_num_tokens(cfg: RunConfig) -> None:
-    from dofla.data.prepared import PREPARED_MODES
-
     one_of("data.prepared", cfg.data.prepared, PREPARED_MODES)
     require(cfg.data.shuffle_seed is None or cfg.data.prepared != "off", "data.shuffle_seed reads the prepared "
             "training split in a random order, which data.prepared=off turns off; set data.prepared=auto")
@@ -161,16 +159,12 @@ def _validate_scale(cfg: RunConfig) -> None:
 
 def _validate_options(cfg: RunConfig) -> None:
     """feature_map/loss/data options against the signature of what they are passed to."""
-    from dofla.data import DATA_SOURCES
-    from dofla.feature_maps import FEATURE_MAPS
-    from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
-    from dofla.train.losses import LOSSES
-
     fm, loss, data = cfg.feature_map, cfg.loss, cfg.data
+    loss_fn = next_token_loss if training_mode(cfg) == DIRECT else LOSSES.get(loss.name)
     for key, owner, declared, given in [
         ("feature_map.options", f"feature map {fm.name!r}",
          declared_options(FEATURE_MAPS.get(fm.name), FEATURE_MAP_PASSED), fm.options),
-        ("loss.options", f"loss {loss.name!r}", declared_options(LOSSES.get(loss.name), LOSS_PASSED), loss.options),
+        ("loss.options", f"loss {loss.name!r}", declared_options(loss_fn, LOSS_PASSED), loss.options),
         ("data.options", f"data source {data.name!r}", declared_options(DATA_SOURCES.get(data.name), DATA_PASSED),
          data.options),
     ]:
@@ -179,8 +173,6 @@ def _validate_options(cfg: RunConfig) -> None:
 
 
 def _validate_eval(cfg: RunConfig) -> None:
-    from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes, train_data_problem
-
     ev = cfg.eval
     one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
     require(all(isinstance(t, str) and t for t in ev.tasks),

@@ -2,8 +2,18 @@
 decay gate and the linear scale (part of :func:`dofla.validate.validate_config`; one clear sentence per bad value)."""
 from __future__ import annotations
 
+import os
+import shutil
+
+import torch
+
+from dofla.attention.gate import GATES
 from dofla.config import RunConfig
+from dofla.data.copies import SPAN
 from dofla.errors import require
+from dofla.models.spec import LINEAR_SCALES
+from dofla.stages.plan import DIRECT, training_mode
+from dofla.train.distill import TRAINABLE
 
 SCHEDULES = ("constant", "cosine")
 HYBRID_TARGETS = ("hybrid", "full")
@@ -30,24 +40,17 @@ def validate_training(cfg: RunConfig) -> None:
 def cxx_compiler() -> str | None:
     """The C++ compiler torch.compile would build CPU kernels with (``$CXX``, else g++ / c++ /
     clang++ on the PATH), or None."""
-    import os
-    import shutil
-
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
     return next((found for name in names if (found := shutil.which(name))), None)
 
 
 def _validate_compile(cfg: RunConfig) -> None:
     """``train.compile`` compiles the layer loss: useless end to end, and on the CPU it needs a compiler."""
-    from dofla.train.losses import end_to_end
-
     if not cfg.train.compile:
         return
-    require(not end_to_end(cfg.loss.name),
+    require(training_mode(cfg) != DIRECT,
             f"train.compile=true compiles the layerwise loss, and loss={cfg.loss.name} has none to compile; "
             "unset train.compile")
-    import torch
-
     gpu = str(cfg.device).startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     require(gpu or cxx_compiler() is not None,
             "train.compile=true on the CPU needs a C++ compiler (g++, c++ or clang++ on the PATH, or $CXX), and "
@@ -55,8 +58,6 @@ def _validate_compile(cfg: RunConfig) -> None:
 
 
 def _validate_gate(cfg: RunConfig) -> None:
-    from dofla.attention.gate import GATES
-
     a, d = cfg.attention, cfg.distill
     one_of("attention.gate", a.gate, GATES)
     if a.gate == "none":
@@ -96,8 +97,6 @@ def _validate_delta(cfg: RunConfig) -> None:
 
 
 def _validate_linear_scale(cfg: RunConfig) -> None:
-    from dofla.models.spec import LINEAR_SCALES
-
     a, d = cfg.attention, cfg.distill
     one_of("attention.linear_scale", a.linear_scale, LINEAR_SCALES)
     if a.linear_scale == "fixed":
@@ -117,7 +116,7 @@ def _validate_hybrid_training(cfg: RunConfig) -> None:
     hybrid = _has_hybrid_layers(cfg)
     require(target == "hybrid" or hybrid, f"train.hybrid_target={target} trains a hybrid's linear part against "
             f"full attention; attention={a.name} has no hybrid layers, leave it at hybrid")
-    require(target == "hybrid" or cfg.loss.name != "direct", "train.hybrid_target=full sets what the layerwise "
+    require(target == "hybrid" or training_mode(cfg) != DIRECT, "train.hybrid_target=full sets what the layerwise "
             "losses compare; loss=direct trains end to end, so use distill.window_dropout for that instead")
     d = cfg.distill
     for key in ("window_dropout", "window_dropout_end"):
@@ -131,8 +130,6 @@ def _validate_hybrid_training(cfg: RunConfig) -> None:
 
 
 def _validate_distill(cfg: RunConfig) -> None:
-    from dofla.train.distill import TRAINABLE
-
     d = cfg.distill
     one_of("distill.name", d.name, ("none", "kl"))
     if d.name == "none":
@@ -173,8 +170,6 @@ def _validate_teacher_targets(d) -> None:
 
 
 def _validate_copies(d, seq_len: int) -> None:
-    from dofla.data.copies import SPAN
-
     require(isinstance(d.copy_share, (int, float)) and 0 <= d.copy_share <= 0.5,
             f"distill.copy_share={d.copy_share!r} must be a share of the tokens in [0, 0.5] (0: no far copies)")
     require(isinstance(d.copy_distance, int) and d.copy_distance >= 1,

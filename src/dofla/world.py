@@ -5,34 +5,31 @@ from __future__ import annotations
 from dofla.config import RunConfig
 from dofla.distributed import splits_batches
 from dofla.errors import require
+from dofla.stages.plan import DIRECT, stage_plan, training_mode
 
 
 def train_split(cfg: RunConfig, world: int, source: str | None = None) -> str | None:
     """``data`` (each process a share of every batch: ``direct``, or a stream under
     ``train.parallel``), ``layers`` (each process its layers), or None for one process. ``source``:
     where training reads, once the run chose it (before, ``train.source``)."""
-    from dofla.train.losses import end_to_end
-
     if world <= 1:
         return None
-    return "data" if end_to_end(cfg.loss.name) or splits_batches(cfg.train.parallel, source or cfg.train.source) \
+    return "data" if training_mode(cfg) == DIRECT or splits_batches(cfg.train.parallel, source or cfg.train.source) \
         else "layers"
 
 
 def validate_world(cfg: RunConfig, world: int, source: str | None = None) -> None:
     """Checks for a data-parallel run under torchrun with ``world`` processes; ``source`` as for
     :func:`train_split`."""
-    from dofla.train.losses import end_to_end
-
     if world <= 1:
         return
-    if cfg.distill.name != "none" and "distill" in cfg.stages:
+    if "distill" in stage_plan(cfg):
         require(cfg.distill.batch_size % world == 0,
                 f"distill.batch_size={cfg.distill.batch_size} cannot be split evenly over {world} torchrun processes; "
                 f"use a multiple of {world}")
     if "train" not in cfg.stages:
         return
-    if end_to_end(cfg.loss.name):
+    if training_mode(cfg) == DIRECT:
         require(cfg.train.direct_batch_size % world == 0,
                  f"train.direct_batch_size={cfg.train.direct_batch_size} cannot be split evenly over {world} "
                  f"torchrun processes; use a multiple of {world}")

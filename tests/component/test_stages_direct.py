@@ -15,7 +15,8 @@ from dofla.config import DistillConfig
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, keys, report, train
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, StageTimer
-from dofla.stages.plan import stage_plan
+from dofla.stages.plan import stage_plan, train_plan
+from dofla.stages.students import linear_layers
 from dofla.tracking import NullTracker
 
 
@@ -33,14 +34,17 @@ def run(tmp_path_factory):
     cfg = tiny_config(f"paths.cache_dir={root / 'cache'}", "train.source=cache", "finetune=lora", "finetune.steps=2")
     teacher, tokenizer = load_teacher(cfg.model.source, seed=cfg.seed, num_layers=cfg.model.tiny_layers)
     geometry = get_adapter(teacher).geometry(teacher.config)
-    ctx = RunContext(cfg, root / "run", tuple(stage_plan(cfg)), teacher, tokenizer, geometry, teacher, "cache")
+    ctx = RunContext(cfg, root / "run", tuple(stage_plan(cfg)), teacher, tokenizer, geometry, teacher,
+                     train_plan(cfg, "cache"))
     out = {"ctx": ctx, "data": data.run(ctx)}
     out["cache"] = cache.run(ctx, out["data"])
-    out["dof"] = dof.run(ctx, out["cache"], train.linear_layers(cfg, geometry))
-    out["dims"] = allocate.run(ctx, out["dof"], out["cache"])
+    out["dof"] = dof.run(ctx, out["cache"], linear_layers(cfg, geometry))
+    out["allocation"] = allocate.run(ctx, out["dof"], out["cache"])
+    out["dims"] = out["allocation"].dims
     out["train"] = train.run(ctx, out["cache"], out["dims"], out["data"])
-    out["student"] = assemble.run(ctx, out["dims"], out["data"].cache_key)
-    out["finetuned"] = finetune.run(ctx, copy.deepcopy(out["student"]), out["data"])  # LoRA merges in place
+    out["assembled"] = assemble.run(ctx, out["dims"], out["data"].cache_key)
+    out["student"] = out["assembled"].student
+    out["finetuned"] = finetune.run(ctx, copy.deepcopy(out["student"]), out["data"]).student  # LoRA merges in place
     return out
 
 
@@ -54,8 +58,11 @@ def test_data_packs_tokens_and_names_the_cache(run):
 def test_cache_dof_and_allocate_write_their_artifacts(run):
     ctx = run["ctx"]
     assert run["cache"].meta["num_layers"] == 2
-    assert json.loads((ctx.out_dir / "dof.json").read_text())["layer_dof"] == run["dof"]["layer_dof"]
+    assert json.loads((ctx.out_dir / "dof.json").read_text()) == run["dof"].record
+    assert len(run["dof"].layer_dof) == len(run["dof"].per_head) == 2
+    assert run["dof"].warning == run["dof"].record["warning"]
     allocation = json.loads((ctx.out_dir / "allocation.json").read_text())
+    assert allocation == run["allocation"].record
     assert allocation["dims"] == run["dims"] and sum(run["dims"]) / 2 == pytest.approx(allocation["budget"], abs=1)
 
 
@@ -75,7 +82,8 @@ def test_assemble_and_finetune_write_model_directories(run):
     assert (ctx.out_dir / "student_finetuned" / "dofla_settings.json").exists()
     assert run["finetuned"].dofla_settings["student"] == run["student"].dofla_settings == keys.student_settings(
         ctx.cfg, run["data"].cache_key, run["dims"])
-    reused = assemble.run(ctx, run["dims"], run["data"].cache_key)
+    reused = assemble.run(ctx, run["dims"], run["data"].cache_key).student
+    assert run["assembled"].softmax_layers == []
     ids = run["data"].heldout_tokens[:1]
     with torch.no_grad():
         assert torch.equal(reused(ids, use_cache=False).logits, run["student"](ids, use_cache=False).logits)
@@ -105,9 +113,9 @@ def test_distill_trains_on_fresh_text_writes_a_student_and_reuses_it(run):
 def test_a_long_cpu_run_under_device_auto_is_warned_about(run, capsys):
     ctx = run["ctx"]
     cfg = dataclasses.replace(ctx.cfg, device="auto", data=dataclasses.replace(ctx.cfg.data, num_tokens=10**10))
-    data.choose_train_source(cfg, list(ctx.plan), ctx.geometry, ctx.teacher)
+    data.plan_training(cfg, list(ctx.plan), ctx.geometry, ctx.teacher)
     assert "WARNING: no GPU is visible" in capsys.readouterr().out
-    data.choose_train_source(dataclasses.replace(cfg, device="cpu"), list(ctx.plan), ctx.geometry, ctx.teacher)
+    data.plan_training(dataclasses.replace(cfg, device="cpu"), list(ctx.plan), ctx.geometry, ctx.teacher)
     assert "WARNING" not in capsys.readouterr().out  # asked for the CPU: no surprise to warn about
 
 
@@ -115,7 +123,7 @@ def test_eval_and_report(run):
     from dofla.record import build_record, write_json
 
     ctx = run["ctx"]
-    metrics = evaluation.run(ctx, run["finetuned"], run["data"])
+    metrics = evaluation.run(ctx, run["finetuned"], run["data"]).metrics
     write_json(ctx.out_dir / "metrics.json", metrics)
     write_json(ctx.out_dir / "run.json", {**build_record(ctx.cfg, []), "cache_key": run["data"].cache_key})
     assert {"eval/teacher_ppl", "eval/student_ppl", "eval/attn_error/mean"} <= set(metrics)
@@ -159,12 +167,14 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
                                                                         softmax_probe_seqs=2))
     ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / "run")
     shutil.copytree(base.out_dir / "layers", ctx.out_dir / "layers")  # the same trained layers
-    student = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    assembled = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    student = assembled.student
     ranking = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())
     chosen = json.loads((ctx.out_dir / softmax_layers.CHOICE).read_text())
     restored = {int(i): kl for i, kl in ranking["measured"]["restored"].items()}
     assert set(restored) == {0, 1} and ranking["measured"]["probe_tokens"] == 2 * cfg.data.seq_len
-    assert chosen["layers"] == [min(restored, key=restored.get)] == student.config.dofla["softmax_layers"]
+    assert chosen["layers"] == [min(restored, key=restored.get)] == student.config.dofla["softmax_layers"] \
+        == assembled.softmax_layers
     assert [a.mode for a in student.student_attentions()].count("softmax") == 1
     assert student.dofla_settings["softmax_layers"] == {"k": 1, "probe_seqs": 2}
     g = base.geometry
@@ -177,13 +187,13 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     # assembled again (another k would do the same): the measurement is read, not repeated
     before = (ctx.out_dir / "layers" / softmax_layers.RANKING).stat().st_mtime_ns
     shutil.rmtree(ctx.out_dir / "student")
-    again = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    again = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens).student
     assert (ctx.out_dir / "layers" / softmax_layers.RANKING).stat().st_mtime_ns == before
     assert again.config.dofla["softmax_layers"] == chosen["layers"]
     # the proxy ranking (each layer's own attention error) is added to the same file, the KL kept
     by_error = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, allocation=dataclasses.replace(
         cfg.allocation, softmax_rank="attention_error")))
-    proxy = assemble.run(by_error, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    proxy = assemble.run(by_error, run["dims"], run["data"].cache_key, run["data"].train_tokens).student
     stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
     errors = {int(i): e for i, e in stored["attention_error"].items()}
     assert stored["restored"] == ranking["measured"]["restored"] and set(errors) == {0, 1}
@@ -192,7 +202,7 @@ def test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most(run, tmp_
     # the teacher's long-range copying: added to the same file too
     by_copying = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, allocation=dataclasses.replace(
         cfg.allocation, softmax_rank="retrieval")))
-    copier = assemble.run(by_copying, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+    copier = assemble.run(by_copying, run["dims"], run["data"].cache_key, run["data"].train_tokens).student
     stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
     copying = {int(i): c for i, c in stored["retrieval"].items()}
     assert set(copying) == {0, 1} and stored["attention_error"] == {str(i): e for i, e in errors.items()}
@@ -215,7 +225,7 @@ def test_assemble_keeps_the_layers_chosen_by_passkey_recall_and_extends_the_choi
         ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / f"k{k}")
         if not (ctx.out_dir / "layers").exists():
             shutil.copytree(base.out_dir / "layers", ctx.out_dir / "layers")
-        student = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens)
+        student = assemble.run(ctx, run["dims"], run["data"].cache_key, run["data"].train_tokens).student
         return student, json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())["measured"]
 
     student, measured = choose(1)
@@ -261,7 +271,7 @@ def test_a_sliding_window_student_keeps_exact_the_layer_whose_restoration_lowers
     ctx = dataclasses.replace(base, cfg=cfg, out_dir=tmp_path / "sw", plan=tuple(stage_plan(cfg)))
     assert "train" not in ctx.plan and "assemble" in ctx.plan
     dims = [0] * base.geometry.num_layers
-    student = assemble.run(ctx, dims, run["data"].cache_key, run["data"].train_tokens)
+    student = assemble.run(ctx, dims, run["data"].cache_key, run["data"].train_tokens).student
     stored = json.loads((ctx.out_dir / "layers" / softmax_layers.RANKING).read_text())
     restored = {int(i): kl for i, kl in stored["measured"]["restored"].items()}
     assert set(restored) == {0, 1} and stored["settings"]["attention"]["name"] == "sliding_window"

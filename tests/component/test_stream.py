@@ -10,7 +10,8 @@ import torch
 
 from dofla.cache import build_or_load_cache
 from dofla.data import DataError, build_source, pack_tokens
-from dofla.data.stream import BatchStream, StreamExhausted, source_stream
+from dofla.data.prepared import source_stream
+from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.feature_maps import build_feature_map
 from dofla.models.capture import capture_qkv
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model

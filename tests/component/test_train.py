@@ -36,12 +36,13 @@ def _attention_error(fm, q, k):
     return layer_attention_error(fm, q, k, values)
 
 
-def _kill_at(monkeypatch, module: str, point: str) -> None:
+def _kill_at(monkeypatch, point: str) -> None:
+    """Every trainer's kill points are its loop's (dofla.train.loop)."""
     def interrupt(name):
         if name == point:
             raise Killed
 
-    monkeypatch.setattr(f"dofla.train.{module}.kill_point", interrupt)
+    monkeypatch.setattr("dofla.train.loop.kill_point", interrupt)
 
 
 def test_training_reduces_heldout_loss_and_attention_error():
@@ -67,7 +68,7 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, monkeypatch):
     cfg = LayerTrainConfig(steps=12, eval_every=4, checkpoint_every=6, warmup_steps=2)
     full = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg)
     ckpt = tmp_path / "layer.ckpt"
-    _kill_at(monkeypatch, "layerwise", "train:layer:step8")
+    _kill_at(monkeypatch, "train:layer:step8")
     with pytest.raises(Killed):
         train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, checkpoint_path=ckpt)
     monkeypatch.undo()
@@ -133,7 +134,7 @@ def test_direct_training_resumes_bit_identically(tmp_path, monkeypatch, schedule
     full_student = _tiny_student()
     full = train_direct(full_student, _tokens(), cfg)
     ckpt = tmp_path / "direct.ckpt"
-    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    _kill_at(monkeypatch, "train:direct:step4")
     with pytest.raises(Killed):
         train_direct(_tiny_student(), _tokens(), cfg, checkpoint_path=ckpt)
     monkeypatch.undo()
@@ -157,7 +158,7 @@ def test_direct_training_on_a_stream_takes_each_fresh_batch_once_and_resumes(tmp
     with torch.no_grad():
         assert full[0]["loss"] == pytest.approx(_tiny_student()(input_ids=first, labels=first).loss.item(), rel=1e-6)
     ckpt = tmp_path / "direct.ckpt"
-    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    _kill_at(monkeypatch, "train:direct:step4")
     with pytest.raises(Killed):
         train_direct(_tiny_student(), _stream(), cfg, checkpoint_path=ckpt)
     monkeypatch.undo()
@@ -175,7 +176,7 @@ def test_checkpoint_of_other_settings_is_ignored_not_resumed(tmp_path, monkeypat
     full = train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, cfg, meta={"lr_z": 0.02})
     ckpt = tmp_path / "layer.ckpt"
     other = LayerTrainConfig(steps=12, eval_every=4, checkpoint_every=6, warmup_steps=2, lr_z=0.2)
-    _kill_at(monkeypatch, "layerwise", "train:layer:step8")
+    _kill_at(monkeypatch, "train:layer:step8")
     with pytest.raises(Killed):
         train_layer(build_feature_map("learned_prf", 3, 16, 8), q, k, other, checkpoint_path=ckpt,
                     meta={"lr_z": 0.2})
@@ -190,7 +191,7 @@ def test_direct_checkpoint_of_other_settings_is_ignored(tmp_path, monkeypatch):
     cfg = LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2, checkpoint_every=3)
     full = train_direct(_tiny_student(), _tokens(), cfg, meta={"seed": 0})
     ckpt = tmp_path / "direct.ckpt"
-    _kill_at(monkeypatch, "direct", "train:direct:step4")
+    _kill_at(monkeypatch, "train:direct:step4")
     with pytest.raises(Killed):
         train_direct(_tiny_student(), _tokens(), LayerTrainConfig(steps=6, batch_size=2, warmup_steps=2,
                      checkpoint_every=3, lr_z=0.5), checkpoint_path=ckpt, meta={"lr_z": 0.5})

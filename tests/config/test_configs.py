@@ -49,7 +49,7 @@ def test_option_file_names_match_registries():
 
     assert set(_options("feature_map")) == set(FEATURE_MAPS.names())
     assert set(_options("allocation")) == set(ALLOCATION_POLICIES.names())
-    assert set(_options("loss")) == set(LOSSES.names())
+    assert set(_options("loss")) == {*LOSSES.names(), "direct"}  # the layer losses, and the direct training mode
     assert set(_options("data")) == set(DATA_SOURCES.names())
 
 

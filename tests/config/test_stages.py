@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from dofla.cli import CONF_DIR, to_run_config
 from dofla.pipeline import run
 from dofla.stages.report import log_allocation
+from dofla.stages.results import DofResult
 from dofla.tracking import NullTracker
 
 
@@ -57,7 +58,7 @@ def test_dof_policy_computes_the_stages_allocate_needs(tmp_path):
 
 def test_log_allocation_with_dof_logs_the_table():
     tracker = Recorder()
-    log_allocation(tracker, {"layer_dof": [3.0, 5.0], "per_head": [[3.0, 3.0], [4.0, 6.0]]}, [8, [4, 12]])
+    log_allocation(tracker, DofResult.of({"layer_dof": [3.0, 5.0], "per_head": [[3.0, 3.0], [4.0, 6.0]]}), [8, [4, 12]])
     assert tracker.scalars["dof/layer_01"] == 5.0 and tracker.scalars["allocation/dim/layer_01"] == 8
     assert tracker.tables["dof_table"] == [[0, 0, 3.0, 8], [0, 1, 3.0, 8], [1, 0, 4.0, 4], [1, 1, 6.0, 12]]
 

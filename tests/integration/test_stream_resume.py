@@ -19,7 +19,7 @@ import torch
 SCRIPT = """
 import sys
 import torch
-from dofla.data.stream import source_stream
+from dofla.data.prepared import source_stream
 from dofla.data import pack_tokens
 from dofla.feature_maps import build_feature_map
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model

@@ -11,7 +11,7 @@ from dofla.attention import tuning
 from dofla.config import RunConfig
 from dofla.errors import ConfigError
 from dofla.models.tiny import build_tiny_model
-from dofla.stages.train import chunk_size, make_student
+from dofla.stages.students import chunk_size, make_student
 from dofla.validate import validate_config
 
 CPU = torch.device("cpu")

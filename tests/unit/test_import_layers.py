@@ -1,14 +1,30 @@
-"""The house's import rules: libraries know nothing of runs (no import of the stages, the pipeline or
-the CLI, even inside a function), and module-level imports form no circle."""
+"""The house's import rules, read from every import statement, those inside functions included:
+libraries know nothing of runs (no import of the stages, the pipeline or the CLI), no stage imports
+another stage, and the modules form no circle."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 RUN_LEVEL = ("dofla.stages", "dofla.pipeline", "dofla.cli", "dofla.evaluate_saved")
 LIBRARIES = ("dofla.attention", "dofla.feature_maps", "dofla.dof", "dofla.train", "dofla.eval", "dofla.models",
              "dofla.cache", "dofla.data", "dofla.report")
+# modules of dofla.stages that are not stages: what every stage shares
+STAGE_HELPERS = ("dofla.stages", "dofla.stages.plan", "dofla.stages.context", "dofla.stages.keys",
+                 "dofla.stages.results", "dofla.stages.sources", "dofla.stages.students", "dofla.stages.softmax_layers")
+# Circles and stage-to-stage imports in modules whose owners change them next, each with the edit that
+# ends it; the tests fail when one ends (delete it here) as when a new one starts.
+PENDING_CIRCLES = {
+    # models/student.py: import export_student and student_config from dofla.models.export_format
+    frozenset({"dofla.models.hub_export", "dofla.models.student"}),
+    # the fine-tune protocol's modules: train_data_problem moves from eval/suite.py to eval/task_data.py, and
+    # TaskScore and finetune_step from eval/task_finetune.py to a module below task_trial and finetune_store
+    frozenset({"dofla.eval.finetune_store", "dofla.eval.suite", "dofla.eval.task_data", "dofla.eval.task_finetune",
+               "dofla.eval.task_trial"}),
+}
+PENDING_STAGE_IMPORTS: set[str] = set()
 
 
 def modules() -> dict[str, Path]:
@@ -19,47 +35,107 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+MODULES = modules()
+
+
+@functools.cache
+def reexports(package: str) -> dict[str, str]:
+    """name -> the submodule a package's ``__init__`` imports it from."""
+    path = MODULES.get(package)
+    if path is None or path.name != "__init__.py":
+        return {}
+    return {alias.asname or alias.name: node.module for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + ".")
+            for alias in node.names}
+
+
+def resolve(target: str) -> str | None:
+    """The module an imported name lives in: ``dofla.models.convert`` -> ``dofla.models.student``."""
+    if target in MODULES:
+        return target
+    package, _, name = target.rpartition(".")
+    if name in reexports(package):
+        return resolve(reexports(package)[name])
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def imports(path: Path) -> set[str]:
+    """The dofla modules ``path`` imports, at module level or inside any function."""
     out = set()
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dofla"):
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
+            out.update(resolve(f"{node.module}.{a.name}") for a in node.names)
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("dofla"))
-    return out
+            out.update(resolve(a.name) for a in node.names if a.name.startswith("dofla"))
+    return out - {None}
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    return {name: imports(path) - {name} for name, path in MODULES.items()}
 
 
 def within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
+def stage_of(name: str) -> str | None:
+    """The stage a module belongs to (``dofla.stages.train.direct`` -> ``dofla.stages.train``)."""
+    if not within(name, ("dofla.stages",)) or name in STAGE_HELPERS:
+        return None
+    return ".".join(name.split(".")[:3])
+
+
+def circles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while not component or node not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
 def test_libraries_import_nothing_of_a_run():
-    upward = {f"{name} -> {target}" for name, path in modules().items() if within(name, LIBRARIES)
-              for target in imports(path, top_level_only=False) if within(target, RUN_LEVEL)}
+    upward = {f"{name} -> {target}" for name, targets in graph().items() if within(name, LIBRARIES)
+              for target in targets if within(target, RUN_LEVEL)}
     assert not upward, sorted(upward)
 
 
-def test_module_level_imports_form_no_circle():
-    mods = modules()
-    graph = {name: {t for t in imports(path, top_level_only=True) if t in mods and t != name}
-             for name, path in mods.items()}
-    for name in graph:  # a package's __init__ importing its own modules is not a circle
-        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
-    state, circles = {}, []
+def test_no_stage_imports_another_stage():
+    crossing = {f"{name} -> {stage_of(target)}" for name, targets in graph().items() if stage_of(name)
+                for target in targets if stage_of(target) not in (None, stage_of(name))}
+    assert crossing == PENDING_STAGE_IMPORTS, sorted(crossing ^ PENDING_STAGE_IMPORTS)
 
-    def visit(node, trail):
-        state[node] = "open"
-        for nxt in graph[node]:
-            if state.get(nxt) == "open":
-                circles.append(trail[trail.index(nxt):] + [nxt])
-            elif nxt not in state:
-                visit(nxt, trail + [nxt])
-        state[node] = "done"
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    assert not circles, circles
+def test_imports_form_no_circle_even_inside_functions():
+    found = set(circles(graph()))
+    assert found == PENDING_CIRCLES, [sorted(c) for c in found ^ PENDING_CIRCLES]
+
+
+def test_the_graph_sees_a_circle_closed_inside_a_function(tmp_path):
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(edges) == [frozenset({"a", "b", "c"})]
+    module = tmp_path / "m.py"
+    module.write_text("import os\n\ndef f():\n    from dofla.models import convert\n")
+    assert imports(module) == {"dofla.models.student"}  # resolved through the package's re-export

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dofla.data.sources import DataError, DataSource
+from dofla.data.sources import DataError, DataSource, build_source
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.data.tokens import pack_tokens
 
@@ -282,3 +282,8 @@ def train_stream(source, tokenizer, batch_size: int, seq_len: int):
     if isinstance(source, PreparedTokens):
         return source.stream(batch_size, seq_len)
     return BatchStream(lambda: source.texts("train"), tokenizer, batch_size, seq_len, source=source.name)
+
+
+def source_stream(name: str, options: dict, tokenizer, batch_size: int, seq_len: int) -> BatchStream:
+    """The stream of a registered data source's "train" texts (``dofla.data.build_source``)."""
+    return train_stream(build_source(name, **options), tokenizer, batch_size, seq_len)

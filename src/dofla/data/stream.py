@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from dofla.data.sources import DataError, build_source
+from dofla.data.sources import DataError
 
 _END = object()
 
@@ -125,10 +125,3 @@ class BatchStream:
                 yield self.next_batch()
             except StreamExhausted:
                 return
-
-
-def source_stream(name: str, options: dict, tokenizer, batch_size: int, seq_len: int) -> BatchStream:
-    """The stream of a registered data source's "train" texts (``dofla.data.build_source``)."""
-    from dofla.data.prepared import train_stream
-
-    return train_stream(build_source(name, **options), tokenizer, batch_size, seq_len)

@@ -6,6 +6,7 @@ from pathlib import Path
 from dofla.feature_maps.blocks import layer_mean_dim
 from dofla.report.dof_plots import plot_dof_heatmap, plot_dof_profile, plot_dof_vs_sensitivity
 from dofla.report.plot_common import _save, _yerr, plt
+from dofla.report.seeds import distinguishing_overrides, paired_vs_fix, seed_groups
 
 
 def _label(run: dict) -> str:
@@ -157,9 +158,6 @@ def write_plots(runs: list[dict], root: Path, groups: list[dict] | None = None,
                 paired: list[dict] | None = None) -> list[Path]:
     """Every plot that the runs have data for; ``groups`` / ``paired`` (from ``dofla.report.seeds``)
     are computed here when not given."""
-    from dofla.report.seeds import paired_vs_fix, seed_groups
-    from dofla.report.tables import distinguishing_overrides
-
     if groups is None:
         groups = seed_groups(runs)[0]
     if paired is None:

@@ -65,6 +65,21 @@ def twin_key(config: dict) -> str:
     return json.dumps(config, sort_keys=True, default=str)
 
 
+def distinguishing_overrides(runs: list[dict]) -> list[str]:
+    """Override keys whose value differs between runs (what a reader needs to tell them apart)."""
+    values: dict[str, set] = {}
+    for run in runs:
+        for item in run["overrides"]:
+            key, _, value = item.partition("=")
+            values.setdefault(key, set()).add(value)
+    for run in runs:
+        keys = {o.partition("=")[0] for o in run["overrides"]}
+        for key in values:
+            if key not in keys:
+                values[key].add("<default>")
+    return sorted(k for k, v in values.items() if len(v) > 1 or len(runs) == 1)
+
+
 def run_seed(run: dict):
     """The run's seed (from its record; older records: from its config)."""
     return run["record"].get("seed", run["record"].get("config", {}).get("seed"))

@@ -16,7 +16,7 @@ from rich.table import Table
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import read_json
 from dofla.report.seed_tables import GROUP_CAPTION, PAIRED_CAPTION, csv_columns, group_rows, paired_rows
-from dofla.report.seeds import paired_vs_fix, run_seed, seed_groups, twin_key
+from dofla.report.seeds import distinguishing_overrides, paired_vs_fix, run_seed, seed_groups, twin_key
 
 SUMMARY_METRICS = ("eval/teacher_ppl", "eval/student_ppl", "eval/ppl_ratio", "eval/attn_error/mean",
                    "tasks/teacher/avg_acc", "tasks/student/avg_acc", "tasks/acc_gap",
@@ -60,21 +60,6 @@ def run_config(run_dir: Path):
     if "cache_dir" in config:  # recorded before the paths group
         config.setdefault("paths", {})["cache_dir"] = config.pop("cache_dir")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), config))
-
-
-def distinguishing_overrides(runs: list[dict]) -> list[str]:
-    """Override keys whose value differs between runs (what a reader needs to tell them apart)."""
-    values: dict[str, set] = {}
-    for run in runs:
-        for item in run["overrides"]:
-            key, _, value = item.partition("=")
-            values.setdefault(key, set()).add(value)
-    for run in runs:
-        keys = {o.partition("=")[0] for o in run["overrides"]}
-        for key in values:
-            if key not in keys:
-                values[key].add("<default>")
-    return sorted(k for k, v in values.items() if len(v) > 1 or len(runs) == 1)
 
 
 def record_differences(runs: list[dict]) -> list[str]:
@@ -162,7 +147,7 @@ def write_report(root: Path, console: Console | None = None) -> Path:
     Runs that differ only in their seed are summarised as mean ± 95 % Student-t interval, and each
     allocation policy is compared with ``fix`` at the same seed and budget (paired differences).
     """
-    from dofla.report.plots import write_plots
+    from dofla.report.plots import write_plots  # matplotlib loads only when plots are written
 
     root = Path(root)
     runs = [load_run(d) for d in find_runs(root)]

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dofla.artifacts import ArtifactError, artifact_problem, model_dir_matches, save_model_dir
 from dofla.config import RunConfig
+from dofla.faults import kill_point
+from dofla.models import load_student
 from dofla.stages.context import RunContext
 from dofla.stages.keys import layer_meta, student_settings
-from dofla.stages.train import layer_dir, layer_dirs, make_student, per_layer_meta, trainable
+from dofla.stages import softmax_layers
+from dofla.stages.results import Assembled
+from dofla.stages.students import layer_dir, layer_dirs, make_student, per_layer_meta, trainable, with_settings
+from dofla.train.layerwise import find_artifact
 
 
-def run(ctx: RunContext, dims: list, cache_key: str, probe=None):
+def run(ctx: RunContext, dims: list, cache_key: str, probe=None) -> Assembled:
     """The assembled student (in eval mode, on the teacher's device); ``probe``: training tokens
     (S, L) for ``allocation.softmax_layers``."""
-    return assemble(ctx.cfg, ctx.teacher, ctx.tokenizer, dims, ctx.out_dir, cache_key, probe)
+    student = assemble(ctx.cfg, ctx.teacher, ctx.tokenizer, dims, ctx.out_dir, cache_key, probe)
+    return Assembled(student, list((getattr(student.config, "dofla", None) or {}).get("softmax_layers") or []))
 
 
 def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key: str, probe=None):
@@ -24,10 +31,6 @@ def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key:
     ``student/`` is reused only when its ``dofla_settings.json`` matches these settings. Raises
     :class:`ArtifactError` when a layer with trainable features has no verified artifact.
     """
-    from dofla.artifacts import model_dir_matches, save_model_dir
-    from dofla.faults import kill_point
-    from dofla.models import load_student
-
     target, settings = out_dir / "student", student_settings(cfg, cache_key, dims)
     if model_dir_matches(target, settings):  # loads on the CPU: join the teacher's device
         return with_settings(load_student(target).to(next(teacher.parameters()).device), settings)
@@ -40,8 +43,6 @@ def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key:
     for i, attn in enumerate(student.student_attentions()):
         _load_trained_layer(i, attn, directories, layer_meta(cfg, cache_key), layer_dir(cfg, out_dir))
     if cfg.allocation.softmax_layers:
-        from dofla.stages import softmax_layers
-
         softmax_layers.apply(cfg, student.eval(), teacher, probe, settings["layers"], directories[0], out_dir,
                              tokenizer)
     save_model_dir(student, tokenizer, target, settings)
@@ -56,9 +57,6 @@ def run_provenance(cfg: RunConfig) -> dict:
 
 def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base: Path) -> None:
     """Load layer ``i``'s verified features into ``attn``; a layer with nothing to train needs none."""
-    from dofla.artifacts import ArtifactError, artifact_problem
-    from dofla.train.layerwise import find_artifact
-
     if attn.feature_map is None:
         return
     name, own_meta = f"layer_{i:02d}.pt", per_layer_meta(meta, i, attn)
@@ -72,8 +70,3 @@ def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base:
             f"running the same command with train.layers=[{i}] and train.layer_dir={base}, or run without "
             "train.layers to train every layer")
 
-
-def with_settings(model, settings: dict):
-    """Attach the settings a model was built from (the eval stage keys its measurements by them)."""
-    model.dofla_settings = settings
-    return model

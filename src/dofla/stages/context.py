@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dofla.config import RunConfig
+from dofla.stages.plan import TrainPlan
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,10 @@ class RunContext:
     """One run: its config, directory and plan, and the loaded teacher.
 
     ``capture`` is the teacher whose forwards produce distillation activations (a half-precision copy
-    under ``train.teacher_dtype`` or ``precision=bf16``, else ``teacher``); ``source`` is where training reads activations
-    from: ``cache``, ``stream``, or ``none`` when nothing trains. ``data_source`` is the data opened
-    once before loading (prepared tokens or the text source, :func:`dofla.stages.data.open_data`;
-    None: opened where needed).
+    under ``train.teacher_dtype`` or ``precision=bf16``, else ``teacher``); ``train`` is how the run
+    trains (:class:`~dofla.stages.plan.TrainPlan`: the mode, the source and the token ledger, built
+    once at load). ``data_source`` is the data opened once before loading (prepared tokens or the
+    text source, :func:`dofla.stages.sources.open_data`; None: opened where needed).
     """
 
     cfg: RunConfig
@@ -30,8 +31,13 @@ class RunContext:
     tokenizer: Any
     geometry: Any
     capture: Any
-    source: str
+    train: TrainPlan
     data_source: Any = None
+
+    @property
+    def source(self) -> str:
+        """Where training reads: ``cache``, ``stream`` or ``none`` (``train.source`` of the plan)."""
+        return self.train.source
 
 
 @dataclass(frozen=True)

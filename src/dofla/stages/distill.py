@@ -13,10 +13,11 @@ import torch
 from dofla.artifacts import canonical
 from dofla.errors import require
 from dofla.record import read_json, write_json
-from dofla.stages.assemble import with_settings
 from dofla.stages.context import RunContext, RunData
-from dofla.stages.data import cached_tokens, data_source, training_stream
 from dofla.stages.keys import distill_settings
+from dofla.stages.plan import distill_schedule
+from dofla.stages.sources import cache_root, data_source, training_stream
+from dofla.stages.students import with_settings
 
 TARGET = "student_distilled"
 
@@ -50,7 +51,7 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
 
         stream = CopySpans(stream, d.copy_share, d.copy_distance, cfg.seed)
     log = None if tracker is None else (lambda values: tracker.log(values))
-    s = schedule(ctx, stream.batch_tokens)
+    s = distill_schedule(ctx.cfg, stream.batch_tokens)
     cache = teacher_logit_cache(ctx, s, stream.seq_len, s.steps * d.batch_size)
     targets_of = None if cache is None else (lambda rows: cache.targets(rows, lambda m: teacher_targets(ctx.teacher, m, s)))
     student, curve, tokens = train_kl(student, ctx.teacher, stream, d.train, s,
@@ -72,7 +73,6 @@ def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
     exact targets in logit chunks (never whole, so never stored), or a text too large for
     ``distill.teacher_cache_gb`` (said in one sentence)."""
     from dofla.cache.teacher_logits import TeacherLogitCache, entry_bytes
-    from dofla.stages.cache import cache_root
     from dofla.stages.keys import teacher_settings
 
     cfg, d, teacher = ctx.cfg, ctx.cfg.distill, ctx.teacher
@@ -100,26 +100,9 @@ def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
     return TeacherLogitCache(cache_root(cfg) / "teacher_logits", fields, int(limit))
 
 
-def schedule(ctx: RunContext, batch_tokens: int):
-    """The trainer's schedule: ``distill.tokens`` in steps of the effective batch."""
-    from dofla.train.distill import DistillSchedule
-
-    d = ctx.cfg.distill
-    return DistillSchedule(steps=max(1, d.tokens // batch_tokens), micro_batch_size=d.micro_batch_size or d.batch_size,
-                           lr=d.lr, feature_lr=d.feature_lr, scale_lr=d.scale_lr, temperature=d.temperature,
-                           warmup_steps=d.warmup_steps, schedule=d.schedule, grad_clip=d.grad_clip, log_every=d.log_every,
-                           checkpoint_every=d.checkpoint_every, precision=ctx.cfg.precision,
-                           window_dropout=d.window_dropout, window_dropout_end=d.window_dropout_end, seed=ctx.cfg.seed,
-                           logit_chunk=d.logit_chunk, teacher_topk=d.teacher_topk)
-
-
 def offset(ctx: RunContext, data: RunData) -> int:
     """Tokens of the training text skipped first: ``distill.offset``, else every token the layerwise
-    stage read (its cache, or its cached sample plus its stream), so distillation sees fresh text."""
-    cfg = ctx.cfg
-    if cfg.distill.offset is not None:
-        return cfg.distill.offset
-    if ctx.source == "stream" or (ctx.source == "none" and cfg.train.source == "stream"):
-        return cached_tokens(cfg, "stream") + cfg.data.num_tokens
-    return cfg.data.num_tokens
+    stage read (its cache, or its cached sample plus its stream), so distillation sees fresh text
+    (the run's token ledger, :class:`~dofla.stages.plan.TokenLedger`)."""
+    return ctx.train.ledger.kl_offset
 

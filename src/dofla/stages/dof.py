@@ -11,16 +11,20 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
+from tqdm.auto import tqdm
 
 from dofla.cache import pooled_activations
 from dofla.config import RunConfig
+from dofla.dof import check_degenerate
+from dofla.dof.algorithm import estimate_layer_dof_averaged, layer_dof_spread
+from dofla.faults import kill_point
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext
 from dofla.stages.keys import dof_settings
+from dofla.stages.results import DofResult
 
 
-def run(ctx: RunContext, cache, layers: list[int] | None = None) -> dict:
+def run(ctx: RunContext, cache, layers: list[int] | None = None) -> DofResult:
     """Algorithm 1 on ``cache`` for ``layers`` (default all) -> ``dof.json``, and the result."""
     cfg, out_dir = ctx.cfg, ctx.out_dir
     settings = dof_settings(cfg, cache.key, layers, cache.meta["num_layers"])
@@ -35,17 +39,11 @@ def run(ctx: RunContext, cache, layers: list[int] | None = None) -> dict:
     write_json(out_dir / "dof.json", result)
     if result.get("warning"):
         print(f"dofla: warning: {result['warning']}", flush=True)
-    return result
+    return DofResult.of(result)
 
 
 def _run_algorithm1(cfg: RunConfig, cache, settings: dict, partial_path: Path) -> dict:
     """Per-layer DoF, saved after every layer so a killed run redoes only the layers it lacks."""
-    from tqdm.auto import tqdm
-
-    from dofla.dof import check_degenerate
-    from dofla.dof.algorithm import estimate_layer_dof_averaged, layer_dof_spread
-    from dofla.faults import kill_point
-
     a = cfg.allocation
     partial = read_json(partial_path)
     done = partial["layers"] if partial and partial.get("settings") == settings else {}

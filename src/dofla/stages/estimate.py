@@ -55,12 +55,12 @@ def synchronize(device: torch.device) -> None:
 
 def predict(ctx: RunContext, dims: list, plan) -> list[StageTime]:
     """The predicted time of every stage of ``plan`` this module can time (see the module's note)."""
-    from dofla.stages.data import cached_tokens, teacher_tokens_per_second
+    from dofla.measure import teacher_tokens_per_second
 
     cfg, device = ctx.cfg, next(ctx.teacher.parameters()).device
     out = []
     if "cache" in plan:
-        tokens = cached_tokens(cfg, ctx.source)
+        tokens = ctx.train.ledger.cached
         rate = teacher_tokens_per_second(ctx.capture, cfg.data.seq_len)
         out.append(StageTime("cache", tokens / rate, f"the teacher's pass over {tokens:,} tokens"))
     if "train" in plan and any(dims):
@@ -74,8 +74,8 @@ def predict(ctx: RunContext, dims: list, plan) -> list[StageTime]:
 
 def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     from dofla.precision import teacher_dtype
-    from dofla.stages.data import stream_steps
-    from dofla.stages.train import build_feature_maps, layer_train_config, linear_layers, make_student
+    from dofla.stages.sources import stream_steps
+    from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import probe_steps
     from dofla.train.losses import end_to_end
 
@@ -107,15 +107,15 @@ def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
 
 
 def distill_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
-    from dofla.stages.distill import schedule
-    from dofla.stages.train import make_student
+    from dofla.stages.plan import distill_schedule
+    from dofla.stages.students import make_student
     from dofla.train import probe_steps
 
     cfg, d = ctx.cfg, ctx.cfg.distill
     L = d.seq_len or cfg.data.seq_len
     micro = d.micro_batch_size or d.batch_size
     step = probe_steps.kl_step(lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), ctx.teacher,
-                               schedule(ctx, 1), list(d.train), (d.lora_rank, d.lora_alpha), L, device)
+                               distill_schedule(ctx.cfg, 1), list(d.train), (d.lora_rank, d.lora_alpha), L, device)
     steps = max(1, d.tokens // (d.batch_size * L))
     per_step = timed(step, ctx.geometry.num_layers, micro, device) / 2 * math.ceil(d.batch_size / micro)
     return [StageTime("distill", steps * per_step, f"{steps:,} steps of {d.batch_size} × {L} tokens")]
@@ -126,7 +126,7 @@ def finetune_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     sweep) and the student's fine-tune at the picked rate (every cell), an upper bound."""
     from dofla.eval.downstream import TRAIN_EXAMPLES
     from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
-    from dofla.stages.train import make_student
+    from dofla.stages.students import make_student
     from dofla.train import probe_steps
 
     cfg, ev = ctx.cfg, ctx.cfg.eval

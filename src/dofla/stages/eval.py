@@ -18,7 +18,8 @@ from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.record import write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
-from dofla.stages.data import data_source, open_data
+from dofla.stages.results import Evaluation
+from dofla.stages.sources import cache_root, data_source, open_data
 
 def model_settings(model) -> dict:
     """The settings a model was built from (``dofla_settings``, attached by the assemble and
@@ -40,12 +41,10 @@ def tokens_digest(tokens) -> str:
     return hashlib.sha256(json.dumps(list(tokens.shape)).encode() + tokens.cpu().numpy().tobytes()).hexdigest()
 
 
-def run(ctx: RunContext, student, data: RunData, tasks=None) -> dict:
+def run(ctx: RunContext, student, data: RunData, tasks=None) -> Evaluation:
     """Teacher and student measured on the held-out data and the planned tasks -> metrics.json."""
-    from dofla.stages.cache import cache_root
-
-    return evaluate(ctx.cfg, ctx.teacher, student, data.heldout_tokens, ctx.out_dir, ctx.tokenizer, tasks,
-                    teacher_scores=cache_root(ctx.cfg) / "teacher_scores", source=data_source(ctx))
+    return Evaluation(evaluate(ctx.cfg, ctx.teacher, student, data.heldout_tokens, ctx.out_dir, ctx.tokenizer, tasks,
+                               teacher_scores=cache_root(ctx.cfg) / "teacher_scores", source=data_source(ctx)))
 
 
 def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,

@@ -4,48 +4,28 @@ An artifact (the activation cache, Algorithm 1's result, a layer's features, the
 the fine-tuned student, an evaluation measurement) is reused only when it was written under the same
 settings; these functions build those settings. Two rules keep old artifacts valid:
 
-- every field of a config section that feeds a key is declared here, in the key (:data:`IN_KEY`) or
-  out of it (:data:`OUT_OF_KEY`). A field added to a config dataclass without a declaration fails
-  loudly (:class:`KeyDeclarationError`) instead of silently changing every key;
-- a setting added later is left out of a key while it has its legacy value
-  (:data:`dofla.config.LEGACY_VALUES`), so artifacts written before it existed keep their key.
+- every field of a config section that feeds a key is declared beside it, in its section's ``KEYS``
+  (:class:`dofla.config.Keys`): in the key or out of it. A field added to a config dataclass without a
+  declaration fails loudly (:class:`KeyDeclarationError`) instead of silently changing every key;
+- a setting added later is left out of a key while it has its legacy value (``Keys.legacy``, all of
+  them in :data:`dofla.config.LEGACY_VALUES`), so artifacts written before it existed keep their key.
+
+:data:`IN_KEY` and :data:`OUT_OF_KEY` list the declarations of the sections that feed a key.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, fields
 
 from dofla.artifacts import canonical
-from dofla.config import LEGACY_VALUES, NOT_LEARNT, RunConfig
+from dofla.config import LEGACY_VALUES, RunConfig, section_keys
 from dofla.precision import teacher_dtype
 
 # bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
 # so layer artifacts of the old layout are retrained instead of failing to load
 ARTIFACT_FORMAT = 2
 
-IN_KEY: dict[str, tuple[str, ...]] = {
-    "model": ("name", "source", "revision", "tiny_layers"),
-    "data": ("name", "options", "seq_len", "num_tokens", "cache_tokens", "heldout_tokens",
-             "shuffle_seed"),
-    "feature_map": ("name", "options"),
-    "attention": ("name", "window", "sinks", "chunk_size", "gate", "linear_scale"),
-    "loss": ("name", "options"),
-    "train": ("steps", "batch_size", "lr_z", "lr_alpha", "lr_other", "warmup_steps", "schedule",
-              "heldout_fraction", "eval_every", "patience", "skip_nonfinite", "direct_batch_size", "source",
-              "max_steps", "teacher_dtype", "hybrid_target"),
-    "distill": ("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
-                "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
-                "window_dropout_end", "copy_share", "copy_distance", "teacher_topk"),
-    "finetune": ("name", "steps", "batch_size", "lr", "rank", "alpha", "warmup_steps"),
-}
-OUT_OF_KEY: dict[str, tuple[str, ...]] = {
-    # which job trains a layer, where it writes, how often it checkpoints: not what it learns
-    "train": ("layers", "layer_dir", "cache_limit_gb", "preflight", "memory_limit_gb", "parallel", *NOT_LEARNT),
-    # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
-    # prepared tokens are the text path's tokens, read faster
-    "data": ("prepared", "prefetch"),
-    # the teacher-logit cache stores the targets the teacher would give (bit for bit): not what is learnt
-    "distill": ("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every", "teacher_cache", "teacher_cache_gb"),
-}
+IN_KEY: dict[str, tuple[str, ...]] = {name: keys.in_key for name, keys in section_keys().items() if keys.in_key}
+OUT_OF_KEY: dict[str, tuple[str, ...]] = {name: keys.out for name, keys in section_keys().items() if keys.out}
 
 
 class KeyDeclarationError(RuntimeError):
@@ -55,14 +35,14 @@ class KeyDeclarationError(RuntimeError):
 def section(cfg: RunConfig, name: str, legacy: bool = False) -> dict:
     """The key part of config section ``name``: its :data:`IN_KEY` fields; with ``legacy``, without
     the fields at their legacy value."""
-    values = asdict(getattr(cfg, name))
-    declared = set(IN_KEY[name]) | set(OUT_OF_KEY.get(name, ()))
-    undeclared = sorted({f.name for f in fields(getattr(cfg, name))} - declared)
+    part = getattr(cfg, name)
+    keys, values = type(part).KEYS, asdict(part)
+    undeclared = sorted({f.name for f in fields(part)} - set(keys.in_key) - set(keys.out))
     if undeclared:
         raise KeyDeclarationError(
-            f"{name}.{', '.join(undeclared)} is not declared in dofla.stages.keys: add it to IN_KEY (it then "
-            "changes artifact keys; give it a LEGACY_VALUES entry so older artifacts stay valid) or to OUT_OF_KEY")
-    out = {k: values[k] for k in IN_KEY[name]}
+            f"{name}.{', '.join(undeclared)} is not declared in {type(part).__name__}.KEYS: add it to in_key (it "
+            "then changes artifact keys; give it a legacy value so older artifacts stay valid) or to out")
+    out = {k: values[k] for k in keys.in_key}
     if legacy:
         out = {k: v for k, v in out.items() if LEGACY_VALUES.get((name, k), object()) != v}
     return out

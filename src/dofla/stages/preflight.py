@@ -32,7 +32,7 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     of this process's ``batch``; None when no layer has features to train (Performer's are random and
     fixed)."""
     from dofla.precision import teacher_dtype
-    from dofla.stages.train import build_feature_maps, layer_train_config, linear_layers, make_student
+    from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import capacity
     from dofla.train.losses import end_to_end
 
@@ -68,14 +68,14 @@ def loaded_bytes(teacher, maps: list) -> int:
 def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
     of this process's ``batch``."""
-    from dofla.stages.distill import schedule
-    from dofla.stages.train import build_feature_maps, make_student
+    from dofla.stages.plan import distill_schedule
+    from dofla.stages.students import build_feature_maps, make_student
     from dofla.train import capacity
 
     cfg, teacher, d = ctx.cfg, ctx.teacher, ctx.cfg.distill
     return capacity.kl_step_peak(
         lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
-        replace(schedule(ctx, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
+        replace(distill_schedule(ctx.cfg, 1), micro_batch_size=micro_batch), list(d.train), (d.lora_rank, d.lora_alpha),
         d.seq_len or cfg.data.seq_len, loaded_bytes(teacher, build_feature_maps(cfg, ctx.geometry, dims)), batch)
 
 
@@ -171,7 +171,7 @@ def predict_task_finetune(ctx: RunContext, dims: list, batch: int):
     larger of the teacher's and the student's, every row at ``eval.finetune_max_length`` tokens, with the
     teacher, the student (and the teacher's capture copy) loaded beside the working copy."""
     from dofla.precision import teacher_dtype
-    from dofla.stages.train import build_feature_maps, make_student
+    from dofla.stages.students import build_feature_maps, make_student
     from dofla.train import capacity
 
     cfg, teacher = ctx.cfg, ctx.teacher

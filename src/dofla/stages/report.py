@@ -7,13 +7,13 @@ from rich.console import Console
 
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import read_json, write_json
+from dofla.report import print_run_summary, write_report
 from dofla.stages.context import RunContext, StageTimer
+from dofla.stages.results import DofResult
 
 
 def run(ctx: RunContext, metrics: dict, timer: StageTimer, tracker) -> None:
     """Write timings.json, the report and plots (``report`` in the plan), log them, print the summary."""
-    from dofla.report import print_run_summary, write_report
-
     out_dir = ctx.out_dir
     timings = read_json(out_dir / "timings.json") or {}
     timings.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -26,17 +26,17 @@ def run(ctx: RunContext, metrics: dict, timer: StageTimer, tracker) -> None:
     print_run_summary(out_dir)
 
 
-def log_allocation(tracker, dof: dict | None, dims: list) -> None:
+def log_allocation(tracker, dof: DofResult | None, dims: list) -> None:
     """The dims as scalars; with Algorithm 1's result (None when it did not run), the DoF per layer
     and the (layer, head, dof, dim) table."""
     tracker.log({"allocation/mean_dim": mean_dim(dims),
                  **{f"allocation/dim/layer_{i:02d}": layer_mean_dim(d) for i, d in enumerate(dims)}})
     if dof is None:
         return
-    tracker.log({f"dof/layer_{i:02d}": n for i, n in enumerate(dof["layer_dof"]) if n is not None})
+    tracker.log({f"dof/layer_{i:02d}": n for i, n in enumerate(dof.layer_dof) if n is not None})
     tracker.log_table("dof_table", ["layer", "head", "dof", "dim"], [
         [i, h, n, d if isinstance(d, int) else d[h]]
-        for i, (heads, d) in enumerate(zip(dof["per_head"], dims)) for h, n in enumerate(heads or [])])
+        for i, (heads, d) in enumerate(zip(dof.per_head, dims)) for h, n in enumerate(heads or [])])
 
 
 def log_training(tracker, summaries: dict) -> None:

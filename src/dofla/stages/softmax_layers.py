@@ -20,6 +20,10 @@ from pathlib import Path
 import torch
 
 from dofla.config import RunConfig
+from dofla.dof.softmax_layers import (choose, greedy_restoration_kl, greedy_restoration_passkey, kv_bytes_per_token,
+                                      passkey_prompts, probe_attention_errors, probe_retrieval, rank_layers,
+                                      restoration_kl, restoration_passkey)
+from dofla.models import get_adapter, restore_softmax
 from dofla.record import read_json, write_json
 from dofla.stages.keys import softmax_ranking_settings
 
@@ -34,9 +38,6 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     used); ``layers`` the trained layers' settings; ``directory`` where the measurement is kept;
     ``tokenizer`` builds the prompts of ``softmax_rank=passkey``.
     """
-    from dofla.dof.softmax_layers import choose, rank_layers
-    from dofla.models import restore_softmax
-
     a = cfg.allocation
     if not a.softmax_layers:
         return []
@@ -73,8 +74,6 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
                 tokenizer=None) -> dict:
     """What ``allocation.softmax_rank`` ranks by, read from ``path`` when it was measured for these
     layers and probe, else measured now and added to it (layer keys are strings, as in JSON)."""
-    from dofla.dof.softmax_layers import probe_attention_errors, probe_retrieval, restoration_kl
-
     a = cfg.allocation
     settings, stored = softmax_ranking_settings(cfg, layers), read_json(path) or {}
     old, kept = stored.get("settings"), stored.get("measured") or {}
@@ -106,8 +105,6 @@ def measurement(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: d
 def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) -> list[dict]:
     """The greedy steps up to ``k``, extending the stored ones; the first step is the best layer of
     the one-at-a-time measurement (the same forwards)."""
-    from dofla.dof.softmax_layers import greedy_restoration_kl, rank_layers
-
     steps = measured.get("greedy") or []
     if not steps:
         first = rank_layers(measured, "kl")[0]
@@ -118,8 +115,6 @@ def _greedy(student, teacher, probe, k: int, batch_size: int, measured: dict) ->
 def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
     """The passkey choice's greedy steps up to k, extending ``stored`` when it was measured on the
     same prompts: ``allocation.softmax_probe_seqs`` of the longest ``eval.passkey_lengths``, from ``seed``."""
-    from dofla.dof.softmax_layers import greedy_restoration_passkey, passkey_prompts, rank_layers, restoration_passkey
-
     a, length = cfg.allocation, max(cfg.eval.passkey_lengths)
     prompts_key = {"length": length, "prompts": a.softmax_probe_seqs, "seed": cfg.seed}
     if not stored or {key: stored.get(key) for key in prompts_key} != prompts_key:
@@ -137,9 +132,6 @@ def _passkey(cfg: RunConfig, student, tokenizer, stored: dict | None) -> dict:
 
 def metrics(student) -> dict:
     """``softmax_layers/count`` and the KV cache they add per token of context (fp32), for metrics.json."""
-    from dofla.dof.softmax_layers import kv_bytes_per_token
-    from dofla.models import get_adapter
-
     layers = (getattr(student.config, "dofla", None) or {}).get("softmax_layers") or []
     if not layers:
         return {}

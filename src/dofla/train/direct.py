@@ -13,16 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from dofla import distributed
-from dofla.faults import kill_point
-from dofla.precision import autocast
-from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.train.layerwise import LayerTrainConfig, param_groups
+from dofla.train.live import Log
+from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, run_loop
 from dofla.train.losses import next_token_loss
-from dofla.train.live import Live, Log
-from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
 def feature_param_groups(student, cfg: LayerTrainConfig) -> list[dict]:
@@ -58,6 +54,39 @@ class RandomRows:
         self.generator.set_state(state)
 
 
+class DirectStudent(Trainer):
+    """The whole student's next-token loss, every layer's features one unit (the student's other weights
+    frozen); batches from a token tensor's random rows or a stream, whose position is the data state;
+    no held-out evaluation (the final state is kept)."""
+
+    autocast, kill = True, "train:direct:step"
+
+    def __init__(self, student, batches, cfg: LayerTrainConfig):
+        groups = feature_param_groups(student, cfg)
+        optimizer = torch.optim.Adam(groups, weight_decay=0.0) if groups else None
+        self.units = {"student": Unit(student, optimizer, keep=lambda name: ".dofla." in name)}
+        self.student, self.batches, self.batch_tokens = student, batches, batches.batch_tokens
+        self.device = next(student.parameters()).device
+
+    def next_batch(self, step: int) -> torch.Tensor:
+        return distributed.my_rows(self.batches.next_batch().to(self.device))  # torchrun: this rank's part
+
+    def loss(self, key, rows: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.student, rows)
+
+    def data_state(self):
+        return self.batches.state()
+
+    def restore_data(self, state) -> None:
+        self.batches.restore(state)
+
+    def log_values(self, curves) -> dict:
+        return {"loss": curves["student"][-1]["loss"]}
+
+    def message(self, key, step: int) -> str:
+        return f"direct training: non-finite loss at step {step}"
+
+
 def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path | None = None,
                  meta: dict | None = None, on_log: Log | None = None, progress: bool = True) -> list[dict]:
     """Next-token training of the student's feature maps; returns the curve.
@@ -67,57 +96,13 @@ def train_direct(student, tokens, cfg: LayerTrainConfig, checkpoint_path: Path |
     as a ``BatchStream`` (then ``cfg.steps`` steps of its batches, in order). The checkpoint
     records ``meta`` (the settings) and the source's position; one written with other settings is
     ignored. ``on_log`` gets the loss, tokens/s and ETA every ``cfg.log_every`` steps; ``progress=False``
-    hides the bar (the memory preflight's probe steps).
+    hides the bar (the memory preflight's probe steps). The loop is :func:`dofla.train.loop.run_loop`'s;
+    under torchrun every rank trains on its rows of each batch.
     """
-    groups = feature_param_groups(student, cfg)
-    if not groups or cfg.steps == 0:
-        return []
     batches = RandomRows(tokens, cfg.batch_size, cfg.seed + 1) if isinstance(tokens, torch.Tensor) else tokens
-    optimizer = torch.optim.Adam(groups, weight_decay=0.0)
-    device = next(student.parameters()).device
-    step, curve = 0, []
-    base_lrs = [g["lr"] for g in optimizer.param_groups]  # before a checkpoint's scheduled rates replace them
-    ckpt = load_checkpoint(checkpoint_path, meta)
-    if ckpt is not None:
-        student.load_state_dict(ckpt["model"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        batches.restore(ckpt["data"] if "data" in ckpt else ckpt["generator"])  # "generator": before streaming
-        step, curve = ckpt["step"], ckpt["curve"]
+    trainer = DirectStudent(student, batches, cfg)
     # eval mode: the frozen network's dropout would only add noise to the target the features chase
     student.eval()
-    # counted in tokens, so the bar shows tokens done, tokens/s and the ETA
-    bar = tqdm(total=cfg.steps * batches.batch_tokens, initial=step * batches.batch_tokens, desc="train (direct)",
-               unit="tok", unit_scale=True, disable=not (progress and distributed.is_main()))
-    live = Live(on_log, cfg.log_every, cfg.steps * batches.batch_tokens, step * batches.batch_tokens,
-                reduce=distributed.mean_across)
-    for step in range(step, cfg.steps):
-        kill_point(f"train:direct:step{step}")
-        for group, lr in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = lr * lr_factor(step, cfg)
-        batch = batches.next_batch().to(device)
-        batch = distributed.my_rows(batch)  # torchrun: this rank's part of the batch
-        accumulated = Accumulator(optimizer)
-        for part, share in micro_batches(batch, cfg):
-            with autocast(cfg.precision, device):
-                loss = next_token_loss(student, part)
-            accumulated.add(loss, share)
-        loss = accumulated.step(f"direct training: non-finite loss at step {step}", cfg.skip_nonfinite,
-                                data_parallel=True)
-        curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
-        if loss is not None:  # the whole batch's loss: the mean over the ranks, at the next flush
-            live.hold(curve[-1], "loss", loss)
-        log = live.due(step + 1, last=step + 1 == cfg.steps)
-        if log or (step + 1) % cfg.checkpoint_every == 0:
-            live.flush()  # every rank: the flush is a collective under torchrun
-        if log:
-            live.log(step + 1, (step + 1) * batches.batch_tokens, {"loss": curve[-1]["loss"]})
-            bar.set_postfix(step=step + 1, loss=curve[-1]["loss"])
-        if checkpoint_path is not None and (step + 1) % cfg.checkpoint_every == 0 and distributed.is_main():
-            features = {n: t for n, t in student.state_dict().items() if ".dofla." in n}
-            torch_save_atomic({"model": features, "optimizer": optimizer.state_dict(),
-                               "data": batches.state(), "step": step + 1, "curve": curve,
-                               "meta": meta}, checkpoint_path)
-        bar.update(batches.batch_tokens)
-    bar.close()
-    live.flush()
-    return curve
+    done = run_loop(trainer, LoopConfig.of(cfg, eval_every=0), Checkpointing(checkpoint_path, meta), on_log,
+                    data_parallel=True, desc="train (direct)", progress=progress)
+    return done.records["student"]["curve"]

@@ -2,7 +2,8 @@
 
 No teacher forward pass: the loss compares the teacher's attention kernel on cached q, k with the
 student's. Adam with the paper's learning rates (z 0.02, α 0.2), warm-up, early stopping on
-held-out sequences of the cache, checkpoints every few steps so a killed run resumes exactly.
+held-out sequences of the cache, checkpoints every few steps so a killed run resumes exactly (the
+loop, its checkpoints and its best state are :mod:`dofla.train.loop`'s).
 """
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
-from dofla.config import NOT_LEARNT, StepConfig
-from dofla.faults import kill_point
-from dofla.feature_maps.blocks import blocks, feature_dims
+from dofla.artifacts import load_artifact, save_artifact
 from dofla.attention.stable import widened
+from dofla.config import NOT_LEARNT, StepConfig
+from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.precision import autocast
-from dofla.train.live import Live, Log, latest
 from dofla.train.causal_losses import teacher_output
+from dofla.train.live import Log
+from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, cpu_state, run_loop  # noqa: F401
 from dofla.train.losses import LOSSES, compiled_loss
-from dofla.train.step import Accumulator, lr_factor, micro_batches
 
 
 @dataclass
@@ -151,6 +151,40 @@ def mean_over_rows(loss: str) -> bool:
     return getattr(LOSSES.get(loss), "mean_over_rows", True)
 
 
+class CachedLayer(Trainer):
+    """One layer's features on its cached q, k (and v): random training sequences each step (their
+    draw is the data position), the held-out sequences for the best state and patience."""
+
+    def __init__(self, feature_map, q, k, v, cfg: LayerTrainConfig, desc: str, layer: int):
+        self.q, self.k, self.v, self.cfg, self.desc = q, k, v, cfg, desc
+        self.train_idx, self.held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
+        groups = param_groups(feature_map, cfg)
+        optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0) if groups else None
+        self.units = {layer: Unit(feature_map, optimizer)}
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self.batch_tokens, self.kill = cfg.batch_size * q.shape[2], f"train:{desc}:step"
+        self.device = module_device(feature_map)
+
+    def next_batch(self, step: int) -> torch.Tensor:
+        return self.train_idx[torch.randint(len(self.train_idx), (self.cfg.batch_size,), generator=self.generator)]
+
+    def loss(self, key, rows: torch.Tensor) -> torch.Tensor:
+        return layer_loss(self.units[key].module, self.q[rows], self.k[rows], self.cfg,
+                          None if self.v is None else self.v[rows])
+
+    def heldout(self, key) -> float:
+        return heldout_loss(self.units[key].module, self.q, self.k, self.held_idx, self.cfg, self.v)
+
+    def data_state(self):
+        return self.generator.get_state()
+
+    def restore_data(self, state) -> None:
+        self.generator.set_state(state)
+
+    def message(self, key, step: int) -> str:
+        return f"{self.desc}: non-finite training loss at step {step}"
+
+
 def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainConfig,
                 checkpoint_path: Path | None = None, desc: str = "layer",
                 meta: dict | None = None, v: torch.Tensor | None = None, layer: int = 0,
@@ -160,81 +194,15 @@ def train_layer(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCo
 
     The checkpoint records ``meta`` (the settings); one written with other settings is ignored.
     ``on_log`` gets the latest losses every ``cfg.log_every`` steps (:mod:`dofla.train.live`).
+    The loop is :func:`dofla.train.loop.run_loop`'s.
     """
     start_time = time.perf_counter()
-    train_idx, held_idx = split_sequences(q.shape[0], cfg.heldout_fraction, cfg.seed)
-    groups = param_groups(feature_map, cfg)
-    initial = heldout_loss(feature_map, q, k, held_idx, cfg, v)
-    state = {"step": 0, "curve": [], "best": initial, "best_step": 0, "bad_evals": 0,
-             "best_state": cpu_state(feature_map)}
-    if not groups or cfg.steps == 0:
-        return _result(feature_map, state, initial, start_time)
-    optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
-    generator = torch.Generator().manual_seed(cfg.seed + 1)
-    ckpt = load_checkpoint(checkpoint_path, meta)
-    if ckpt is not None:
-        feature_map.load_state_dict(ckpt["feature_map"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        generator.set_state(ckpt["generator"])
-        state = ckpt["state"]
-    base_lrs = [g["lr"] for g in groups]
-    step_tokens = cfg.batch_size * q.shape[2]
-    live = Live(on_log, cfg.log_every, cfg.steps * step_tokens, state["step"] * step_tokens)
-    bar = tqdm(range(state["step"], cfg.steps), desc=desc, unit="step", leave=False)
-    for step in bar:
-        kill_point(f"train:{desc}:step{step}")
-        for group, lr in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = lr * lr_factor(step, cfg)
-        batch = train_idx[torch.randint(len(train_idx), (cfg.batch_size,), generator=generator)]
-        accumulated = Accumulator(optimizer)
-        for part, share in micro_batches(batch, cfg):
-            accumulated.add(layer_loss(feature_map, q[part], k[part], cfg, None if v is None else v[part]), share)
-        loss = accumulated.step(f"{desc}: non-finite training loss at step {step}", cfg.skip_nonfinite)
-        state["curve"].append({"step": step, "loss": None} if loss is not None else
-                              {"step": step, "loss": None, "skipped": True})
-        if loss is not None:
-            live.hold(state["curve"][-1], "loss", loss)
-        state["step"] = step + 1
-        if live.due(state["step"], last=state["step"] == cfg.steps):
-            live.flush()
-            values = latest({layer: state["curve"]})
-            live.log(state["step"], state["step"] * step_tokens, values)
-            bar.set_postfix(loss=f"{values.get('loss_mean', float('nan')):.4f}")
-        if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-            live.flush()
-            if _evaluate(feature_map, q, k, v, held_idx, cfg, state):
-                break
-        if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
-            live.flush()
-            torch_save_atomic({"feature_map": feature_map.state_dict(), "optimizer": optimizer.state_dict(),
-                               "generator": generator.get_state(), "state": state, "meta": meta}, checkpoint_path)
-    bar.close()
-    live.flush()
-    return _result(feature_map, state, initial, start_time)
-
-
-def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the module's state dict in host memory."""
-    return {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()}
-
-
-def _evaluate(feature_map, q, k, v, held_idx, cfg, state) -> bool:
-    """Record the held-out loss, keep the best state; True when early stopping triggers."""
-    value = heldout_loss(feature_map, q, k, held_idx, cfg, v)
-    state["curve"][-1]["heldout_loss"] = value
-    if value < state["best"]:
-        state.update(best=value, best_step=state["step"], bad_evals=0,
-                     best_state=cpu_state(feature_map))
-    else:
-        state["bad_evals"] += 1
-    return cfg.patience > 0 and state["bad_evals"] >= cfg.patience
-
-
-def _result(feature_map, state, initial: float, start_time: float) -> LayerTrainResult:
-    feature_map.load_state_dict(state["best_state"])
-    return LayerTrainResult(state_dict=state["best_state"], curve=state["curve"], best_step=state["best_step"],
-                            initial_heldout_loss=initial, final_heldout_loss=state["best"],
-                            steps_run=state["step"], seconds=time.perf_counter() - start_time)
+    trainer = CachedLayer(feature_map, q, k, v, cfg, desc, layer)
+    done = run_loop(trainer, LoopConfig.of(cfg), Checkpointing(checkpoint_path, meta), on_log, desc=desc)
+    record = done.records[layer]
+    return LayerTrainResult(state_dict=record["best_state"], curve=record["curve"], best_step=record["best_step"],
+                            initial_heldout_loss=record["initial"], final_heldout_loss=record["best"],
+                            steps_run=done.step, seconds=time.perf_counter() - start_time)
 
 
 def run_layerwise(feature_maps: list, activations: Callable[[int], tuple[torch.Tensor, ...]],

@@ -1,5 +1,6 @@
-"""Distillation losses (docs/method.md §3): the layerwise ones, computed stably in log space, and
-``direct``, the end-to-end next-token loss (its entry has ``end_to_end = True``).
+"""Distillation losses (docs/method.md §3): the layerwise ones, computed stably in log space, in the
+registry; and the next-token loss the direct training mode (``loss=direct``, :mod:`dofla.stages.plan`)
+trains the whole student on.
 
 The layerwise losses take log features log_q, log_k (B, H, L, M), teacher q, k (B, H, L, d) (k expanded to H
 heads, q scaled so the kernel is exp(q·k/sqrt(d))), and return a scalar averaged over query rows.
@@ -257,14 +258,11 @@ output_loss.needs_values = True
 output_loss.mean_over_rows = False
 
 
-@LOSSES.register("direct")
 def next_token_loss(student, input_ids: torch.Tensor) -> torch.Tensor:
-    """``direct``: the whole student's next-token cross-entropy (mean over predicted tokens); every
-    layer's features train through it at once (:func:`dofla.train.direct.train_direct`)."""
+    """The whole student's next-token cross-entropy (mean over predicted tokens): the direct training
+    mode's objective, every layer's features train through it at once
+    (:func:`dofla.train.direct.train_direct`). Not in :data:`LOSSES`, which holds layer losses."""
     return student(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-
-
-next_token_loss.end_to_end = True
 
 
 @functools.cache
@@ -277,10 +275,11 @@ def compiled_loss(name: str):
 
 
 def end_to_end(loss: str) -> bool:
-    """Whether ``loss`` trains the whole student at once (``direct``) rather than layer by layer."""
-    return getattr(LOSSES.get(loss), "end_to_end", False)
+    """Whether ``loss.name`` names the direct training mode (the whole student at once) rather than a
+    layer loss; a run reads its mode from its plan (:class:`dofla.stages.plan.TrainPlan`)."""
+    return loss == "direct"
 
 
 def layerwise_losses() -> list[str]:
-    """The registered losses that train one layer at a time (all but the end-to-end ones)."""
-    return [name for name in LOSSES.names() if not end_to_end(name)]
+    """The registered losses: each trains one layer at a time."""
+    return LOSSES.names()

@@ -13,7 +13,8 @@ layers' gradients are averaged across the ranks, and rank 0's held-out values de
 processes give one process's steps at the same batch, with 1/N of its teacher and loss work each.
 
 A checkpoint every ``checkpoint_every`` steps holds every layer's features, optimizer and best state
-plus the data position, so a killed run resumes to the same bits on CPU.
+plus the data position, so a killed run resumes to the same bits on CPU (the loop, its checkpoints
+and the best states are :mod:`dofla.train.loop`'s).
 """
 from __future__ import annotations
 
@@ -24,19 +25,17 @@ from pathlib import Path
 from typing import Callable, Union
 
 import torch
-from tqdm.auto import tqdm
 
 from dofla import distributed
-from dofla.artifacts import load_artifact, load_checkpoint, save_artifact, torch_save_atomic
+from dofla.artifacts import load_artifact, save_artifact
 from dofla.data.sources import DataError
 from dofla.data.stream import BatchStream, StreamExhausted
-from dofla.faults import kill_point
 from dofla.feature_maps.blocks import feature_dims
 from dofla.models.adapters import get_adapter
-from dofla.train.layerwise import (LayerTrainConfig, comparable_meta, cpu_state, heldout_loss, layer_loss, learnt,
-                                   needs_values, param_groups)
-from dofla.train.live import Live, Log, latest
-from dofla.train.step import Accumulator, lr_factor, micro_batches
+from dofla.train.layerwise import (LayerTrainConfig, comparable_meta, heldout_loss, layer_loss, learnt, needs_values,
+                                   param_groups)
+from dofla.train.live import Live, Log
+from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, optimiser_step, run_loop
 from dofla.train.teacher_acts import teacher_qk
 
 # layer -> (q (S, H, L, d), k (S, H_kv, L, d)), or a callable giving them per layer
@@ -64,6 +63,58 @@ def total_steps(num_tokens: int, steps: int | None, batch_tokens: int) -> int:
     return num_tokens // batch_tokens
 
 
+class StreamedLayers(Trainer):
+    """Every trained layer on fresh teacher activations: per micro-batch one teacher forward up to the
+    deepest active layer, then each layer's loss on its own q, k (popped, so freed before the next
+    layer's); the held-out q, k are fixed; the data position is the stream's."""
+
+    kill = "stream:step"
+
+    def __init__(self, teacher, units: dict[int, Unit], cfg: LayerTrainConfig, batches: BatchStream | None = None,
+                 heldout: HeldOut | None = None, dp: DataParallel | None = None, modules=None):
+        self.teacher, self.units, self.batches, self.cfg, self.held = teacher, units, batches, cfg, heldout
+        self.dp = dp or DataParallel(False)
+        self.modules = modules if modules is not None else get_adapter(teacher).attention_modules(teacher)
+        self.device = next(teacher.parameters()).device
+        self.batch_tokens = batches.batch_tokens if batches is not None else 0
+        self.teacher_seconds, self.acts = 0.0, {}
+
+    @classmethod
+    def units_of(cls, feature_maps: list, layers: list[int], cfg: LayerTrainConfig, device) -> dict[int, Unit]:
+        """One unit per layer, its features moved to ``device`` (a layer without parameters is stopped)."""
+        units = {}
+        for i in layers:
+            groups = param_groups(feature_maps[i].to(device), cfg)
+            optimizer = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0) if groups else None
+            units[i] = Unit(feature_maps[i], optimizer)
+        return units
+
+    def next_batch(self, step: int) -> torch.Tensor:
+        return self.dp.rows(_next_batch(self.batches, self.cfg.steps)).to(self.device)
+
+    def forward(self, rows: torch.Tensor, keys: list) -> None:
+        started = time.perf_counter()
+        self.acts = teacher_qk(self.teacher, self.modules, rows, keys, values=needs_values(self.cfg.loss))
+        self.teacher_seconds += time.perf_counter() - started
+
+    def loss(self, key, rows: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.acts.pop(key)  # frees this layer's activations before the next layer's step
+        return layer_loss(self.units[key].module, q, k, self.cfg, v)
+
+    def heldout(self, key) -> float:
+        return _heldout_value(self.units[key].module, key, self.held, self.cfg, self.device)
+
+    def data_state(self):
+        return {"stream": self.batches.state(), "teacher_seconds": self.teacher_seconds}
+
+    def restore_data(self, state) -> None:
+        self.batches.restore(state["stream"])
+        self.teacher_seconds = state["teacher_seconds"]
+
+    def message(self, key, step: int) -> str:
+        return f"layer{key}: non-finite training loss at streaming step {step}"
+
+
 def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int],
                            cfg: LayerTrainConfig, heldout: HeldOut, checkpoint_path: Path | None = None,
                            num_tokens: int = 0, steps: int | None = None, progress: bool = True,
@@ -79,59 +130,35 @@ def train_layers_streaming(teacher, batches: BatchStream, feature_maps: list, la
     run makes a second call return at once with the same result. The checkpoint records ``meta``
     (the settings); one written with other settings is never resumed: training starts over.
     ``data_parallel``: under torchrun, split every batch over the ranks (every rank must call this
-    with the same arguments; rank 0 writes the checkpoint).
+    with the same arguments; rank 0 writes the checkpoint). The loop is :func:`dofla.train.loop.run_loop`'s.
     """
     dp = DataParallel(data_parallel)
-    modules = get_adapter(teacher).attention_modules(teacher)
-    layers = _checked_layers(layers, len(modules))
-    total = total_steps(num_tokens, steps, batches.batch_tokens)
-    cfg = replace(cfg, steps=total)
-    device = next(teacher.parameters()).device
-    optimizers, base_lrs = {}, {}
-    for i in layers:
-        groups = param_groups(feature_maps[i].to(device), cfg)
-        if groups:
-            optimizers[i] = torch.optim.Adam(groups, betas=(0.9, 0.999), weight_decay=0.0)
-            base_lrs[i] = [g["lr"] for g in groups]
+    layers = _checked_layers(layers, len(get_adapter(teacher).attention_modules(teacher)))
+    cfg = replace(cfg, steps=total_steps(num_tokens, steps, batches.batch_tokens))
+    units = StreamedLayers.units_of(feature_maps, layers, cfg, next(teacher.parameters()).device)
+    trainer = StreamedLayers(teacher, units, cfg, batches, heldout, dp)
     meta = {"settings": meta, "train": learnt(asdict(cfg)), "layers": layers,
             "shape": [batches.batch_size, batches.seq_len]}
-    ckpt = load_checkpoint(checkpoint_path, meta, normalize=comparable_meta)
-    if ckpt is not None:
-        state = _resume(ckpt, feature_maps, optimizers, batches)
-    else:
-        state = _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches, dp)
-    bar = tqdm(total=total * batches.batch_tokens, initial=state["tokens"], desc="stream", unit="tok",
-               unit_scale=True, disable=not progress or not distributed.is_main())
-    start = time.perf_counter() - state["seconds"]
-    live = Live(on_log, cfg.log_every, total * batches.batch_tokens, state["tokens"], reduce=dp.mean)
-    while state["step"] < total and _active(state):
-        kill_point(f"stream:step{state['step']}")
-        ids = _next_batch(batches, total)
-        _train_step(teacher, modules, dp.rows(ids).to(device), feature_maps, optimizers, base_lrs, state, cfg, live,
-                    dp.on)
-        state["step"] += 1
-        state["tokens"] += ids.numel()
-        state["data"] = batches.state()
-        if state["step"] % cfg.eval_every == 0 or state["step"] == total:
-            live.flush()
-            for i in _active(state):
-                _evaluate(feature_maps[i], i, heldout, cfg, device, state, dp)
-        state["seconds"] = time.perf_counter() - start
-        if checkpoint_path is not None and state["step"] % cfg.checkpoint_every == 0:
-            live.flush()
-            if dp.main:
-                _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
-        bar.update(ids.numel())
-        if live.due(state["step"], last=state["step"] == total):
-            live.flush()
-            values = latest({i: layer["curve"] for i, layer in state["layers"].items()})
-            live.log(state["step"], state["tokens"], values)
-            bar.set_postfix(step=state["step"], loss=f"{values.get('loss_mean', float('nan')):.4f}")
-    bar.close()
-    live.flush()
-    if checkpoint_path is not None and dp.main:
-        _save(Path(checkpoint_path), feature_maps, optimizers, state, meta)
-    return _result(feature_maps, state)
+    done = run_loop(trainer, LoopConfig.of(cfg), Checkpointing(checkpoint_path, meta, comparable_meta, keep_final=True),
+                    on_log, dp.on, desc="stream", progress=progress)
+    summaries = {i: {"layer": i, "initial_heldout_loss": r["initial"], "final_heldout_loss": r["best"],
+                     "best_step": r["best_step"], "steps_run": len(r["curve"]), "seconds": r["seconds"],
+                     "curve": r["curve"]} for i, r in done.records.items()}
+    return StreamResult(summaries=summaries, tokens=done.tokens, steps_run=done.step, seconds=done.seconds,
+                        teacher_seconds=trainer.teacher_seconds)
+
+
+def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg, live: Live,
+                data_parallel: bool = False) -> None:
+    """One streamed step of ``state``'s active layers on ``ids`` outside the loop, its curves and times
+    added to ``state`` (``{"step", "teacher_seconds", "layers": {i: {"stopped", "seconds", "curve"}}}``):
+    the loop's own step (:func:`dofla.train.loop.optimiser_step`), as the memory preflight traces it."""
+    units = {i: Unit(feature_maps[i], optimizers.get(i), base_lrs=list(base_lrs.get(i, [])), record=record)
+             for i, record in state["layers"].items()}
+    trainer = StreamedLayers(teacher, units, cfg, modules=modules)
+    active = [i for i, unit in units.items() if not unit.record["stopped"]]
+    optimiser_step(trainer, ids, active, cfg, state["step"], live, data_parallel)
+    state["teacher_seconds"] += trainer.teacher_seconds
 
 
 def _checked_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -143,35 +170,14 @@ def _checked_layers(layers: list[int], num_layers: int) -> list[int]:
 
 
 class DataParallel:
-    """A streamed run's share of torchrun's work: each rank's rows of a batch, the mean of logged
-    values over the ranks, rank 0's held-out values; all no-ops when ``on`` is false or alone."""
+    """A streamed run's share of torchrun's work: each rank's rows of a batch; a no-op when ``on`` is
+    false or alone (the loop averages the gradients and agrees on the held-out values)."""
 
     def __init__(self, on: bool):
         self.on = on and distributed.world() > 1
-        self.main = distributed.is_main() if self.on else True
 
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
         return distributed.my_rows(batch) if self.on else batch
-
-    def mean(self, values: list[float]) -> list[float]:
-        return distributed.mean_across(values) if self.on else values
-
-    def agreed(self, value: float) -> float:
-        return distributed.broadcast(value) if self.on else value
-
-
-def _initial_state(feature_maps, layers, optimizers, heldout, cfg, device, batches, dp: DataParallel) -> dict:
-    per_layer = {}
-    for i in layers:
-        initial = dp.agreed(_heldout_value(feature_maps[i], i, heldout, cfg, device))
-        per_layer[i] = {"curve": [], "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
-                        "stopped": i not in optimizers, "seconds": 0.0, "best_state": cpu_state(feature_maps[i])}
-    return {"step": 0, "tokens": 0, "seconds": 0.0, "teacher_seconds": 0.0, "data": batches.state(),
-            "shape": (batches.batch_size, batches.seq_len), "layers": per_layer}
-
-
-def _active(state) -> list[int]:
-    return [i for i, s in state["layers"].items() if not s["stopped"]]
 
 
 def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
@@ -184,80 +190,9 @@ def _next_batch(batches: BatchStream, total: int) -> torch.Tensor:
             "lower data.num_tokens (or set train.max_steps) or use a larger data source") from None
 
 
-def _train_step(teacher, modules, ids, feature_maps, optimizers, base_lrs, state, cfg, live: Live,
-                data_parallel: bool = False) -> None:
-    """Per micro-batch one teacher forward and every active layer's loss and backward; then one Adam
-    step per layer on the accumulated gradients (averaged over torchrun's ranks with ``data_parallel``;
-    ``ids`` is then this rank's rows). The losses join the curves at ``live``'s next flush."""
-    step, active = state["step"], _active(state)
-    steps = {i: Accumulator(optimizers[i]) for i in active}
-    for part, share in micro_batches(ids, cfg):
-        started = time.perf_counter()
-        acts = teacher_qk(teacher, modules, part, active, values=needs_values(cfg.loss))
-        state["teacher_seconds"] += time.perf_counter() - started
-        for i in active:
-            started = time.perf_counter()
-            q, k, v = acts.pop(i)  # frees this layer's activations before the next layer's step
-            steps[i].add(layer_loss(feature_maps[i], q, k, cfg, v), share)
-            state["layers"][i]["seconds"] += time.perf_counter() - started
-    for i in active:
-        started = time.perf_counter()
-        for group, lr in zip(optimizers[i].param_groups, base_lrs[i]):
-            group["lr"] = lr * lr_factor(step, cfg)
-        loss = steps[i].step(f"layer{i}: non-finite training loss at streaming step {step}", cfg.skip_nonfinite,
-                             data_parallel)
-        curve = state["layers"][i]["curve"]
-        if loss is not None:
-            curve.append({"step": step, "loss": None})
-            live.hold(curve[-1], "loss", loss)
-        else:
-            curve.append({"step": step, "loss": None, "skipped": True})
-        state["layers"][i]["seconds"] += time.perf_counter() - started
-
-
 def _heldout_value(feature_map, i: int, heldout: HeldOut, cfg, device) -> float:
     q, k, *v = (t.to(device, torch.float32) for t in (heldout[i] if isinstance(heldout, dict) else heldout(i)))
     return heldout_loss(feature_map, q, k, torch.arange(q.shape[0]), cfg, v[0] if v else None)
-
-
-def _evaluate(feature_map, i: int, heldout: HeldOut, cfg, device, state, dp: DataParallel) -> None:
-    """Record layer i's held-out loss, keep its best state, stop it when patience runs out (rank 0's
-    value decides on every rank)."""
-    layer = state["layers"][i]
-    value = dp.agreed(_heldout_value(feature_map, i, heldout, cfg, device))
-    layer["curve"][-1]["heldout_loss"] = value
-    if value < layer["best"]:
-        layer.update(best=value, best_step=state["step"], bad_evals=0, best_state=cpu_state(feature_map))
-    else:
-        layer["bad_evals"] += 1
-        layer["stopped"] = cfg.patience > 0 and layer["bad_evals"] >= cfg.patience
-
-
-def _save(path: Path, feature_maps, optimizers, state, meta: dict) -> None:
-    torch_save_atomic({"feature_maps": {i: feature_maps[i].state_dict() for i in state["layers"]},
-                       "optimizers": {i: opt.state_dict() for i, opt in optimizers.items()},
-                       "rng": torch.get_rng_state(), "state": state, "meta": meta}, path)
-
-
-def _resume(ckpt: dict, feature_maps, optimizers, batches: BatchStream) -> dict:
-    for i, sd in ckpt["feature_maps"].items():
-        feature_maps[i].load_state_dict(sd)
-    for i, sd in ckpt["optimizers"].items():
-        optimizers[i].load_state_dict(sd)
-    torch.set_rng_state(ckpt["rng"])
-    batches.restore(ckpt["state"]["data"])
-    return ckpt["state"]
-
-
-def _result(feature_maps, state) -> StreamResult:
-    summaries = {}
-    for i, layer in state["layers"].items():
-        feature_maps[i].load_state_dict(layer["best_state"])
-        summaries[i] = {"layer": i, "initial_heldout_loss": layer["initial"], "final_heldout_loss": layer["best"],
-                        "best_step": layer["best_step"], "steps_run": len(layer["curve"]),
-                        "seconds": layer["seconds"], "curve": layer["curve"]}
-    return StreamResult(summaries=summaries, tokens=state["tokens"], steps_run=state["step"],
-                        seconds=state["seconds"], teacher_seconds=state["teacher_seconds"])
 
 
 def run_streaming(teacher, batches: BatchStream, feature_maps: list, layers: list[int], cfg: LayerTrainConfig,
