@@ -40,8 +40,9 @@ run: install
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# the inner loop: unit and component tests not marked slow (docs/development.md says which tier when)
 test-fast: install
-	$(PY) -m pytest -m "not slow and not grid and not long" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/component -m "not slow and not variant and not grid and not long" $(PYTEST_ARGS)
 
 # everything but the paper grid: make test plus the long tier (more kill points, launchers and run
 # variants through the real CLI)

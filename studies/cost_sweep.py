@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 from dofla.gpucheck_cells import EPOCHS, GRID, SWEEPS
-from dofla.eval.downstream import TRAIN_EXAMPLES
+from dofla.eval import TRAIN_EXAMPLES
 from dofla.train import capacity, configure_matmul, probe_steps
 
 DISTILL_TOKENS = 362e6  # one pass over 10 % of English Wikipedia (studies.cost_model.PAPER_TOKENS)

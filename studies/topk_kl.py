@@ -19,11 +19,9 @@ import copy
 
 import torch
 
-from dofla.data import build_source
-from dofla.data.tokens import pack_tokens
+from dofla.data import build_source, pack_tokens
 from dofla.models import EMBEDDED, convert, load_student, load_teacher
-from dofla.train.distill import prepare_trainable
-from dofla.train.kl_targets import exact_kl, topk_targets
+from dofla.train import exact_kl, prepare_trainable, topk_targets
 
 STUDENTS = {
     "linear, fresh Hedgehog features": {"feature_map": "hedgehog", "attention": "linear"},

@@ -43,13 +43,141 @@ def offline_environment():
             os.environ[key] = value
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# Unit and component tests that are slow by nature, marked ``slow`` here so that ``make test-fast``
+# (tests/unit + tests/component, the inner loop) leaves them to ``make test``, which still runs them
+# all: by file, the test functions (every parametrisation) and why. tests/unit/test_tiers.py checks
+# that every name still exists.
+SLOW = {
+    # subprocesses: plain transformers, lm-eval's CLI, torch.distributed's gloo processes, three jobs
+    # racing for one cache, the studies' command lines
+    "tests/component/test_export.py": (
+        "test_lm_eval_cli_scores_the_saved_student", "test_plain_transformers_loads_a_gated_student_with_its_gates",
+        "test_plain_transformers_loads_the_student_never_the_teacher",
+        "test_push_to_hub_uploads_the_exported_student_with_its_card",
+        "test_the_saved_tokenizer_loads_without_asking_to_run_remote_code"),
+    "tests/component/test_data_parallel.py": ("test_two_gloo_processes_distil_one_process_steps_at_the_same_batch",
+                                              "test_two_gloo_processes_stream_one_process_steps_at_the_same_batch"),
+    "tests/component/test_cache.py": ("test_concurrent_jobs_build_once",),
+    "tests/unit/test_loop.py": ("test_a_run_killed_by_sigkill_resumes_to_the_same_bits",),
+    "tests/unit/test_over_runs.py": ("test_the_command_reads_negative_differences_and_refuses_a_percent_level",
+                                     "test_the_command_takes_a_second_arm_and_refuses_one_run_in_it"),
+    # whole pipeline runs, and the studies that train and compare students
+    "tests/component/test_prepared.py": (
+        "test_a_run_on_prepared_tokens_equals_the_run_on_text_and_records_the_resolved_count",
+        "test_a_run_whose_eval_needs_more_held_out_tokens_than_prepared_is_refused_before_any_model"),
+    "tests/unit/test_chunk_tuning.py": ("test_a_run_with_auto_builds_its_student_at_the_measured_chunk",),
+    "tests/unit/test_passkey_study.py": (
+        "test_every_student_answers_the_same_prompts_and_is_paired_with_its_reference",
+        "test_pairs_compare_each_student_with_its_own_control_and_average_over_pairs"),
+    "tests/unit/test_paired_heldout.py": ("test_matched_pairs_average_over_pairs_with_an_interval_over_runs",),
+    "tests/unit/test_hybrid_losses_study.py": ("test_main_writes_a_table_per_layer",),
+    "tests/unit/test_cost_model.py": ("test_a_cell_costs_positive_hours_and_fits_a_big_gpu_at_its_whole_batch",
+                                      "test_the_cpu_check_times_the_step_it_predicts"),
+    # lm-eval tasks and the per-task fine-tune protocol
+    "tests/component/test_finetune_protocol.py": (
+        "test_a_task_without_a_training_split_trains_on_the_data_given_for_it",
+        "test_the_teachers_grid_search_runs_once_and_every_cell_reuses_it",
+        "test_training_data_that_cannot_be_fetched_is_one_sentence"),
+    "tests/component/test_downstream.py": ("test_finetune_protocol_end_to_end",
+                                           "test_local_tasks_run_on_teacher_and_student",
+                                           "test_real_tasks_offline_are_skipped_in_one_sentence"),
+    # torch.compile, real-scale activations, memory traces of whole steps
+    "tests/component/test_compile.py": ("test_a_compiled_layer_loss_and_its_gradient_equal_the_eager_ones",),
+    "tests/component/test_real_scale.py": ("test_every_feature_map_and_loss_stays_finite_and_trains",),
+    "tests/component/test_capacity.py": (
+        "test_a_batch_of_one_sequence_is_traced_at_micro_batch_1_only",
+        "test_a_distill_batch_of_one_sequence_is_sized_whole",
+        "test_at_smollm2_size_the_prediction_is_within_ten_percent_of_the_traced_step",
+        "test_the_direct_step_peak_extrapolates_from_one_and_two_layers",
+        "test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_batch",
+        "test_the_distill_step_peak_extrapolates_from_one_and_two_layers",
+        "test_the_preflight_refuses_a_micro_batch_that_cannot_fit_and_names_one_that_does",
+        "test_the_streamed_step_peak_extrapolates_from_one_and_two_layers",
+        "test_under_bf16_the_trace_runs_the_teachers_bfloat16_copy_as_the_stream_does"),
+    "tests/component/test_logit_chunks.py": ("test_chunked_logits_give_the_whole_kl_and_its_gradient",
+                                             "test_chunks_lower_the_traced_memory_per_sequence"),
+    "tests/unit/test_attention.py": ("test_gradient_agreement", "test_prf_long_sequence_realistic_norms_is_finite"),
+    "tests/unit/test_causal_losses.py": ("test_pieces_hold_less_memory_than_the_plain_forms",),
+    "tests/component/test_live.py": (
+        "test_the_streamed_step_reads_the_device_once_per_layer_and_logs_in_one_read",
+        "test_streamed_training_logs_every_layer_every_log_every_steps_as_its_curve_records"),
+    # training until a measured result (a loss lowered, a gate opened, two runs landing together); each
+    # file keeps cheaper tests of the same code in the fast tier
+    "tests/component/test_gated_student.py": ("test_an_open_gate_decodes_like_the_parallel_forward_and_saves",
+                                              "test_distillation_opens_the_gate_and_keeps_it_a_decay"),
+    "tests/component/test_linear_scale.py": ("test_a_scaled_student_decodes_like_its_parallel_forward_saves_and_loads",
+                                             "test_distillation_trains_the_scale_with_the_features_only"),
+    "tests/component/test_distill.py": ("test_a_resumed_run_ends_where_an_uninterrupted_one_does",
+                                        "test_distillation_lowers_the_kl_and_changes_only_what_it_trains"),
+    "tests/component/test_window_dropout.py": ("test_always_dropping_the_window_trains_the_linear_student",),
+    "tests/component/test_finetune.py": ("test_lora_changes_only_attention_projections_and_round_trips",),
+    "tests/component/test_precision.py": ("test_a_bf16_layer_training_lands_near_the_fp32_one",),
+    "tests/component/test_micro_batching.py": (
+        "test_a_layer_trained_in_micro_batches_lands_where_the_full_batch_one_does",
+        "test_a_streamed_run_in_micro_batches_lands_where_the_full_batch_one_does"),
+    "tests/component/test_softmax_layers.py": (
+        "test_the_greedy_choice_measures_each_step_with_the_earlier_layers_kept_exact",
+        "test_the_passkey_choice_restores_the_layers_that_lower_the_answer_nll_most"),
+    "tests/component/test_stream.py": ("test_streaming_lowers_every_layers_heldout_loss",),
+    "tests/component/test_train.py": ("test_training_reduces_heldout_loss_and_attention_error",),
+    "tests/unit/test_output_loss.py": ("test_training_with_the_output_loss_lowers_heldout_output_error",),
+}
+# ...and the heaviest of the rest (seconds each on a 2-core machine): more training steps, reports with
+# plots, wandb, the studies' mains, the stages test's later stages (its first ones stay in the fast tier)
+SLOW_TOO = {
+    "tests/component/test_train.py": ("test_direct_training_moves_only_feature_parameters",
+                                      "test_checkpoint_of_other_settings_is_ignored_not_resumed"),
+    "tests/component/test_distill.py": ("test_running_out_of_text_ends_early_and_counts_the_tokens",
+                                        "test_micro_batches_accumulate_the_full_batch_gradient"),
+    "tests/component/test_window_dropout.py": ("test_a_resumed_run_draws_the_same_windows",),
+    "tests/component/test_downstream.py": ("test_offline_mmlu_dev_task_builds_and_runs",),
+    "tests/component/test_softmax_layers.py": (
+        "test_restoration_kl_matches_a_plain_reference_and_ranks_a_broken_layer_first",),
+    "tests/component/test_stream.py": ("test_a_checkpoint_written_before_later_trainer_fields_still_resumes",
+                                       "test_run_streaming_writes_artifacts_and_reuses_them"),
+    "tests/component/test_report.py": ("test_seed_report_shows_means_intervals_and_paired_differences",
+                                       "test_seeds_evaluated_differently_still_group_and_each_metric_shows_its_n",
+                                       "test_sweep_report_compares_runs_and_flags_code_differences",
+                                       "test_a_repeated_seed_is_left_out_and_named"),
+    "tests/component/test_tracking.py": ("test_wandb_offline_writes_a_local_run",),
+    "tests/unit/test_paired_heldout.py": ("test_scores_are_kept_per_text_and_weights_and_reused",
+                                          "test_sequence_losses_average_to_the_heldout_loss"),
+    "tests/component/test_shuffled_data.py": (
+        "test_a_shuffled_run_needs_the_whole_split_prepared_and_says_so_before_loading",),
+    "tests/unit/test_plots_dof.py": ("test_write_plots_adds_both_for_a_sweep",),
+    "tests/unit/test_quality_vs_tokens.py": ("test_main_prints_both_tables_and_writes_both_pngs",),
+    "tests/component/test_prepared.py": (
+        "test_num_tokens_all_is_one_pass_over_the_prepared_split_less_the_sample_and_distill",),
+    "tests/component/test_micro_batching.py": (
+        "test_direct_training_in_micro_batches_lands_where_the_full_batch_one_does",),
+    "tests/unit/test_dof_spread.py": ("test_averaged_estimate_is_the_mean_of_single_samples_and_moves_less",),
+    "tests/component/test_stages_direct.py": (
+        "test_eval_and_report", "test_distill_trains_on_fresh_text_writes_a_student_and_reuses_it",
+        "test_a_hybrid_does_not_reuse_the_linear_students_softmax_ranking",
+        "test_assemble_keeps_the_layers_chosen_by_passkey_recall_and_extends_the_choice",
+        "test_assemble_keeps_the_layer_whose_restoration_lowers_the_kl_most",
+        "test_a_sliding_window_student_keeps_exact_the_layer_whose_restoration_lowers_the_kl_most"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tiers: everything in tests/integration (the CLI, launchers, torchrun, the embedded model) is
-    ``slow``; ``gpu`` tests are skipped where CUDA is not available."""
+    """Tiers: everything in tests/integration (the CLI, launchers, torchrun, the embedded model) and
+    the tests in :data:`SLOW` and :data:`SLOW_TOO` are ``slow``; every parametrisation of a test but
+    its first is a ``variant`` (the fast tier runs each test once, ``make test`` every variant);
+    ``gpu`` tests are skipped where CUDA is not available."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    first_seen = set()
     for item in items:
-        if "integration" in item.path.parts:
+        where = item.path.relative_to(ROOT).as_posix()
+        slow = (*SLOW.get(where, ()), *SLOW_TOO.get(where, ()))
+        if "integration" in item.path.parts or item.originalname in slow:
             item.add_marker(pytest.mark.slow)
+        if getattr(item, "callspec", None) is not None:
+            if (where, item.originalname) in first_seen:
+                item.add_marker(pytest.mark.variant)
+            first_seen.add((where, item.originalname))
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():  # not keywords: a checkout in a folder named gpu
             item.add_marker(no_gpu)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 STUDIES = sorted((Path(__file__).resolve().parents[2] / "studies").glob("*.py"))
-MODULES = ("dofla.config", "dofla.pipeline")  # public modules: any name without a leading underscore
+# public modules: any name without a leading underscore (the typed config, the pipeline, and the paper
+# sweeps' shape that dofla-gpucheck and the cost studies share: cells, the teacher's grid, epochs)
+MODULES = ("dofla.config", "dofla.pipeline", "dofla.gpucheck_cells")
 
 
 def dofla_imports(path: Path) -> list[tuple[str, str]]:

@@ -1,20 +1,17 @@
-"""One training loop under every trainer: the steps, the learning-rate schedule, micro-batches and the
-finiteness check of each step, held-out evaluation with the best state and patience, checkpoints
-keyed by the settings they were written under (a killed run resumes to the same bits), precision and
-live logging. A trainer (:class:`Trainer`) gives only what differs: its units, its batches, the loss
-of a micro-batch, the held-out value, its data position; the loop stops at ``steps`` or when every
-unit has stopped (patience).
+"""One training loop under every trainer; a trainer (:class:`Trainer`) gives only what differs: its
+units, its batches, the loss of a micro-batch, the held-out value and its data position.
 
     for each step:   kill point ─▶ batch ─▶ per micro-batch every active unit's loss and backward
                      ─▶ per unit the scheduled learning rate and one optimiser step (refused, or
                      skipped, when a loss or gradient is not finite) ─▶ every eval_every steps the
                      held-out values (best state, patience) ─▶ every checkpoint_every steps a
-                     checkpoint ─▶ every log_every steps the live curves
+                     checkpoint keyed by the settings (a killed run resumes to the same bits)
+                     ─▶ every log_every steps the live curves
 
-A unit (:class:`Unit`) is what one optimiser trains: a layer's feature map (the layerwise trainers
-have one per layer), or every trained parameter of a student (direct, LoRA). Losses stay on the device
-between log points (:class:`~dofla.train.live.Live`), so a step waits for the device once, in its
-finiteness check.
+until ``steps``, or until every unit has stopped (patience). A unit (:class:`Unit`) is what one
+optimiser trains: a layer's feature map (one per layer for the layerwise trainers), or every trained
+parameter of a student (direct, LoRA). Losses stay on the device between log points
+(:class:`~dofla.train.live.Live`): a step waits for the device once, in its finiteness check.
 """
 from __future__ import annotations
 
