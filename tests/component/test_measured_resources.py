@@ -15,6 +15,7 @@ from dofla.cli import CONF_DIR, to_run_config
 from dofla.measure import StepClock, peak_memory, rss_peak
 from dofla.stages import estimate, preflight
 from dofla.stages.context import RunContext, StageTimer
+from dofla.stages.plan import STREAM, train_plan
 from dofla.tracking import NullTracker
 from tests.conftest import write_local_tasks
 
@@ -32,7 +33,7 @@ def context(tmp_path, *overrides: str) -> RunContext:
     teacher, tokenizer = load_teacher(cfg.model.source, seed=cfg.seed, num_layers=cfg.model.tiny_layers)
     geometry = get_adapter(teacher).geometry(teacher.config)
     plan = ("cache", "train", "assemble", "distill", "eval")
-    return RunContext(cfg, tmp_path / "run", plan, teacher, tokenizer, geometry, teacher, "stream")
+    return RunContext(cfg, tmp_path / "run", plan, teacher, tokenizer, geometry, teacher, train_plan(cfg, STREAM))
 
 
 def limited(ctx: RunContext, gib: float) -> RunContext:

@@ -77,10 +77,9 @@ def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     from dofla.stages.sources import stream_steps
     from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import probe_steps
-    from dofla.train.losses import end_to_end
 
     cfg, L, n = ctx.cfg, ctx.cfg.data.seq_len, ctx.geometry.num_layers
-    direct = end_to_end(cfg.loss.name)
+    direct, streams = ctx.train.direct, ctx.train.streams
     batch = cfg.train.direct_batch_size if direct else cfg.train.batch_size
     micro = cfg.train.micro_batch_size or batch
     train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, compile=False, batch_size=micro,
@@ -89,19 +88,19 @@ def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     if direct:
         step = probe_steps.direct_step(lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]),
                                        ctx.teacher, train_cfg, L, steps=1, device=device)
-        steps, depth = (stream_steps(cfg, batch * L) if ctx.source == "stream" else cfg.train.steps), n
+        steps, depth = (stream_steps(cfg, batch * L) if streams else cfg.train.steps), n
     else:
         layers = [i for i in linear_layers(cfg, ctx.geometry) if dims[i] and list(maps[i].parameters())]
         if not layers:
             return []
-        if ctx.source == "stream":
+        if streams:
             dtype = getattr(torch, teacher_dtype(cfg.precision, cfg.train.teacher_dtype))
             step = probe_steps.stream_step(ctx.teacher, maps, layers, train_cfg, L, dtype, steps=1, device=device)
             steps, depth = stream_steps(cfg, batch * L), len(layers)
         else:  # each layer trains train.steps on its own (a cached step call runs two)
             step = probe_steps.cached_step(maps, layers, train_cfg, L, ctx.geometry, device)
             steps, depth = cfg.train.steps * len(layers), 1
-    per_step = timed(step, depth, micro, device) / (1 if direct or ctx.source == "stream" else 2)
+    per_step = timed(step, depth, micro, device) / (1 if direct or streams else 2)
     per_step *= math.ceil(batch / micro)
     return [StageTime("train", steps * per_step, f"{steps:,.0f} steps of {batch} × {L} tokens")]
 

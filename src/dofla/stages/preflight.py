@@ -34,7 +34,6 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     from dofla.precision import teacher_dtype
     from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
     from dofla.train import capacity
-    from dofla.train.losses import end_to_end
 
     cfg, teacher = ctx.cfg, ctx.teacher
     # the trace runs the eager loss (compiling inside the trace's dispatch mode would trace the
@@ -42,7 +41,7 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     train_cfg = replace(layer_train_config(cfg), softcap=ctx.geometry.softcap, micro_batch_size=micro_batch,
                         compile=False, batch_size=batch)
     maps = build_feature_maps(cfg, ctx.geometry, dims)
-    if end_to_end(cfg.loss.name):
+    if ctx.train.direct:
         return capacity.direct_step_peak(
             lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher,
             ctx.geometry.num_layers, train_cfg, cfg.data.seq_len, loaded_bytes(teacher, maps))
@@ -51,7 +50,7 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     if not layers:
         return None
     dtype = getattr(torch, teacher_dtype(cfg.precision, cfg.train.teacher_dtype))
-    if ctx.source == "stream":  # the teacher's distillation forwards run in its `dtype` copy
+    if ctx.train.streams:  # the teacher's distillation forwards run in its `dtype` copy
         return capacity.stream_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len,
                                          capacity.copy_bytes(teacher, dtype), dtype)
     return capacity.cached_step_peak(teacher, maps, layers, train_cfg, cfg.data.seq_len, ctx.geometry)
@@ -83,14 +82,12 @@ def run(ctx: RunContext, dims: list, plan=("train",), records: dict | None = Non
     """Check the memory of the training stages in ``plan`` (train, distill, and the evaluation
     protocol's task fine-tunes) before any runs; returns ``ctx`` with their micro-batches resolved.
     ``records``: filled with each stage's prediction (also written to ``preflight.json``)."""
-    from dofla.train.losses import end_to_end
-
     cfg = ctx.cfg
     records = {} if records is None else records
     if "train" in plan and any(dims):
         # under torchrun direct (and a data-parallel stream) splits every batch over the processes; each
         # process traces its own share
-        batch = cfg.train.direct_batch_size if end_to_end(cfg.loss.name) else cfg.train.batch_size
+        batch = cfg.train.direct_batch_size if ctx.train.direct else cfg.train.batch_size
         if train_split(cfg, distributed.world(), ctx.source) == "data":
             batch //= distributed.world()
         micro = check(ctx, "train", lambda m: predict(ctx, dims, m, batch), batch, records)
