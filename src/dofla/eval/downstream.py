@@ -174,12 +174,18 @@ def hub_offline(enabled: bool = True):
 
 
 def run_lm_eval(lm, task: str, manager, limit: int | None) -> dict:
-    """lm-eval's result row for one task (or group), zero-shot, no bootstrap (stderr is not used)."""
+    """lm-eval's result row for one task (or group), zero-shot, no bootstrap (stderr is not used), with
+    the task's version under ``version`` when lm-eval reports one (a number: the model card shows it)."""
     import lm_eval
 
     out = lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=limit,
                                   task_manager=manager, log_samples=False, bootstrap_iters=0)
-    return out["results"][task]
+    row = dict(out["results"][task])
+    try:
+        row["version"] = float((out.get("versions") or {})[task])
+    except (KeyError, TypeError, ValueError):  # a group, or a version that is not a number
+        pass
+    return row
 
 
 def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
@@ -215,6 +221,8 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
             for metric in ("acc", "acc_norm"):
                 if f"{metric},none" in row:
                     result.metrics[f"downstream/{task}/{metric}"] = float(row[f"{metric},none"])
+            if "version" in row:
+                result.metrics[f"downstream/{task}/version"] = row["version"]
             result.ran.append(task)
     accs = [result.acc(t) for t in result.ran if f"downstream/{t}/acc" in result.metrics]
     if accs:
