@@ -130,14 +130,8 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
         return setting
     limit, where = memory_limit(ctx)
     started = time.perf_counter()
-    try:
-        with distributed.alone():
-            peak = predict_at(1)
-    except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, train anyway
-        if auto:
-            raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
-                                  f"({type(err).__name__}: {err}); set {name} to a number") from err
-        print(f"dofla: memory preflight of the {stage} stage skipped ({type(err).__name__}: {err})", flush=True)
+    traced, peak = _trace(lambda: predict_at(1), name, auto, f"the {stage} stage")
+    if not traced:
         return setting
     if peak is None:  # nothing trains: no step to size
         return None if auto else setting
@@ -198,14 +192,9 @@ def check_task_finetune(ctx: RunContext, dims: list, records: dict) -> RunContex
         return ctx
     limit, where = memory_limit(ctx)
     started = time.perf_counter()
-    try:
-        with distributed.alone():
-            peak = predict_task_finetune(ctx, dims, max(batch_of.values()))
-    except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, run anyway
-        if auto:
-            raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
-                                  f"({type(err).__name__}: {err}); set {name} to a number") from err
-        print(f"dofla: memory preflight of the task fine-tunes skipped ({type(err).__name__}: {err})", flush=True)
+    traced, peak = _trace(lambda: predict_task_finetune(ctx, dims, max(batch_of.values())), name, auto,
+                          "the task fine-tunes")
+    if not traced:
         return ctx
     chosen = {}
     for task in tasks:
@@ -231,3 +220,17 @@ def check_task_finetune(ctx: RunContext, dims: list, records: dict) -> RunContex
     print(f"dofla: {name}=auto: " + ", ".join(f"{t} {chosen[t] or batch_of[t]}" for t in tasks), flush=True)
     resolved = {**chosen, "default": min((m for m in chosen.values() if m), default=None)}
     return replace(ctx, cfg=replace(ctx.cfg, eval=replace(ev, finetune_micro_batch_size=resolved)))
+
+
+def _trace(predict, name: str, auto: bool, what: str):
+    """(True, ``predict()``), or (False, None) when the trace fails on an architecture it cannot cut: said
+    in one sentence and the stage runs anyway, unless ``name`` is ``auto`` (which needs the trace)."""
+    try:
+        with distributed.alone():
+            return True, predict()
+    except Exception as err:  # noqa: BLE001 - an architecture the trace cannot cut: say so, run anyway
+        if auto:
+            raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
+                                  f"({type(err).__name__}: {err}); set {name} to a number") from err
+        print(f"dofla: memory preflight of {what} skipped ({type(err).__name__}: {err})", flush=True)
+        return False, None
