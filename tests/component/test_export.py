@@ -146,6 +146,7 @@ def test_push_to_hub_uploads_the_exported_student_with_its_card(tmp_path, monkey
         torch.testing.assert_close(logits, student(_ids(), use_cache=False).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.long  # lm-eval's own CLI in a subprocess (a minute); the in-process scoring runs by default
 def test_lm_eval_cli_scores_the_saved_student(tmp_path, byte_tokenizer):
     """``lm_eval --model hf --model_args pretrained=<dir>,trust_remote_code=True`` gives the
     student's log-likelihoods (compared request by request with the in-memory student's)."""

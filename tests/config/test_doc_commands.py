@@ -113,7 +113,14 @@ def overrides_of(argv: list[str]) -> tuple[list[str], bool] | None:
     return [a for a in args if a not in ("-m", "--multirun")], "-m" in args
 
 
-SOURCES = [*pages(), *scripts()]
+# The results pages of the earlier protocol and their study script compose about 300 commands (Hydra
+# takes about half a second each here): the long tier checks them; README, the guides, the headline page
+# and its script stay in the default run.
+EARLIER = {*(f"docs/results/{name}.md" for name in ("dof_allocation", "embedded_sweeps", "hybrid_far_context",
+                                                    "model_distillation", "softmax_layers", "window_and_hybrid")),
+           "studies/quality.sh"}
+SOURCES = [pytest.param(p, marks=pytest.mark.long) if p.relative_to(ROOT).as_posix() in EARLIER else p
+           for p in [*pages(), *scripts()]]
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))

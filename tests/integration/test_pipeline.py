@@ -101,6 +101,7 @@ def test_sweep_through_submitit_local_launcher(tmp_path):
     assert (sweep / "report.md").exists()
 
 
+@pytest.mark.long  # the submitit launcher's sweep runs by default
 def test_sweep_through_joblib_launcher_builds_the_shared_cache_once(tmp_path):
     """Two jobs in parallel processes (joblib) need the same cache: one builds it under the lock."""
     sweep, cache = tmp_path / "sweep", tmp_path / "cache"
