@@ -56,12 +56,21 @@ def bucket(name: str, runs: list[RunRecord], lo: int) -> str | None:
     return keys[0] if keys else None
 
 
+def _counted(interval, text: str) -> str:
+    """``text``, marked when its interval cannot count both runs and text (one run: text only)."""
+    return text if interval.counts == "runs and text" or interval.half_width is None else f"{text} ({interval.counts})"
+
+
 def signed(interval) -> str:
-    return f"{interval.mean:+.3f} ± {interval.half_width:.3f}" if interval.half_width is not None else f"{interval.mean:+.3f}"
+    if interval.half_width is None:
+        return f"{interval.mean:+.3f}"
+    return _counted(interval, f"{interval.mean:+.3f} ± {interval.half_width:.3f}")
 
 
 def share(interval) -> str:
-    return f"{interval.mean:.2f} ± {interval.half_width:.2f}" if interval.half_width is not None else f"{interval.mean:.2f}"
+    if interval.half_width is None:
+        return f"{interval.mean:.2f}"
+    return _counted(interval, f"{interval.mean:.2f} ± {interval.half_width:.2f}")
 
 
 def gap(runs: list[RunRecord], student: str, reference: str) -> str:
