@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dofla.report import RunRecord, crossed_interval, load_records, paired_interval
+from dofla.report import RunRecord, crossed_interval, frontier_points, frontier_table, load_records, paired_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -162,8 +162,10 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
             if a in found and b in found]
     readme = markdown(["student", "preset", "held-out ppl", "× teacher", "passkey @ 1K"],
                       [[r[0], r[1], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
+    usable = [r for r in records if "heldout/student" in r.sequences]
+    frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "A − B"], rows),
-            ("README", "table"): readme}
+            ("headline", "frontier"): frontier, ("README", "table"): readme}
 
 
 PAGES = {"headline": headline}
