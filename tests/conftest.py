@@ -27,6 +27,16 @@ def activation_caches(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir() and p.name not in SHARED_CACHE_FOLDERS]
 
 
+# Metrics a run measures about itself (wall times, peak memory, step times, the startup predictions): they
+# differ between two runs of the same settings, so comparisons of results leave them out.
+MEASURED_PREFIXES = ("time/", "resources/")
+
+
+def reproducible(metrics: dict) -> dict:
+    """``metrics`` less what the run measured about itself (:data:`MEASURED_PREFIXES`)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(MEASURED_PREFIXES)}
+
+
 OFFLINE_ENVIRONMENT = {"WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 

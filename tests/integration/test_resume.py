@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.conftest import reproducible
+
 # one kill point runs by default (inside training), the rest in the long tier
 KILL_POINTS = ["train:layer1:step4"] + [
     pytest.param(point, marks=pytest.mark.long)
@@ -30,7 +32,8 @@ def _run(run_dir, cache_dir, kill_at=None, extra=()):
 
 
 def _outputs(run_dir):
-    return {name: json.loads((run_dir / name).read_text()) for name in ("allocation.json", "metrics.json")}
+    return {"allocation.json": json.loads((run_dir / "allocation.json").read_text()),
+            "metrics.json": reproducible(json.loads((run_dir / "metrics.json").read_text()))}
 
 
 @pytest.fixture(scope="module")

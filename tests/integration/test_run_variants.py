@@ -13,7 +13,7 @@ import torch
 from dofla.cache import predict_cache_bytes
 from dofla.models import get_adapter, load_student
 from dofla.models.tiny import build_tiny_model
-from tests.conftest import activation_caches
+from tests.conftest import activation_caches, reproducible
 from tests.integration.test_pipeline import run_cli
 
 SMOKE = ["experiment=smoke_tiny"]
@@ -26,7 +26,7 @@ def _run(tmp_path, *overrides, name="run", env=None):
 
 
 def _metrics(run_dir):
-    return json.loads((run_dir / "metrics.json").read_text())
+    return reproducible(json.loads((run_dir / "metrics.json").read_text()))
 
 
 def test_sliding_window_baseline_trains_nothing_and_caches_no_activations(tmp_path):

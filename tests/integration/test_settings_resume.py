@@ -12,7 +12,7 @@ import torch
 from dofla.config import FeatureMapConfig, ModelConfig, RunConfig, TrainConfig
 from dofla.models import load_student
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
-from tests.conftest import write_local_tasks
+from tests.conftest import reproducible, write_local_tasks
 from tests.integration.test_pipeline import run_cli
 
 
@@ -21,7 +21,7 @@ def _args(run, cache, *extra):
 
 
 def _metrics(run) -> dict:
-    return json.loads((run / "metrics.json").read_text())
+    return reproducible(json.loads((run / "metrics.json").read_text()))
 
 
 def _files(directory) -> dict:
