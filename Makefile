@@ -49,8 +49,9 @@ test-fast: install
 test-all: install
 	$(PY) -m pytest -m "not grid" $(PYTEST_ARGS)
 
+# the long tier: tests marked long, and the parametrisations of slow tests after their first
 test-long: install
-	$(PY) -m pytest -m long $(PYTEST_ARGS)
+	$(PY) -m pytest -m "long or (slow and variant)" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py
@@ -73,7 +74,7 @@ compat:
 	$(call make_venv,$(COMPAT_VENV),$(COMPAT_PINS))
 	@$(COMPAT_VENV)/bin/python -c "import importlib.metadata as m; print('compat: testing', \
 		', '.join(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'lm_eval', 'peft', 'datasets')))"
-	@$(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS) || { \
+	@$(COMPAT_VENV)/bin/python -m pytest -q -m "not grid and not long" $(COMPAT_TESTS) || { \
 		echo "compat: FAILED against the versions above; users are unaffected (make run installs $(LOCK)),"; \
 		echo "compat: but dofla must be fixed for them or pyproject.toml must cap the release that broke it"; \
 		exit 1; }

@@ -230,6 +230,7 @@ def distill_run(tmp_path, *overrides):
                     "distill.batch_size=4", "distill.seq_len=64", *overrides)
 
 
+@pytest.mark.long  # the distill stage's sizing through the whole stage (a minute); the train stage's sizing runs by default
 def test_the_distill_stage_is_sized_before_training_and_auto_picks_its_micro_batch(tmp_path, capsys):
     from dofla.stages.preflight import DoesNotFitError
 

@@ -127,6 +127,7 @@ class CrashingRows(RandomRows):
         return super().next_batch()
 
 
+@pytest.mark.long  # the KL stage's resume; tests/integration/test_resume.py kills a run inside it too (long tier)
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     teacher, reference = pair()
     resumed, other = copy.deepcopy(reference), copy.deepcopy(reference)

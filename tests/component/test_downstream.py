@@ -46,6 +46,7 @@ def test_local_tasks_run_on_teacher_and_student(task_dir, teacher_student, byte_
         assert result.metrics["downstream/avg_acc"] == pytest.approx(expected)
 
 
+@pytest.mark.long  # the seven real tasks probed offline (half a minute); the local tasks run by default
 def test_real_tasks_offline_are_skipped_in_one_sentence(task_dir, teacher_student, byte_tokenizer,
                                                         monkeypatch, tmp_path, capsys):
     # An empty cache and offline mode make the outcome the same on any machine, network or not.

@@ -36,6 +36,7 @@ def spy(monkeypatch):
     return calls
 
 
+@pytest.mark.long  # the grid shared by two processes runs by default (test_finetune_protocol_resume.py)
 def test_the_teachers_grid_search_runs_once_and_every_cell_reuses_it(tmp_path, spy, byte_tokenizer, capsys):
     (tmp_path / "tasks").mkdir()
     tasks = write_local_tasks(tmp_path / "tasks")

@@ -238,10 +238,12 @@ def _stages(stages, **changes):
 
 def test_stage_plan_runs_dof_only_when_the_policy_needs_it_or_it_is_listed():
     configured = ["cache", "allocate", "train", "assemble", "distill", "finetune", "eval", "report"]  # conf/config.yaml
-    assert _stages(configured) == ["cache", "dof", *configured[1:]]
+    on = [s for s in configured if s not in ("distill", "finetune")]  # off by their names (distill=none, finetune=none)
+    assert _stages(configured) == ["cache", "dof", *on[1:]]
+    assert _stages(configured, distill__name="kl") == ["cache", "dof", *[s for s in configured[1:] if s != "finetune"]]
     for policy in ("dof_clip", "dof_head", "fix_max"):
         assert "dof" in _stages(configured, allocation__policy=policy)
-    assert _stages(configured, allocation__policy="fix") == configured
+    assert _stages(configured, allocation__policy="fix") == on
     assert _stages(["cache", "dof", "allocate"], allocation__policy="fix") == ["cache", "dof", "allocate"]
     assert _stages(["allocate"], allocation__policy="fix") == ["allocate"]
     assert _stages(["allocate"]) == ["cache", "dof", "allocate"]
