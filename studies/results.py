@@ -153,7 +153,11 @@ def teacher_row(records: list[RunRecord]) -> list[str]:
 
 
 def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
-    """The headline page's blocks (and README's), from the records of the headline presets."""
+    """The headline page's blocks (and README's), from the records of the headline presets; empty
+    blocks while no run is recorded."""
+    if not records:
+        return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "frontier"): "",
+                ("README", "table"): ""}
     arms = [(label, preset, arm(records, preset)) for label, preset in HEADLINE]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
     main = markdown(MAIN_HEADER, [teacher_row(records)] + [arm_row(*a) for a in arms])
@@ -194,7 +198,8 @@ def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str)
 
 def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
     """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
-    blocks = PAGES[page](load_records(records_root / page))
+    root = records_root / page
+    blocks = PAGES[page](load_records(root) if root.is_dir() else [])
     differ = []
     for file in sorted({f for f, _ in blocks}):
         path = page_path(file if file == "README" else page)
