@@ -15,7 +15,8 @@ from dofla.data.prepared import PREPARED_MODES
 from dofla.distributed import check_device
 from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
 from dofla.errors import ConfigError, require
-from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes, train_data_problem
+from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes
+from dofla.eval.task_data import train_data_problem
 from dofla.feature_maps import FEATURE_MAPS
 from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
 from dofla.precision import SETTINGS

@@ -119,4 +119,4 @@ def test_two_gloo_processes_distil_one_process_steps_at_the_same_batch(tmp_path)
     assert _close(a, alone["states"][0])
     assert ranks[0]["curve"] == ranks[1]["curve"]  # the batch's KL: the mean over the ranks
     assert torch.allclose(torch.tensor(ranks[0]["curve"]), torch.tensor(alone["curve"]), rtol=1e-4)
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 4  # rank 0 wrote it
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["state"]["step"] == 4  # rank 0 wrote it

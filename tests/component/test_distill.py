@@ -127,6 +127,14 @@ class CrashingRows(RandomRows):
         return super().next_batch()
 
 
+def old_layout(saved: dict) -> dict:
+    """A loop checkpoint of the KL stage in the layout ``train_kl`` wrote before it ran on the loop harness."""
+    curve = [{"step": e["step"], "kl": e["loss"]} for e in saved["state"]["units"]["student"]["curve"]]
+    return {"model": saved["modules"]["student"], "optimizer": saved["optimizers"]["student"],
+            "data": saved["data"]["batches"], "step": saved["state"]["step"], "curve": curve,
+            "tokens": saved["data"]["used"], "meta": saved["meta"]}
+
+
 @pytest.mark.long  # the KL stage's resume; tests/integration/test_resume.py kills a run inside it too (long tier)
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     teacher, reference = pair()
@@ -137,12 +145,16 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     with pytest.raises(Crash):  # dies at step 10; the last checkpoint is step 8's
         train_kl(copy.deepcopy(resumed), teacher, CrashingRows(tokens(), 4, seed=0, at=10), train, SCHEDULE,
                  checkpoint_path=ckpt, meta=meta)
-    assert torch.load(ckpt, weights_only=False)["step"] == 8
-    resumed, curve, used = train_kl(resumed, teacher, RandomRows(tokens(), 4, seed=0), train, SCHEDULE,
-                                    checkpoint_path=ckpt, meta=meta)
-    assert used == SCHEDULE.steps * 4 * 32 and [c["step"] for c in curve] == list(range(SCHEDULE.steps))
-    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["state"]["step"] == 8
+    legacy = tmp_path / "legacy_ckpt.pt"  # the same checkpoint as the stage wrote it before the loop harness
+    torch.save(old_layout(saved), legacy)
+    for path in (ckpt, legacy):
+        resumed_here, curve, used = train_kl(copy.deepcopy(resumed), teacher, RandomRows(tokens(), 4, seed=0), train,
+                                             SCHEDULE, checkpoint_path=path, meta=meta)
+        assert used == SCHEDULE.steps * 4 * 32 and [c["step"] for c in curve] == list(range(SCHEDULE.steps))
+        for (name, a), b in zip(reference.state_dict().items(), resumed_here.state_dict().values()):
+            torch.testing.assert_close(a, b, msg=name)
     # a checkpoint of other settings is ignored: the run starts from step 0
     _, curve, _ = train_kl(other, teacher, RandomRows(tokens(), 4, seed=0), train, SCHEDULE,
                            checkpoint_path=ckpt, meta={"run": "b"})

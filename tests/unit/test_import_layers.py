@@ -16,14 +16,7 @@ STAGE_HELPERS = ("dofla.stages", "dofla.stages.plan", "dofla.stages.context", "d
                  "dofla.stages.results", "dofla.stages.sources", "dofla.stages.students", "dofla.stages.softmax_layers")
 # Circles and stage-to-stage imports in modules whose owners change them next, each with the edit that
 # ends it; the tests fail when one ends (delete it here) as when a new one starts.
-PENDING_CIRCLES = {
-    # models/student.py: import export_student and student_config from dofla.models.export_format
-    frozenset({"dofla.models.hub_export", "dofla.models.student"}),
-    # the fine-tune protocol's modules: train_data_problem moves from eval/suite.py to eval/task_data.py, and
-    # TaskScore and finetune_step from eval/task_finetune.py to a module below task_trial and finetune_store
-    frozenset({"dofla.eval.finetune_store", "dofla.eval.suite", "dofla.eval.task_data", "dofla.eval.task_finetune",
-               "dofla.eval.task_trial"}),
-}
+PENDING_CIRCLES: set[frozenset[str]] = set()
 PENDING_STAGE_IMPORTS: set[str] = set()
 
 

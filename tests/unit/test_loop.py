@@ -122,3 +122,44 @@ def test_micro_batches_add_up_to_the_whole_batch():
         torch.testing.assert_close(part_weights[key]["weight"], weights[key]["weight"], rtol=1e-12, atol=1e-12)
     assert [c["loss"] for c in parts.records["a"]["curve"]] == pytest.approx(
         [c["loss"] for c in whole.records["a"]["curve"]], rel=1e-12)
+
+
+class Limited(Regression):
+    """Data that runs out after ``batches`` batches; the losses run their own backward, in halves."""
+
+    own_backward = True
+
+    def __init__(self, batches: int):
+        super().__init__()
+        self.batches = batches
+
+    def next_batch(self, step):
+        return None if step >= self.batches else super().next_batch(step)
+
+    def backward(self, key, rows, weight):
+        loss = self.loss(key, rows)
+        for half in (0.5, 0.5):
+            (loss * weight * half).backward(retain_graph=True)
+        return loss.detach()
+
+
+def test_the_loop_ends_where_the_data_runs_out_and_a_trainer_may_run_its_own_backward():
+    cfg = LoopConfig(steps=12, warmup_steps=3, checkpoint_every=5)
+    limited, reference = Limited(batches=7), Regression()
+    done = run_loop(limited, cfg)
+    assert done.step == 7 and done.tokens == 7 * 8 and len(done.records["a"]["curve"]) == 7
+    run_loop(reference, LoopConfig(steps=7, warmup_steps=3, checkpoint_every=5, schedule=cfg.schedule))
+    for key in ("a", "b"):  # the same steps as a loop asked for seven, through autograd's own backward
+        for a, b in zip(limited.units[key].module.parameters(), reference.units[key].module.parameters()):
+            torch.testing.assert_close(a, b)
+
+
+def test_clipping_bounds_each_step_and_the_cosine_schedule_ends_at_its_floor():
+    clipped, free = Regression(lr=0.5), Regression(lr=0.5)
+    cfg = LoopConfig(steps=6, schedule="cosine", checkpoint_every=100)
+    run_loop(clipped, LoopConfig(**{**cfg.__dict__, "grad_clip": 1e-3, "lr_floor": 0.1}))
+    run_loop(free, cfg)
+    assert clipped.units["a"].optimizer.param_groups[0]["lr"] > free.units["a"].optimizer.param_groups[0]["lr"]
+    grads = [float(torch.cat([p.grad.flatten() for p in t.units["a"].module.parameters()]).norm())
+             for t in (clipped, free)]  # the last step's gradients, as the optimiser saw them
+    assert grads[0] <= 1e-3 * (1 + 1e-6) < grads[1]

@@ -4,7 +4,7 @@ stopped and the cells of a sweep share the teacher's grid.
 A trial is one model fine-tuned on one task at one learning rate. Per trial a :class:`TrialStore`
 keeps, under ``directory/<task>/lr<lr>``:
 
-- ``.json``: the finished :class:`~dofla.eval.task_finetune.TaskScore`, written as soon as the trial ends;
+- ``.json``: the finished :class:`~dofla.eval.task_step.TaskScore`, written as soon as the trial ends;
 - ``.pt``: the checkpoint of the trial in progress (weights, optimiser, epoch, position in the
   epoch's order, random states), written at every epoch end and every ``checkpoint_every`` steps;
 - ``.lock``: held by the process running the trial (:func:`claim`), so that two processes sharing
@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from filelock import FileLock, Timeout
 
 from dofla.artifacts import canonical, load_checkpoint, torch_save_atomic
+from dofla.eval.task_step import TaskScore
 from dofla.record import read_json, write_json
 
 
@@ -39,8 +41,6 @@ class TrialStore:
 
     def score(self, task: str, lr: float):
         """The trial's finished score, or None (not run, or run for other settings)."""
-        from dofla.eval.task_finetune import TaskScore
-
         kept = read_json(self._path(task, lr, ".json"))
         if kept is None or kept.get("meta") != self.meta:
             return None
@@ -48,8 +48,6 @@ class TrialStore:
 
     def save_score(self, task: str, lr: float, score) -> None:
         """Keep the finished score; the trial's checkpoint is no longer needed."""
-        from dataclasses import asdict
-
         write_json(self._path(task, lr, ".json"), {"meta": self.meta, "score": asdict(score)})
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(task, lr, ".pt"))

@@ -138,21 +138,6 @@ def finetune_micro_batch_sizes(ev: EvalConfig) -> dict:
     return {"default": None, **sizes} if isinstance(sizes, dict) else {"default": sizes}
 
 
-def train_data_problem(data, task: str | None = None) -> str | None:
-    """What is wrong with ``eval.finetune_train_data`` (or, given ``task``, with its entry ``data``
-    for that task), in one sentence, or None."""
-    if task is None:
-        if data is not None and not isinstance(data, dict):
-            return f"eval.finetune_train_data={data!r} must map task names to training data, e.g. {{mmlu: {{files: [...]}}}}"
-        return next(filter(None, (train_data_problem(spec, t) for t, spec in (data or {}).items())), None)
-    spec, key = data, f"eval.finetune_train_data.{task}"
-    if (not isinstance(spec, dict) or set(spec) - {"path", "name", "split", "files"}
-            or ("path" in spec) == ("files" in spec)):
-        return f"{key}={spec} must be {{path, name, split}} (a hub dataset) or {{files: [...]}} (local JSON lines)"
-    missing = [str(f) for f in spec.get("files", []) if not Path(f).expanduser().is_file()]
-    return f"{key} names files that do not exist: {', '.join(missing)}" if missing else None
-
-
 def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int, precision: str = "fp32"):
     """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune); a micro-batch still
     ``auto`` (no memory preflight ran, e.g. ``dofla-eval``) is the whole batch, said once."""

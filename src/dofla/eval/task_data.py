@@ -34,8 +34,6 @@ def extra_training_docs(task: str, spec: dict, limit: int | None = None) -> list
     the first ``limit`` of them; one sentence naming the setting when they cannot be read."""
     import datasets
 
-    from dofla.eval.suite import train_data_problem
-
     problem = train_data_problem(spec, task)
     if problem:
         raise ValueError(problem)
@@ -85,3 +83,18 @@ def pad_batch(pairs, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
     return input_ids, labels
+
+
+def train_data_problem(data, task: str | None = None) -> str | None:
+    """What is wrong with ``eval.finetune_train_data`` (or, given ``task``, with its entry ``data``
+    for that task), in one sentence, or None."""
+    if task is None:
+        if data is not None and not isinstance(data, dict):
+            return f"eval.finetune_train_data={data!r} must map task names to training data, e.g. {{mmlu: {{files: [...]}}}}"
+        return next(filter(None, (train_data_problem(spec, t) for t, spec in (data or {}).items())), None)
+    spec, key = data, f"eval.finetune_train_data.{task}"
+    if (not isinstance(spec, dict) or set(spec) - {"path", "name", "split", "files"}
+            or ("path" in spec) == ("files" in spec)):
+        return f"{key}={spec} must be {{path, name, split}} (a hub dataset) or {{files: [...]}} (local JSON lines)"
+    missing = [str(f) for f in spec.get("files", []) if not Path(f).expanduser().is_file()]
+    return f"{key} names files that do not exist: {', '.join(missing)}" if missing else None

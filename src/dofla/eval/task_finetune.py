@@ -10,7 +10,7 @@ paper: MMLU's auxiliary_train); scoring is the same lm-eval multiple-choice run 
 ``evaluate_tasks``. Selecting the epoch on the eval split is the paper's (optimistic) choice,
 applied identically to teacher and students.
 
-Each step is :func:`finetune_step`: the batch in micro-batches whose gradients add up to the whole
+Each step is :func:`dofla.eval.task_step.finetune_step`: the batch in micro-batches whose gradients add up to the whole
 batch's, the forwards under the run's precision (fp32 master weights). The trials (a model, a task,
 a learning rate) run through :mod:`dofla.eval.task_trial`, which checkpoints and resumes them.
 """
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from dofla.eval.downstream import DownstreamUnavailable, availability
+from dofla.eval.finetune_store import share
 from dofla.eval.task_data import extra_training_docs, gold_text, pad_batch, training_pairs  # noqa: F401 - API
-from dofla.precision import autocast
+from dofla.eval.task_step import TaskScore, finetune_step, summed_loss, target_tokens  # noqa: F401 - API
+from dofla.eval.task_trial import run_trial
 
 
 @dataclass
@@ -58,16 +58,6 @@ class FinetuneProtocolConfig:
 
     def micro_for(self, task: str) -> int | None:
         return dict(self.task_micro_batch_sizes).get(task, self.micro_batch_size)
-
-
-@dataclass
-class TaskScore:
-    lr: float
-    epoch_accs: list[float]
-    chosen_epoch: int  # 1-based
-    acc: float
-    steps: int = 0  # optimiser steps of the trial
-    seconds: float = 0.0  # their wall time (scoring excluded; a resumed trial's parts added up)
 
 
 @dataclass
@@ -107,48 +97,11 @@ class FinetuneProtocolResult:
         return out
 
 
-def target_tokens(labels: torch.Tensor) -> int:
-    """Tokens whose next-token loss counts in a (B, T) label tensor (the first position predicts nothing)."""
-    return int((labels[:, 1:] != -100).sum())
-
-
-def summed_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, precision: str) -> torch.Tensor:
-    """Σ over the target tokens of the next-token cross-entropy; the forward under ``precision``'s
-    autocast, the loss in fp32 whatever dtype the logits come in."""
-    with autocast(precision, input_ids.device):
-        logits = model(input_ids=input_ids, use_cache=False).logits
-    vocab, dtype = logits.shape[-1], torch.promote_types(logits.dtype, torch.float32)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].to(dtype).reshape(-1, vocab), labels[:, 1:].reshape(-1),
-                                             ignore_index=-100, reduction="sum")
-
-
-def finetune_step(model, optimizer, rows: list, max_length: int, micro_batch: int | None,
-                  precision: str = "fp32") -> torch.Tensor:
-    """One optimiser step on ``rows`` ((context, continuation) id pairs): the mean next-token loss over
-    every target token of the batch, formed ``micro_batch`` rows at a time (None: all at once), each
-    part padded to its own widest row. The parts' summed losses over the whole batch's target count
-    give exactly the whole batch's gradient. Returns the batch's loss, on the device (no host wait)."""
-    device = next(model.parameters()).device
-    size = micro_batch or len(rows)
-    parts = [pad_batch(rows[i : i + size], max_length) for i in range(0, len(rows), size)]
-    count = max(1, sum(target_tokens(labels) for _, labels in parts))  # CPU tensors: no device wait
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for input_ids, labels in parts:
-        loss = summed_loss(model, input_ids.to(device), labels.to(device), precision) / count
-        loss.backward()
-        total = total + loss.detach()
-    optimizer.step()
-    return total
-
-
 def finetune_and_score(model, tokenizer, task: str, pairs, lr: float, cfg: FinetuneProtocolConfig,
                        store=None, who: str = "model") -> TaskScore:
     """Fine-tune a fresh copy of ``model`` on ``pairs``; score after every epoch; pick per protocol.
     ``store`` (:class:`~dofla.eval.finetune_store.TrialStore`): resume the trial from its checkpoint
     and keep its score. ``who`` names the model in the log and in the kill points."""
-    from dofla.eval.task_trial import run_trial
-
     return run_trial(model, tokenizer, task, pairs, lr, cfg, store, who)
 
 
@@ -164,8 +117,6 @@ def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProt
     ``store``: the grid's :class:`~dofla.eval.finetune_store.TrialStore`, shared by the processes that
     compute it (each trial runs once among them, :func:`~dofla.eval.finetune_store.share`); a task's
     training data is read only when one of its trials runs here."""
-    from dofla.eval.finetune_store import share
-
     runnable, skipped, _ = availability(list(tasks), cfg.task_dirs)
     result = TeacherProtocol({}, {}, dict(skipped))
     pairs_by_task = {} if pairs_by_task is None else pairs_by_task
@@ -218,8 +169,6 @@ def run_finetune_protocol(teacher, students: dict, tokenizer, tasks: list[str],
 
     ``teacher`` and ``students`` are left untouched (each run trains a deep copy).
     """
-    from dofla.eval.finetune_store import share
-
     cfg, stores = cfg or FinetuneProtocolConfig(), stores or {}
     pairs_by_task: dict = {}
     if teacher_result is None:

@@ -5,7 +5,7 @@ far) and the random states travel in its checkpoint with the weights and the opt
 resumed after a kill takes the same steps on the same batches as one that never stopped. A
 checkpoint is written when an epoch's training ends (before it is scored) and every
 ``checkpoint_every`` steps; its score is kept the moment the trial ends (:mod:`dofla.eval.finetune_store`).
-The step itself is :func:`dofla.eval.task_finetune.finetune_step`.
+The step itself is :func:`dofla.eval.task_step.finetune_step`.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.eval.downstream import evaluate_tasks
+from dofla.eval.task_step import TaskScore, finetune_step
 from dofla.faults import kill_point
 
 
@@ -36,10 +37,8 @@ class TrialProgress:
 
 def run_trial(model, tokenizer, task: str, pairs, lr: float, cfg, store=None, who: str = "model"):
     """Fine-tune a fresh copy of ``model`` on ``pairs`` at ``lr``, scoring it after every epoch; the
-    :class:`~dofla.eval.task_finetune.TaskScore` of the epoch the protocol keeps. With ``store``, the
+    :class:`~dofla.eval.task_step.TaskScore` of the epoch the protocol keeps. With ``store``, the
     trial resumes from its checkpoint and its score is kept there."""
-    from dofla.eval.task_finetune import TaskScore
-
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     work = copy.deepcopy(model)
@@ -97,8 +96,6 @@ def resume(store, task: str, lr: float, work, optimizer, generator, who: str) ->
 def train_epoch(work, pairs, optimizer, cfg, task: str, generator, progress: TrialProgress, save, name: str) -> None:
     """The rest of the current epoch's steps; losses reach the host every ``cfg.log_every`` steps;
     ``save()`` every ``cfg.checkpoint_every`` steps."""
-    from dofla.eval.task_finetune import finetune_step
-
     if progress.order is None:
         progress.order, progress.current = torch.randperm(len(pairs), generator=generator).tolist(), []
     batch, micro, order = cfg.batch_for(task), cfg.micro_for(task), progress.order

@@ -34,6 +34,7 @@ from dofla.attention.gate import build_gate
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
+from dofla.models.export_format import export_student, student_config
 from dofla.models.spec import ConversionSpec
 from dofla.models.student_attention import (
     ATTN_IMPLEMENTATION,
@@ -107,8 +108,6 @@ class StudentMixin:
                         **kwargs):
         """Hugging Face's save, then the export (own model type, remote code, model card): loaded
         elsewhere the directory is this student, never its teacher (see dofla.models.hub_export)."""
-        from dofla.models.hub_export import export_student
-
         repo_id = kwargs.pop("repo_id", None)
         hub = {k: kwargs.pop(k) for k in ("commit_message", "private", "token", "create_pr") if k in kwargs}
         super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
@@ -264,8 +263,6 @@ def _layer_dims(m):
 def load_student(path: str | Path, **kwargs) -> PreTrainedModel:
     """Load a student saved with ``save_pretrained`` (weights, feature parameters, dims) from a
     directory or a hub repository; directories saved before the export format load too."""
-    from dofla.models.hub_export import student_config
-
     hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     config = student_config(path, **hub)
     base = AutoModelForCausalLM._model_mapping[type(config)]

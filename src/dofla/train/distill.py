@@ -18,7 +18,6 @@ each, and the gradients are averaged before clipping: the single-process step at
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +25,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from dofla import distributed
-from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.attention.gate import project_gates
 from dofla.data.stream import StreamExhausted
 from dofla.errors import DoflaError
-from dofla.faults import kill_point
 from dofla.precision import autocast
 from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
 from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
-from dofla.train.step import lr_factor, micro_batches
+from dofla.train.loop import LOOP_FORMAT, Checkpointing, LoopConfig, Trainer, Unit, run_loop
+from dofla.train.step import micro_batches
 
 TRAINABLE = ("features", "attention", "lora", "gate")
 
@@ -237,6 +234,75 @@ def accumulate(model, teacher, batch: torch.Tensor, s: DistillSchedule,
     return total
 
 
+class Distillation(Trainer):
+    """The KL stage on the loop harness (:func:`dofla.train.loop.run_loop`): one unit, everything
+    ``train`` names in the student; each micro-batch the teacher's targets, then the student's forward,
+    KL and backward (in chunks with ``logit_chunk``); a step runs with some hybrid windows dropped
+    and ends with the gates projected back to decay."""
+
+    kill, log_prefix, own_backward = "distill:step", "distill", True
+
+    def __init__(self, model, student, teacher, batches, named, s: DistillSchedule, split: bool, targets_of=None):
+        rates = {"features": s.feature_lr, "scale": s.scale_lr, "gate": s.feature_lr, "attention": s.lr, "lora": s.lr}
+        optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
+        names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
+        self.units = {"student": Unit(model, optimizer, keep=names.__contains__)}
+        self.model, self.student, self.teacher, self.batches, self.s = model, student, teacher, batches, s
+        self.split, self.targets_of, self.batch_tokens = split, targets_of, batches.batch_tokens
+        self.device = next(student.parameters()).device
+        self.num_hybrid = sum(attn.mode == "hybrid" for attn in student.student_attentions())
+        self.used, self.checked = 0, False
+
+    def next_batch(self, step: int) -> torch.Tensor | None:
+        try:
+            batch = self.batches.next_batch().to(self.device)
+        except StreamExhausted:
+            print(f"dofla: the data ran out after {self.used:,} distillation tokens ({step} of {self.s.steps} "
+                  "steps); the stage ends here and records the tokens used", flush=True)
+            return None
+        if self.s.logit_chunk and not self.checked:  # the chunked head must be the model's own
+            check_head(self.model, batch)
+            self.checked = True
+        self.used += batch.numel()
+        return distributed.my_rows(batch) if self.split else batch
+
+    def step_context(self, step: int):
+        return windows_dropped(self.student, dropped_windows(self.num_hybrid, step, self.s))
+
+    def backward(self, key, rows: torch.Tensor, weight: float) -> torch.Tensor:
+        s = self.s
+        targets = teacher_targets(self.teacher, rows, s) if self.targets_of is None else self.targets_of(rows)
+        targets = targets.prepared(s.temperature)  # exact logits give way to the probabilities before the student runs
+        return kl_backward(self.model, rows, targets, s, weight)
+
+    def after_step(self) -> None:
+        project_gates(self.student)  # a gate's α stays ≥ 0: it decays, never amplifies
+
+    def data_state(self):
+        return {"batches": self.batches.state(), "used": self.used}
+
+    def restore_data(self, state) -> None:
+        self.batches.restore(state["batches"])
+        self.used = state["used"]
+
+    def log_values(self, curves) -> dict:
+        return {"kl": curves["student"][-1]["loss"]}
+
+    def message(self, key, step: int) -> str:
+        return f"distill: non-finite KL at step {step}"
+
+
+def legacy_checkpoint(saved: dict) -> dict:
+    """A KL checkpoint written before the stage ran on the loop harness, in the loop's layout."""
+    curve = [{"step": e["step"], "loss": e["kl"]} for e in saved["curve"]]
+    record = {"curve": curve, "initial": None, "best": None, "best_step": 0, "bad_evals": 0, "stopped": False,
+              "seconds": 0.0, "best_state": None}
+    return {"format": LOOP_FORMAT, "meta": saved["meta"], "modules": {"student": saved["model"]},
+            "optimizers": {"student": saved["optimizer"]},
+            "state": {"step": saved["step"], "seconds": 0.0, "units": {"student": record}},
+            "data": {"batches": saved["data"], "used": saved["tokens"]}, "rng": torch.get_rng_state()}
+
+
 def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,
              meta: dict | None = None, lora: tuple[int, int] = (8, 16),
              on_log: Callable[[dict], None] | None = None, data_parallel: bool = False, progress: bool = True,
@@ -248,81 +314,20 @@ def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, ch
     when it was written with ``meta``. A source that runs out ends the stage early, saying so; the
     tokens returned are the ones actually used. ``progress=False`` hides the bar (the memory preflight's
     probe steps). ``targets_of(rows)``: the teacher's targets for token rows (None: ``teacher`` runs on
-    every batch; :class:`dofla.cache.TeacherLogitCache` gives them once per text). ``data_parallel``: torchrun's ranks share every batch
-    (each its rows ``rank::world``; every rank must call this alike; rank 0 writes the checkpoint and
-    the KL logged is the batch's, the mean over the ranks).
+    every batch; :class:`dofla.cache.TeacherLogitCache` gives them once per text). ``data_parallel``:
+    torchrun's ranks share every batch (each its rows ``rank::world``; every rank must call this alike;
+    rank 0 writes the checkpoint and the KL logged is the batch's, the mean over the ranks). A step
+    whose KL or gradients are not finite is skipped (its curve entry says so). The loop is
+    :func:`dofla.train.loop.run_loop`'s.
     """
     split = data_parallel and distributed.world() > 1
     model, named = prepare_trainable(student, train, *lora)
-    rates = {"features": s.feature_lr, "scale": s.scale_lr, "gate": s.feature_lr, "attention": s.lr, "lora": s.lr}
-    optimizer = torch.optim.AdamW([{"params": p, "lr": rates[n], "name": n} for n, p in named], weight_decay=0.0)
-    params = [p for _, group in named for p in group]
-    names = {n for n, p in model.named_parameters() if p.requires_grad}  # what a checkpoint keeps
-    device = next(student.parameters()).device
-    num_hybrid = sum(attn.mode == "hybrid" for attn in student.student_attentions())
-    step, curve, tokens = 0, [], 0
-    ckpt = load_checkpoint(checkpoint_path, meta)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        batches.restore(ckpt["data"])
-        step, curve, tokens = ckpt["step"], ckpt["curve"], ckpt["tokens"]
-    base = [rates[g["name"]] for g in optimizer.param_groups]  # not the loaded groups' (scheduled) rates
     model.eval()  # dropout off: the target is the teacher's deterministic distribution
     teacher.eval()
-    bar = tqdm(total=s.steps * batches.batch_tokens, initial=tokens, desc="distill (KL)", unit="tok", unit_scale=True,
-               disable=not (progress and distributed.is_main()))
-    pending: list[tuple[int, torch.Tensor]] = []
-
-    def flush():
-        values = torch.stack([v for _, v in pending]).tolist() if pending else []
-        if split and values:  # every rank flushes at the same steps: a collective
-            values = distributed.mean_across(values)
-        for (i, _), value in zip(pending, values):
-            curve.append({"step": i, "kl": value if math.isfinite(value) else None})
-        pending.clear()
-        if values and on_log is not None:
-            on_log({"distill/kl": values[-1], "distill/tokens": tokens, "distill/step": curve[-1]["step"]})
-        if values:
-            bar.set_postfix(kl=f"{values[-1]:.4f}")
-
-    start = step
-    for step in range(step, s.steps):
-        kill_point(f"distill:step{step}")
-        try:
-            batch = batches.next_batch().to(device)
-        except StreamExhausted:
-            print(f"dofla: the data ran out after {tokens:,} distillation tokens ({step} of {s.steps} steps); "
-                  "the stage ends here and records the tokens used", flush=True)
-            break
-        if s.logit_chunk and step == start:  # the chunked head must be the model's own
-            check_head(model, batch)
-        for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * lr_factor(step, s, floor=0.1)
-        optimizer.zero_grad(set_to_none=True)
-        with windows_dropped(student, dropped_windows(num_hybrid, step, s)):
-            kl = accumulate(model, teacher, distributed.my_rows(batch) if split else batch, s, targets_of)
-        if split:
-            distributed.average_gradients(params)
-        if s.grad_clip > 0:  # also the finiteness check, without a host synchronisation per step:
-            norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)  # a non-finite norm zeroes the gradient
-            for p in params:
-                if p.grad is not None:
-                    p.grad.nan_to_num_(0.0, 0.0, 0.0).mul_(torch.isfinite(norm))
-        optimizer.step()
-        project_gates(student)  # a gate's α stays ≥ 0: it decays, never amplifies
-        tokens += batch.numel()
-        pending.append((step, kl))
-        bar.update(batch.numel())
-        if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
-            flush()
-        if checkpoint_path is not None and (step + 1) % s.checkpoint_every == 0 and step + 1 < s.steps:
-            flush()
-            if distributed.is_main():
-                torch_save_atomic({"model": {n: t for n, t in model.state_dict().items() if n in names},
-                                   "optimizer": optimizer.state_dict(), "data": batches.state(), "step": step + 1,
-                                   "curve": curve, "tokens": tokens, "meta": meta}, checkpoint_path)
-    flush()
-    bar.close()
-    return finish(model, student), curve, tokens
-
+    trainer = Distillation(model, student, teacher, batches, named, s, split, targets_of)
+    loop = LoopConfig.of(s, eval_every=0, skip_nonfinite=True, lr_floor=0.1)
+    done = run_loop(trainer, loop, Checkpointing(checkpoint_path, meta, legacy=legacy_checkpoint), on_log,
+                    data_parallel=split, desc="distill (KL)", progress=progress)
+    curve = [{"step": e["step"], "kl": e["loss"], **({"skipped": True} if e.get("skipped") else {})}
+             for e in done.records["student"]["curve"]]
+    return finish(model, student), curve, trainer.used

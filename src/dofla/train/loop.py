@@ -8,7 +8,7 @@ units, its batches, the loss of a micro-batch, the held-out value and its data p
                      checkpoint keyed by the settings (a killed run resumes to the same bits)
                      ─▶ every log_every steps the live curves
 
-until ``steps``, or until every unit has stopped (patience). A unit (:class:`Unit`) is what one
+until ``steps``, until every unit has stopped (patience), or until the trainer's data runs out. A unit (:class:`Unit`) is what one
 optimiser trains: a layer's feature map (one per layer for the layerwise trainers), or every trained
 parameter of a student (direct, LoRA). Losses stay on the device between log points
 (:class:`~dofla.train.live.Live`): a step waits for the device once, in its finiteness check.
@@ -52,6 +52,8 @@ class LoopConfig:
     skip_nonfinite: bool = False
     micro_batch_size: Any = None
     precision: str = "fp32"
+    grad_clip: float = 0.0  # the gradients' norm is clipped to this before the step (0: never)
+    lr_floor: float = 0.0  # the cosine schedule ends at this fraction of the peak rate
 
     @classmethod
     def of(cls, cfg, **changes) -> "LoopConfig":
@@ -92,10 +94,20 @@ class Trainer:
     kill: str = "train:step"
     autocast: bool = False
     device: torch.device = torch.device("cpu")
+    log_prefix: str = "train"  # the live log's names: ``{log_prefix}/loss``, ...
+    own_backward: bool = False  # :meth:`backward` instead of :meth:`loss` (e.g. a KL backward in chunks)
 
-    def next_batch(self, step: int) -> torch.Tensor:
-        """This step's batch, rows first (under data parallelism: this process's rows)."""
+    def next_batch(self, step: int) -> torch.Tensor | None:
+        """This step's batch, rows first (under data parallelism: this process's rows); None when the
+        data has run out (the loop ends there, the steps run so far its result)."""
         raise NotImplementedError
+
+    def step_context(self, step: int):
+        """A context the step's forwards and backwards run in (e.g. a hybrid's windows dropped)."""
+        return contextlib.nullcontext()
+
+    def after_step(self) -> None:
+        """After the step's optimiser steps (e.g. parameters projected back onto their constraints)."""
 
     def forward(self, rows: torch.Tensor, keys: list) -> None:
         """Prepare the micro-batch ``rows`` for the losses of the units ``keys`` (e.g. one teacher forward
@@ -104,6 +116,11 @@ class Trainer:
     def loss(self, key: Hashable, rows: torch.Tensor) -> torch.Tensor:
         """Unit ``key``'s loss on the micro-batch ``rows`` (the loop runs its backward before asking for
         the next unit's, so a unit's activations can be freed first)."""
+        raise NotImplementedError
+
+    def backward(self, key: Hashable, rows: torch.Tensor, weight: float) -> torch.Tensor:
+        """With ``own_backward``: unit ``key``'s loss on ``rows``, ``weight`` × its backward run here;
+        returns the loss, detached."""
         raise NotImplementedError
 
     def heldout(self, key: Hashable) -> float | None:
@@ -148,6 +165,7 @@ class Checkpointing:
     settings: Any = None
     normalize: Callable | None = None
     keep_final: bool = False
+    legacy: Callable[[dict], dict] | None = None  # a checkpoint of the trainer's own earlier layout, to the loop's
 
 
 def run_loop(trainer: Trainer, cfg: LoopConfig, checkpoint: Checkpointing = Checkpointing(),
@@ -164,9 +182,9 @@ def run_loop(trainer: Trainer, cfg: LoopConfig, checkpoint: Checkpointing = Chec
     loop.start(resume=True)
     bar = tqdm(total=cfg.steps * trainer.batch_tokens, initial=loop.step * trainer.batch_tokens, desc=desc,
                unit="tok", unit_scale=True, leave=False, disable=not progress or not distributed.is_main())
-    while loop.step < cfg.steps and loop.active():
-        loop.train_step()
-        bar.update(trainer.batch_tokens)
+    while loop.step < cfg.steps and loop.active() and not loop.exhausted:
+        if loop.train_step():
+            bar.update(trainer.batch_tokens)
     bar.close()
     if checkpoint.keep_final:
         loop.save()
@@ -179,7 +197,7 @@ class _Loop:
     def __init__(self, trainer: Trainer, cfg: LoopConfig, checkpoint: Checkpointing, on_log, data_parallel: bool):
         self.trainer, self.cfg, self.checkpoint, self.dp = trainer, cfg, checkpoint, data_parallel
         self.units, self.step, self.seconds = trainer.units, 0, 0.0
-        self.on_log = on_log
+        self.on_log, self.exhausted = on_log, False
 
     def start(self, resume: bool) -> None:
         """Resume from the checkpoint, or take every unit's initial held-out value."""
@@ -201,16 +219,21 @@ class _Loop:
                                "best_state": None if initial is None else cpu_state(unit.module)}
         tokens = self.step * self.trainer.batch_tokens
         self.live = Live(self.on_log, self.cfg.log_every, self.cfg.steps * self.trainer.batch_tokens, tokens,
-                         reduce=distributed.mean_across if self.dp else None)
+                         prefix=self.trainer.log_prefix, reduce=distributed.mean_across if self.dp else None)
         self.started = time.perf_counter() - self.seconds
 
     def active(self) -> list:
         return [key for key, unit in self.units.items() if not unit.record["stopped"]]
 
-    def train_step(self) -> None:
+    def train_step(self) -> bool:
+        """One step; False (and ``exhausted``) when the trainer's data has run out."""
         cfg, trainer = self.cfg, self.trainer
         kill_point(f"{trainer.kill}{self.step}")
-        optimiser_step(trainer, trainer.next_batch(self.step), self.active(), cfg, self.step, self.live, self.dp)
+        batch = trainer.next_batch(self.step)
+        if batch is None:
+            self.exhausted = True
+            return False
+        optimiser_step(trainer, batch, self.active(), cfg, self.step, self.live, self.dp)
         self.step += 1
         if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
             self._evaluate()
@@ -222,6 +245,7 @@ class _Loop:
             if self.on_log is not None:
                 curves = {key: unit.record["curve"] for key, unit in self.units.items()}
                 self.live.log(self.step, self.step * trainer.batch_tokens, trainer.log_values(curves))
+        return True
 
     def _evaluate(self) -> None:
         """Every active unit's held-out value: the best state kept, patience counted."""
@@ -263,6 +287,8 @@ class _Loop:
 
     def _load(self) -> dict | None:
         saved = load_checkpoint(self.checkpoint.path, self.checkpoint.settings, self.checkpoint.normalize)
+        if saved is not None and "format" not in saved and self.checkpoint.legacy is not None:
+            saved = self.checkpoint.legacy(saved)
         if saved is not None and saved.get("format") != LOOP_FORMAT:
             print(f"dofla: checkpoint {self.checkpoint.path} was written by an older dofla; starting over",
                   flush=True)
@@ -278,28 +304,35 @@ def optimiser_step(trainer: Trainer, batch: torch.Tensor, keys: list, cfg: LoopC
     """Step ``step`` of the units ``keys`` on ``batch``: per micro-batch the trainer's forward and each
     unit's loss and backward (accumulated), then per unit the scheduled learning rate and one optimiser
     step, its loss held for the next log (what the loop runs every step; the memory preflight traces
-    it alone)."""
+    it alone; ``cfg`` may be any trainer config with the loop's fields, ``grad_clip`` and ``lr_floor``
+    defaulting to off)."""
     units = trainer.units
     accumulated = {key: Accumulator(units[key].optimizer) for key in keys}
     precision = autocast(cfg.precision, trainer.device) if trainer.autocast else contextlib.nullcontext()
-    for part, share in micro_batches(batch, cfg):
-        trainer.forward(part, keys)
-        for key in keys:
-            started = time.perf_counter()
-            with precision:
-                loss = trainer.loss(key, part)
-            accumulated[key].add(loss, share)
-            units[key].record["seconds"] += time.perf_counter() - started
+    with trainer.step_context(step):
+        for part, share in micro_batches(batch, cfg):
+            trainer.forward(part, keys)
+            for key in keys:
+                started = time.perf_counter()
+                if trainer.own_backward:
+                    accumulated[key].add_backward_done(trainer.backward(key, part, share), share)
+                else:
+                    with precision:
+                        loss = trainer.loss(key, part)
+                    accumulated[key].add(loss, share)
+                units[key].record["seconds"] += time.perf_counter() - started
     for key in keys:
         unit, started = units[key], time.perf_counter()
         for group, lr in zip(unit.optimizer.param_groups, unit.base_lrs):
-            group["lr"] = lr * lr_factor(step, cfg)
-        loss = accumulated[key].step(trainer.message(key, step), cfg.skip_nonfinite, data_parallel)
+            group["lr"] = lr * lr_factor(step, cfg, floor=getattr(cfg, "lr_floor", 0.0))
+        loss = accumulated[key].step(trainer.message(key, step), cfg.skip_nonfinite, data_parallel,
+                                     getattr(cfg, "grad_clip", 0.0))
         curve = unit.record["curve"]
         curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
         if loss is not None:
             live.hold(curve[-1], "loss", loss)
         unit.record["seconds"] += time.perf_counter() - started
+    trainer.after_step()
 
 
 def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

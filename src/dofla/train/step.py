@@ -46,7 +46,11 @@ class Accumulator:
 
     def add(self, loss: torch.Tensor, weight: float = 1.0) -> None:
         (loss * weight).backward()  # a non-finite loss poisons the gradients; step() then skips them
-        self.total = self.total + loss.detach() * weight
+        self.add_backward_done(loss.detach(), weight)
+
+    def add_backward_done(self, loss: torch.Tensor, weight: float = 1.0) -> None:
+        """A micro-batch whose ``weight`` × backward already ran (e.g. in chunks): its loss, detached."""
+        self.total = self.total + loss * weight
 
     def finite(self) -> bool:
         """The batch's loss and every gradient are finite (one synchronisation)."""
@@ -56,13 +60,14 @@ class Accumulator:
             checks.append(torch.isfinite(self.total))
         return bool(torch.stack(checks).all()) if checks else True
 
-    def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False) -> torch.Tensor | None:
+    def step(self, message: str, skip_nonfinite: bool, data_parallel: bool = False,
+             grad_clip: float = 0.0) -> torch.Tensor | None:
         """The Adam step; returns the batch's loss (on the device), or None when skipped
         (NonFiniteLossError unless ``skip_nonfinite``). Gradients are checked too: the fp64 ``l2`` loss
         with ``scale=none`` can be finite while its gradient overflows the fp32 features, and one inf
         gradient would turn every parameter NaN. ``data_parallel``: under torchrun, gradients are
         averaged across the ranks before the step and all ranks agree on skipping (every rank must
-        call it)."""
+        call it). ``grad_clip`` > 0: the gradients' total norm is clipped to it before the step."""
         optimizer = self.optimizer
         if data_parallel:
             distributed.average_gradients([p for g in optimizer.param_groups for p in g["params"]])
@@ -70,6 +75,8 @@ class Accumulator:
         if data_parallel:
             finite = distributed.all_true(finite)
         if finite:
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], grad_clip)
             optimizer.step()
             return self.total if isinstance(self.total, torch.Tensor) else torch.tensor(self.total)
         optimizer.zero_grad(set_to_none=True)
