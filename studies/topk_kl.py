@@ -38,10 +38,11 @@ def text(tokenizer, seqs: int, seq_len: int, skip: int = 65536) -> torch.Tensor:
 
 
 def gradients(model, params, logits, loss) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d loss / d logits, d loss / d params), flattened; the graph is kept for the next loss."""
+    """(d loss / d logits, d loss / d params), flattened, in float64 (a float32 dot product over tens of
+    millions of entries can put a cosine above 1); the graph is kept for the next loss."""
     grads = torch.autograd.grad(loss, [logits, *params], retain_graph=True, allow_unused=True)
     flat = torch.cat([torch.zeros(p.numel()) if g is None else g.flatten() for p, g in zip(params, grads[1:])])
-    return grads[0].flatten(), flat
+    return grads[0].flatten().double(), flat.double()
 
 
 def compare(model, params, teacher, ids: torch.Tensor, ks: list[int]) -> list[dict]:
