@@ -70,6 +70,14 @@ SLOW = {
     "tests/component/test_data_parallel.py": ("test_two_gloo_processes_distil_one_process_steps_at_the_same_batch",
                                               "test_two_gloo_processes_stream_one_process_steps_at_the_same_batch"),
     "tests/component/test_cache.py": ("test_concurrent_jobs_build_once",),
+    "tests/component/test_teacher_logit_cache.py": ("test_two_jobs_reading_the_same_text_compute_it_once",),
+    "tests/component/test_finetune_protocol_resume.py": (
+        "test_a_process_killed_inside_the_teachers_grid_resumes_without_redoing_a_trial",
+        "test_two_processes_started_together_run_each_trial_of_the_grid_once",
+        "test_a_micro_batched_protocol_scores_what_the_whole_batch_scores"),
+    "tests/component/test_gpucheck.py": ("test_on_the_cpu_every_cell_and_precision_is_checked_at_tiny_shapes",
+                                         "test_the_sweeps_add_up_every_cell_and_the_teachers_grid",
+                                         "test_the_gpu_tests_run_and_are_skipped_here"),
     "tests/unit/test_loop.py": ("test_a_run_killed_by_sigkill_resumes_to_the_same_bits",),
     "tests/unit/test_over_runs.py": ("test_the_command_reads_negative_differences_and_refuses_a_percent_level",
                                      "test_the_command_takes_a_second_arm_and_refuses_one_run_in_it"),
@@ -151,7 +159,10 @@ SLOW_TOO = {
                                        "test_seeds_evaluated_differently_still_group_and_each_metric_shows_its_n",
                                        "test_sweep_report_compares_runs_and_flags_code_differences",
                                        "test_a_repeated_seed_is_left_out_and_named"),
-    "tests/component/test_tracking.py": ("test_wandb_offline_writes_a_local_run",),
+    "tests/component/test_tracking.py": ("test_wandb_offline_writes_a_local_run",
+                                         "test_wandb_groups_runs_that_differ_only_in_seed_and_types_them_by_policy"),
+    "tests/component/test_measured_resources.py": (
+        "test_the_preflight_picks_each_tasks_fine_tune_micro_batch_and_refuses_one_that_does_not_fit",),
     "tests/unit/test_paired_heldout.py": ("test_scores_are_kept_per_text_and_weights_and_reused",
                                           "test_sequence_losses_average_to_the_heldout_loss"),
     "tests/component/test_shuffled_data.py": (
