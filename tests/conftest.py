@@ -74,7 +74,8 @@ SLOW = {
     "tests/component/test_finetune_protocol_resume.py": (
         "test_a_process_killed_inside_the_teachers_grid_resumes_without_redoing_a_trial",
         "test_two_processes_started_together_run_each_trial_of_the_grid_once",
-        "test_a_micro_batched_protocol_scores_what_the_whole_batch_scores"),
+        "test_a_micro_batched_protocol_scores_what_the_whole_batch_scores",
+        "test_a_trial_resumes_from_its_checkpoint_and_from_one_in_the_layout_before_the_loop"),
     "tests/component/test_gpucheck.py": ("test_on_the_cpu_every_cell_and_precision_is_checked_at_tiny_shapes",
                                          "test_the_sweeps_add_up_every_cell_and_the_teachers_grid",
                                          "test_the_gpu_tests_run_and_are_skipped_here"),

@@ -86,6 +86,58 @@ def test_a_micro_batched_protocol_scores_what_the_whole_batch_scores(tmp_path, b
     assert micro.epoch_accs == whole.epoch_accs and micro.acc == whole.acc
 
 
+class Crash(RuntimeError):
+    pass
+
+
+def old_layout(saved: dict, per_epoch: int) -> dict:
+    """A mid-epoch trial checkpoint in the layout the trials wrote before they ran on the loop harness."""
+    data, (epoch, step) = saved["data"], divmod(saved["data"]["steps"], per_epoch)
+    progress = {"epoch": epoch, "step": step, "order": data["order"], "trained": False, "accs": data["accs"],
+                "losses": data["losses"], "current": data["current"], "steps": data["steps"],
+                "seconds": saved["state"]["seconds"]}
+    return {"model": saved["modules"]["model"], "optimizer": saved["optimizers"]["model"], "progress": progress,
+            "generator": data["generator"], "rng": saved["rng"], "meta": saved["meta"]}
+
+
+def test_a_trial_resumes_from_its_checkpoint_and_from_one_in_the_layout_before_the_loop(tmp_path, byte_tokenizer,
+                                                                                       monkeypatch, capsys):
+    from dofla.eval.finetune_store import TrialStore
+    from dofla.train import loop
+
+    tasks = write_local_tasks(tmp_path)
+    teacher = build_tiny_model("llama", seed=0)
+    pairs = task_finetune.training_pairs("piqa_local", teacher, byte_tokenizer, (str(tasks),), 12)
+    cfg = FinetuneProtocolConfig(epochs=2, batch_size=4, eval_limit=6, task_dirs=(str(tasks),), checkpoint_every=1)
+    run = lambda store: task_finetune.finetune_and_score(teacher, byte_tokenizer, "piqa_local", pairs, 3e-3, cfg,  # noqa: E731
+                                                         store)
+    reference = run(None)
+    second_epoch = re.findall(r"epoch 2/2: loss (\S+)", capsys.readouterr().out)  # its mean training loss
+    store = TrialStore(tmp_path / "trials", {"run": "a"})
+
+    def crash_at(point):
+        if point == "finetune:model:piqa_local:lr0.003:step4":  # the second epoch's second step
+            raise Crash
+
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "kill_point", crash_at)
+        with pytest.raises(Crash):
+            run(store)
+    saved = torch.load(store.checkpoint_path("piqa_local", 3e-3), weights_only=False)
+    assert saved["state"]["step"] == 4 and len(saved["data"]["accs"]) == 1  # the first epoch scored
+    legacy = TrialStore(tmp_path / "legacy", {"run": "a"})
+    legacy.checkpoint_path("piqa_local", 3e-3).parent.mkdir(parents=True)
+    torch.save(old_layout(saved, per_epoch=3), legacy.checkpoint_path("piqa_local", 3e-3))
+    capsys.readouterr()
+    for kept in (store, legacy):
+        resumed = run(kept)
+        assert resumed.steps == reference.steps == 6 and resumed.epoch_accs == reference.epoch_accs
+        assert resumed.acc == reference.acc and resumed.chosen_epoch == reference.chosen_epoch
+        log = capsys.readouterr().out
+        assert "resumed at step 4 (epoch 2, step 1 of it)" in log
+        assert re.findall(r"epoch 2/2: loss (\S+)", log) == second_epoch  # the same steps on the same batches
+
+
 def worker(root: Path, name: str, kill_at: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "DOFLA_KILL_AT"}
     env["TQDM_DISABLE"] = "1"

@@ -5,7 +5,7 @@ A trial is one model fine-tuned on one task at one learning rate. Per trial a :c
 keeps, under ``directory/<task>/lr<lr>``:
 
 - ``.json``: the finished :class:`~dofla.eval.task_step.TaskScore`, written as soon as the trial ends;
-- ``.pt``: the checkpoint of the trial in progress (weights, optimiser, epoch, position in the
+- ``.pt``: the checkpoint of the trial in progress (the loop harness's: weights, optimiser, position in the
   epoch's order, random states), written at every epoch end and every ``checkpoint_every`` steps;
 - ``.lock``: held by the process running the trial (:func:`claim`), so that two processes sharing
   the directory never run the same trial; the operating system releases it when a process dies.
@@ -24,7 +24,7 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
-from dofla.artifacts import canonical, load_checkpoint, torch_save_atomic
+from dofla.artifacts import canonical
 from dofla.eval.task_step import TaskScore
 from dofla.record import read_json, write_json
 
@@ -52,12 +52,9 @@ class TrialStore:
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(task, lr, ".pt"))
 
-    def checkpoint(self, task: str, lr: float) -> dict | None:
-        """The checkpoint of the trial in progress written with this store's meta, or None."""
-        return load_checkpoint(self._path(task, lr, ".pt"), self.meta)
-
-    def save_checkpoint(self, task: str, lr: float, payload: dict) -> None:
-        torch_save_atomic({**payload, "meta": self.meta}, self._path(task, lr, ".pt"))
+    def checkpoint_path(self, task: str, lr: float) -> Path:
+        """Where the trial in progress keeps its checkpoint (written with this store's meta)."""
+        return self._path(task, lr, ".pt")
 
     @contextlib.contextmanager
     def claim(self, task: str, lr: float, wait: bool):

@@ -36,21 +36,29 @@ def summed_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, precision:
                                              ignore_index=-100, reduction="sum")
 
 
-def finetune_step(model, optimizer, rows: list, max_length: int, micro_batch: int | None,
-                  precision: str = "fp32") -> torch.Tensor:
-    """One optimiser step on ``rows`` ((context, continuation) id pairs): the mean next-token loss over
-    every target token of the batch, formed ``micro_batch`` rows at a time (None: all at once), each
-    part padded to its own widest row. The parts' summed losses over the whole batch's target count
-    give exactly the whole batch's gradient. Returns the batch's loss, on the device (no host wait)."""
+def finetune_backward(model, rows: list, max_length: int, micro_batch: int | None, precision: str = "fp32",
+                      weight: float = 1.0) -> torch.Tensor:
+    """``weight`` × the gradient of the mean next-token loss over every target token of ``rows``
+    ((context, continuation) id pairs), formed ``micro_batch`` rows at a time (None: all at once), each
+    part padded to its own widest row: the parts' summed losses over the whole batch's target count give
+    exactly the whole batch's gradient. Returns the batch's loss, on the device (no host wait)."""
     device = next(model.parameters()).device
     size = micro_batch or len(rows)
     parts = [pad_batch(rows[i : i + size], max_length) for i in range(0, len(rows), size)]
     count = max(1, sum(target_tokens(labels) for _, labels in parts))  # CPU tensors: no device wait
-    optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for input_ids, labels in parts:
         loss = summed_loss(model, input_ids.to(device), labels.to(device), precision) / count
-        loss.backward()
+        (loss * weight).backward()
         total = total + loss.detach()
+    return total
+
+
+def finetune_step(model, optimizer, rows: list, max_length: int, micro_batch: int | None,
+                  precision: str = "fp32") -> torch.Tensor:
+    """One optimiser step on ``rows`` (:func:`finetune_backward`, then the optimiser's step); the
+    batch's loss, on the device. The trials run the same backward on the loop harness."""
+    optimizer.zero_grad(set_to_none=True)
+    total = finetune_backward(model, rows, max_length, micro_batch, precision)
     optimizer.step()
     return total

@@ -47,7 +47,7 @@ class LoopConfig:
     schedule: str = "constant"
     eval_every: int = 0
     patience: int = 0
-    checkpoint_every: int = 50
+    checkpoint_every: int = 50  # 0: only where the trainer asks (Trainer.wants_checkpoint)
     log_every: int = 10
     skip_nonfinite: bool = False
     micro_batch_size: Any = None
@@ -95,6 +95,7 @@ class Trainer:
     autocast: bool = False
     device: torch.device = torch.device("cpu")
     log_prefix: str = "train"  # the live log's names: ``{log_prefix}/loss``, ...
+    bar_unit: str = "tok"  # what ``batch_tokens`` counts, for the progress bar
     own_backward: bool = False  # :meth:`backward` instead of :meth:`loss` (e.g. a KL backward in chunks)
 
     def next_batch(self, step: int) -> torch.Tensor | None:
@@ -108,6 +109,10 @@ class Trainer:
 
     def after_step(self) -> None:
         """After the step's optimiser steps (e.g. parameters projected back onto their constraints)."""
+
+    def wants_checkpoint(self, step: int) -> bool:
+        """A checkpoint after ``step`` steps besides every ``checkpoint_every`` (e.g. at an epoch's end)."""
+        return False
 
     def forward(self, rows: torch.Tensor, keys: list) -> None:
         """Prepare the micro-batch ``rows`` for the losses of the units ``keys`` (e.g. one teacher forward
@@ -181,7 +186,7 @@ def run_loop(trainer: Trainer, cfg: LoopConfig, checkpoint: Checkpointing = Chec
         return loop.finish()
     loop.start(resume=True)
     bar = tqdm(total=cfg.steps * trainer.batch_tokens, initial=loop.step * trainer.batch_tokens, desc=desc,
-               unit="tok", unit_scale=True, leave=False, disable=not progress or not distributed.is_main())
+               unit=trainer.bar_unit, unit_scale=True, leave=False, disable=not progress or not distributed.is_main())
     while loop.step < cfg.steps and loop.active() and not loop.exhausted:
         if loop.train_step():
             bar.update(trainer.batch_tokens)
@@ -208,7 +213,7 @@ class _Loop:
                 if unit.optimizer is not None:
                     unit.optimizer.load_state_dict(saved["optimizers"][key])
                 unit.record = saved["state"]["units"][key]
-            torch.set_rng_state(saved["rng"])
+            restore_random_states(saved["rng"])
             self.trainer.restore_data(saved["data"])
             self.step, self.seconds = saved["state"]["step"], saved["state"]["seconds"]
         else:
@@ -238,7 +243,7 @@ class _Loop:
         if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
             self._evaluate()
         self.seconds = time.perf_counter() - self.started
-        if self.step % cfg.checkpoint_every == 0:
+        if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or trainer.wants_checkpoint(self.step):
             self.save()
         if self.live.due(self.step, last=self.step == cfg.steps):
             self.live.flush()
@@ -274,7 +279,7 @@ class _Loop:
                            if unit.optimizer is not None},
             "state": {"step": self.step, "seconds": self.seconds,
                       "units": {key: unit.record for key, unit in self.units.items()}},
-            "data": self.trainer.data_state(), "rng": torch.get_rng_state()}, self.checkpoint.path)
+            "data": self.trainer.data_state(), "rng": random_states()}, self.checkpoint.path)
 
     def finish(self) -> LoopResult:
         """Every unit to its best state (when evaluated); the loop's result."""
@@ -338,3 +343,19 @@ def optimiser_step(trainer: Trainer, batch: torch.Tensor, keys: list, cfg: LoopC
 def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of the module's state dict in host memory."""
     return {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()}
+
+
+def random_states() -> dict:
+    """The global random states dropout draws from (the CPU's, and every CUDA device's)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_random_states(states) -> None:
+    """Back to :func:`random_states` (or a CPU state alone, as checkpoints before them kept)."""
+    if isinstance(states, torch.Tensor):
+        torch.set_rng_state(states)
+        return
+    torch.set_rng_state(states["cpu"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
