@@ -1,10 +1,12 @@
 """The distill stage's speed (``distill=kl``) against its bound, with and without the teacher-logit cache.
 
     python -m benchmarks.bench_kl [--seq-len 2048] [--rows 1] [--repeats 1] [--topk 64] [--threads N] [--quick]
+                                  [--attention hybrid|linear|gated_delta]
 
 The student of the 2,048-token recipe (``docs/results/hybrid_far_context.md``): SmolLM2-135M with
 hybrid attention (window 64, 4 sinks) and freshly converted Hedgehog features (M = 64), features and
-attention projections trained; real text (the embedded source), ``--rows`` sequences of ``--seq-len``
+attention projections trained (``--attention``: the pure additive linear student, or the gated
+delta-rule one, its gates training with its features, instead); real text (the embedded source), ``--rows`` sequences of ``--seq-len``
 tokens per step. Each round runs, back to back in one process (the machine is shared: ratios within
 a round are what compare):
 
@@ -67,10 +69,14 @@ class Rows:
         pass
 
 
-def setup(seq_len: int, rows: int):
+STUDENTS = {"hybrid": {"attention": "hybrid", "window": 64, "sinks": 4},
+            "linear": {"attention": "linear"},
+            "gated_delta": {"attention": "gated_delta", "chunk_size": 32}}  # conf/attention/gated_delta.yaml's chunk
+
+
+def setup(seq_len: int, rows: int, attention: str = "hybrid"):
     teacher, tokenizer = load_teacher(EMBEDDED)
-    student = convert(copy.deepcopy(teacher), feature_map="hedgehog", dims=[64] * 30, attention="hybrid",
-                      window=64, sinks=4)
+    student = convert(copy.deepcopy(teacher), feature_map="hedgehog", dims=[64] * 30, **STUDENTS[attention])
     ids = pack_tokens(build_source("embedded").texts("train"), tokenizer, seq_len, rows * seq_len)
     return teacher, student, ids
 
@@ -113,11 +119,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--topk", type=int, default=64, help="the cache's format (0: exact logits)")
+    parser.add_argument("--attention", choices=sorted(STUDENTS), default="hybrid", help="the student's attention")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     if args.quick:
         args.seq_len, args.rows, args.repeats = 256, 1, 1
-    teacher, student, ids = setup(args.seq_len, args.rows)
+    teacher, student, ids = setup(args.seq_len, args.rows, args.attention)
     s = DistillSchedule(steps=1, micro_batch_size=args.rows, lr=1e-4, feature_lr=1e-3, warmup_steps=0,
                         teacher_topk=args.topk)
     with tempfile.TemporaryDirectory() as root:
@@ -137,7 +144,7 @@ def rows_of(rounds: list[dict[str, float]], tokens: int, args) -> list[Row]:
     note = (f"{len(rounds)} round(s), ratios within a round; teacher fwd {rate['teacher']:.0f} tok/s, student fwd "
             f"{rate['student']:.0f} tok/s; a cached step is {median('rerun') / median('student'):.2f}× a student fwd")
     return [
-        Row(f"distill (KL) stage tokens/s, {shape} tokens, hybrid Hedgehog student, {fmt} targets",
+        Row(f"distill (KL) stage tokens/s, {shape} tokens, {args.attention} Hedgehog student, {fmt} targets",
             "bound 1/(1/teacher fwd + 3/student fwd), same round", "≥ 80 %",
             f"{rate['plain']:.1f} vs bound {bound:.1f} tok/s", of_bound, of_bound >= 0.8, note),
         Row(f"distill stage rerun on the same text, teacher-logit cache ({fmt})", "the stage without the cache",
