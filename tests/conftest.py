@@ -32,6 +32,17 @@ def activation_caches(root: Path) -> list[Path]:
 MEASURED_PREFIXES = ("time/", "resources/")
 
 
+def token_ids(batch: int = 2, length: int = 29, seed: int = 1) -> torch.Tensor:
+    """(batch, length) seeded random ids of the tiny models' 256-token vocabulary."""
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``model``'s logits on ``ids`` without a cache or a gradient."""
+    with torch.no_grad():
+        return model(ids, use_cache=False, **kwargs).logits
+
+
 def reproducible(metrics: dict) -> dict:
     """``metrics`` less what the run measured about itself (:data:`MEASURED_PREFIXES`)."""
     return {k: v for k, v in metrics.items() if not k.startswith(MEASURED_PREFIXES)}

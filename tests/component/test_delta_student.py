@@ -20,14 +20,11 @@ from dofla.train.direct import RandomRows
 from dofla.train.distill import DistillSchedule, attention_projections, prepare_trainable, train_kl
 from dofla.train.layerwise import train_layer
 from dofla.validate import ConfigError, validate_config
+from tests.conftest import logits_of, token_ids
 
 PURE = {"attention": "gated_delta"}
 HYBRID = {"attention": "gated_delta", "window": 5, "sinks": 2}
 FORMS = pytest.mark.parametrize("form", [PURE, HYBRID], ids=["pure", "hybrid"])
-
-
-def _ids(batch=2, length=29, seed=1):
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _delta(model, dims=(16, 16), **form):
@@ -45,11 +42,6 @@ def _open(student, seed=2):
     return student
 
 
-def _logits(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(ids, use_cache=False, **kwargs).logits
-
-
 def _llama():
     return build_tiny_model("llama", seed=0)  # GQA: 4 query heads, 2 key/value heads
 
@@ -57,11 +49,11 @@ def _llama():
 def test_it_converts_with_dof_sized_states_and_the_chunk_does_not_change_the_output(tiny_model):
     student = _open(_delta(tiny_model, dims=(8, 24), **PURE))
     assert [a.mode for a in student.student_attentions()] == ["gated_delta", "gated_delta"]
-    ids = _ids()
-    small = _logits(student, ids)
+    ids = token_ids()
+    small = logits_of(student, ids)
     for attn in student.student_attentions():
         attn.chunk_size = 64
-    torch.testing.assert_close(_logits(student, ids), small, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_of(student, ids), small, rtol=1e-4, atol=1e-4)
     cache = RecurrentStateCache(2)
     with torch.no_grad():
         student(ids, past_key_values=cache)
@@ -73,8 +65,8 @@ def test_it_converts_with_dof_sized_states_and_the_chunk_does_not_change_the_out
 @FORMS
 def test_decoding_equals_the_parallel_forward_and_generate_is_greedy(form):
     student = _open(_delta(_llama(), **form))
-    ids = _ids(length=21)
-    full = _logits(student, ids)
+    ids = token_ids(length=21)
+    full = logits_of(student, ids)
     cache = RecurrentStateCache(2)
     with torch.no_grad():
         first = student(ids[:, :11], past_key_values=cache).logits
@@ -88,7 +80,7 @@ def test_decoding_equals_the_parallel_forward_and_generate_is_greedy(form):
     out = student.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=256)
     expected = prompt
     for _ in range(8):
-        expected = torch.cat([expected, _logits(student, expected)[:, -1:].argmax(-1)], dim=1)
+        expected = torch.cat([expected, logits_of(student, expected)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, expected)
 
 
@@ -97,46 +89,46 @@ def test_it_saves_and_loads_as_itself(form, tmp_path):
     student = _open(_delta(_llama(), **form))
     with torch.no_grad():
         student.student_attentions()[1].feature_map.calibrated.fill_(True)
-    ids = _ids()
+    ids = token_ids()
     student.save_pretrained(tmp_path)
     reloaded = load_student(tmp_path)
     assert type(reloaded).__name__.startswith("Linear") and reloaded.config.dofla["attention"] == "gated_delta"
     assert [a.mode for a in reloaded.student_attentions()] == [a.mode for a in student.student_attentions()]
     assert [bool(a.feature_map.calibrated) for a in reloaded.student_attentions()] == [False, True]
-    assert torch.equal(_logits(reloaded, ids), _logits(student, ids))
+    assert torch.equal(logits_of(reloaded, ids), logits_of(student, ids))
 
 
 @FORMS
 def test_a_left_padded_row_equals_the_row_alone(form):
     student = _open(_delta(_llama(), **form))
-    ids = _ids(batch=1, length=15)
+    ids = token_ids(batch=1, length=15)
     pads = 4
     padded = torch.cat([torch.zeros(1, pads, dtype=ids.dtype), ids], dim=1)
     mask = torch.cat([torch.zeros(1, pads, dtype=torch.long), torch.ones(1, 15, dtype=torch.long)], dim=1)
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-    out = _logits(student, padded, attention_mask=mask, position_ids=position_ids)[:, pads:]
-    torch.testing.assert_close(out, _logits(student, ids), rtol=1e-4, atol=1e-4)
+    out = logits_of(student, padded, attention_mask=mask, position_ids=position_ids)[:, pads:]
+    torch.testing.assert_close(out, logits_of(student, ids), rtol=1e-4, atol=1e-4)
 
 
 def test_the_hybrid_is_the_teacher_on_a_context_inside_its_window(tiny_model):
     teacher = copy.deepcopy(tiny_model)
     student = _open(_delta(tiny_model, attention="gated_delta", window=32, sinks=2))
     assert {a.mode for a in student.student_attentions()} == {"hybrid"}
-    ids = _ids(length=30)
-    torch.testing.assert_close(_logits(student, ids), _logits(teacher, ids), rtol=1e-4, atol=1e-4)
-    assert (_logits(student, _ids(length=60)) - _logits(teacher, _ids(length=60))).abs().max() > 1e-3
+    ids = token_ids(length=30)
+    torch.testing.assert_close(logits_of(student, ids), logits_of(teacher, ids), rtol=1e-4, atol=1e-4)
+    assert (logits_of(student, token_ids(length=60)) - logits_of(teacher, token_ids(length=60))).abs().max() > 1e-3
 
 
 def test_a_layer_restored_to_softmax_stays_exact_after_a_reload(tmp_path):
     teacher = _llama()
     student = restore_softmax(_open(_delta(copy.deepcopy(teacher), **PURE)), [0])
     assert [a.mode for a in student.student_attentions()] == ["softmax", "gated_delta"]
-    ids = _ids(length=21)
+    ids = token_ids(length=21)
     student.save_pretrained(tmp_path)
     reloaded = load_student(tmp_path)
     assert [a.mode for a in reloaded.student_attentions()] == ["softmax", "gated_delta"]
-    full = _logits(reloaded, ids)
-    assert torch.equal(full, _logits(student, ids))
+    full = logits_of(reloaded, ids)
+    assert torch.equal(full, logits_of(student, ids))
     cache = RecurrentStateCache(2)
     with torch.no_grad():
         parts = [reloaded(ids[:, :13], past_key_values=cache).logits]
@@ -148,7 +140,7 @@ def test_a_layer_restored_to_softmax_stays_exact_after_a_reload(tmp_path):
 def test_layerwise_training_lowers_the_output_loss(window):
     student = _delta(_llama(), **(PURE if window == 0 else HYBRID | {"window": window}))
     layer = student.student_attentions()[1].feature_map
-    q, k, v = capture_qkv(_llama(), _ids(batch=16, length=32))[1]  # the teacher's own activations
+    q, k, v = capture_qkv(_llama(), token_ids(batch=16, length=32))[1]  # the teacher's own activations
     cfg = LayerTrainConfig(steps=30, batch_size=4, loss="output", eval_every=10, warmup_steps=2, window=window,
                            sinks=2 if window else 0, heldout_fraction=0.25)
     beta_before = layer.gates.beta_bias.detach().clone()
@@ -168,7 +160,7 @@ def test_a_kl_step_trains_the_gates_with_the_features(tiny_model):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
     gates = [p.detach().clone() for a in student.student_attentions() for p in a.feature_map.gates.parameters()]
     schedule = DistillSchedule(steps=3, micro_batch_size=4, lr=1e-2, feature_lr=3e-2, warmup_steps=1)
-    student, _, _ = train_kl(student, teacher, RandomRows(_ids(batch=8, length=24), 4, seed=0), ["features"],
+    student, _, _ = train_kl(student, teacher, RandomRows(token_ids(batch=8, length=24), 4, seed=0), ["features"],
                              schedule)
     after = [p for a in student.student_attentions() for p in a.feature_map.gates.parameters()]
     assert sum(not torch.equal(a, b) for a, b in zip(gates, after)) == len(after)

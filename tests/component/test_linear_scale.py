@@ -16,6 +16,7 @@ from dofla.models.restore import restore_softmax
 from dofla.models.student_attention import StudentAttention
 from dofla.train.direct import RandomRows
 from dofla.train.distill import DistillSchedule, attention_projections, train_kl
+from tests.conftest import logits_of, token_ids
 
 HYBRID = {"attention": "hybrid", "window": 5, "sinks": 2}
 OFF = -200.0  # e^−200: nothing the linear part adds survives next to the window's exact mass
@@ -39,23 +40,14 @@ def _set(student, value=None, seed=3):
     return student
 
 
-def _ids(batch=2, length=29, seed=1):
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids, use_cache=False).logits
-
-
 def test_zero_is_the_fixed_student_and_a_very_negative_scale_is_window_and_sinks(tiny_model):
     fixed, learned = _student(tiny_model, "fixed"), _student(tiny_model)
-    ids = _ids()
+    ids = token_ids()
     assert all(b is None for b in _scales(fixed)) and all(b.shape == (4,) for b in _scales(learned))
-    assert torch.equal(_logits(learned, ids), _logits(fixed, ids))
-    assert (_logits(_set(learned), ids) - _logits(fixed, ids)).abs().max() > 1e-3
+    assert torch.equal(logits_of(learned, ids), logits_of(fixed, ids))
+    assert (logits_of(_set(learned), ids) - logits_of(fixed, ids)).abs().max() > 1e-3
     window = convert(copy.deepcopy(tiny_model), chunk_size=4, attention="sliding_window", window=5, sinks=2)
-    torch.testing.assert_close(_logits(_set(learned, OFF), ids), _logits(window, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_of(_set(learned, OFF), ids), logits_of(window, ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dims", [16, [8, 16, 8, 16]], ids=["one block", "head blocks"])
@@ -76,8 +68,8 @@ def test_each_head_reads_its_own_scale(dims):
 
 def test_a_scaled_student_decodes_like_its_parallel_forward_saves_and_loads(tiny_model, tmp_path):
     student = _set(_student(tiny_model))
-    ids = _ids(length=21)
-    full = _logits(student, ids)
+    ids = token_ids(length=21)
+    full = logits_of(student, ids)
     cache = RecurrentStateCache(2)
     with torch.no_grad():
         first = student(ids[:, :11], past_key_values=cache).logits
@@ -88,7 +80,7 @@ def test_a_scaled_student_decodes_like_its_parallel_forward_saves_and_loads(tiny
     assert reloaded.config.dofla["linear_scale"] == "learned"
     for mine, theirs in zip(_scales(student), _scales(reloaded)):
         assert torch.equal(mine, theirs)
-    assert torch.equal(_logits(reloaded, ids), full)
+    assert torch.equal(logits_of(reloaded, ids), full)
 
 
 @pytest.mark.parametrize("arch", ["llama"])  # one family is enough: the trainer does not look at it
@@ -103,7 +95,7 @@ def test_distillation_trains_the_scale_with_the_features_only(tiny_model):
             for p in attention_projections(student):
                 if p.ndim == 2:
                     p.add_(0.3 * torch.randn(p.shape, generator=g))
-        student, _, _ = train_kl(student, teacher, RandomRows(_ids(batch=16, length=32), 4, seed=0), train, schedule)
+        student, _, _ = train_kl(student, teacher, RandomRows(token_ids(batch=16, length=32), 4, seed=0), train, schedule)
         moved[train[0]] = torch.cat(_scales(student)).abs().max().item()
     assert moved["features"] > 1e-3 and moved["attention"] == 0.0
 
@@ -111,11 +103,11 @@ def test_distillation_trains_the_scale_with_the_features_only(tiny_model):
 def test_a_restored_softmax_layer_drops_its_scale_and_the_student_reloads(tiny_model, tmp_path):
     student = restore_softmax(_set(_student(tiny_model)), [0])
     assert _scales(student)[0] is None and _scales(student)[1] is not None
-    ids = _ids()
+    ids = token_ids()
     student.save_pretrained(tmp_path)
     reloaded = load_student(tmp_path)
     assert _scales(reloaded)[0] is None and torch.equal(_scales(reloaded)[1], _scales(student)[1])
-    assert torch.equal(_logits(reloaded, ids), _logits(student, ids))
+    assert torch.equal(logits_of(reloaded, ids), logits_of(student, ids))
 
 
 @pytest.mark.parametrize("form", [{"attention": "linear", "window": 0, "sinks": 0},
