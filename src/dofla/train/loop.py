@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Callable, Hashable
 
 import torch
@@ -27,14 +26,11 @@ from tqdm.auto import tqdm
 from dofla import distributed
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.faults import kill_point
-from dofla.precision import autocast
+from dofla.train.checkpoints import (  # noqa: F401 - API: the trainers import these from here
+    LOOP_FORMAT, Checkpointing, cpu_state, random_states, restore_random_states,
+)
 from dofla.train.live import Live, Log, latest
-from dofla.train.step import Accumulator, lr_factor, micro_batches
-
-# bumped when the checkpoint's layout changes; a checkpoint of another layout is not resumed (the
-# trainer starts over, as for other settings)
-LOOP_FORMAT = 1
-
+from dofla.train.step import optimiser_step
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -158,19 +154,6 @@ class LoopResult:
     tokens: int
     seconds: float
     records: dict[Hashable, dict]
-
-
-@dataclass
-class Checkpointing:
-    """Where the loop checkpoints (None: nowhere), the settings a checkpoint must have been written
-    under to be resumed (``normalize`` maps both before comparing), and whether the finished state is
-    kept too (a second call then returns at once)."""
-
-    path: Path | None = None
-    settings: Any = None
-    normalize: Callable | None = None
-    keep_final: bool = False
-    legacy: Callable[[dict], dict] | None = None  # a checkpoint of the trainer's own earlier layout, to the loop's
 
 
 def run_loop(trainer: Trainer, cfg: LoopConfig, checkpoint: Checkpointing = Checkpointing(),
@@ -302,60 +285,3 @@ class _Loop:
 
     def _agreed(self, value):
         return distributed.broadcast(value) if self.dp else value
-
-
-def optimiser_step(trainer: Trainer, batch: torch.Tensor, keys: list, cfg: LoopConfig, step: int, live: Live,
-                   data_parallel: bool = False) -> None:
-    """Step ``step`` of the units ``keys`` on ``batch``: per micro-batch the trainer's forward and each
-    unit's loss and backward (accumulated), then per unit the scheduled learning rate and one optimiser
-    step, its loss held for the next log (what the loop runs every step; the memory preflight traces
-    it alone; ``cfg`` may be any trainer config with the loop's fields, ``grad_clip`` and ``lr_floor``
-    defaulting to off)."""
-    units = trainer.units
-    accumulated = {key: Accumulator(units[key].optimizer) for key in keys}
-    precision = autocast(cfg.precision, trainer.device) if trainer.autocast else contextlib.nullcontext()
-    with trainer.step_context(step):
-        for part, share in micro_batches(batch, cfg):
-            trainer.forward(part, keys)
-            for key in keys:
-                started = time.perf_counter()
-                if trainer.own_backward:
-                    accumulated[key].add_backward_done(trainer.backward(key, part, share), share)
-                else:
-                    with precision:
-                        loss = trainer.loss(key, part)
-                    accumulated[key].add(loss, share)
-                units[key].record["seconds"] += time.perf_counter() - started
-    for key in keys:
-        unit, started = units[key], time.perf_counter()
-        for group, lr in zip(unit.optimizer.param_groups, unit.base_lrs):
-            group["lr"] = lr * lr_factor(step, cfg, floor=getattr(cfg, "lr_floor", 0.0))
-        loss = accumulated[key].step(trainer.message(key, step), cfg.skip_nonfinite, data_parallel,
-                                     getattr(cfg, "grad_clip", 0.0))
-        curve = unit.record["curve"]
-        curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
-        if loss is not None:
-            live.hold(curve[-1], "loss", loss)
-        unit.record["seconds"] += time.perf_counter() - started
-    trainer.after_step()
-
-
-def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the module's state dict in host memory."""
-    return {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()}
-
-
-def random_states() -> dict:
-    """The global random states dropout draws from (the CPU's, and every CUDA device's)."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def restore_random_states(states) -> None:
-    """Back to :func:`random_states` (or a CPU state alone, as checkpoints before them kept)."""
-    if isinstance(states, torch.Tensor):
-        torch.set_rng_state(states)
-        return
-    torch.set_rng_state(states["cpu"])
-    if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])

@@ -1,13 +1,16 @@
-"""One optimiser step, shared by every trainer (layerwise, streamed, direct, distill): the learning
+"""One optimiser step, shared by every trainer (:func:`optimiser_step`, the loop harness's): the learning
 rate schedule, micro-batches and the accumulation of their gradients into one step."""
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 
 import torch
 
 from dofla import distributed
 from dofla.errors import DoflaError
+from dofla.precision import autocast
 
 
 class NonFiniteLossError(DoflaError, FloatingPointError):
@@ -84,3 +87,39 @@ class Accumulator:
             raise NonFiniteLossError(f"{message}; lower the learning rates, check the activations, "
                                      "or set train.skip_nonfinite=true")
         return None
+
+
+def optimiser_step(trainer, batch: torch.Tensor, keys: list, cfg, step: int, live,
+                   data_parallel: bool = False) -> None:
+    """Step ``step`` of the units ``keys`` on ``batch``: per micro-batch the trainer's forward and each
+    unit's loss and backward (accumulated), then per unit the scheduled learning rate and one optimiser
+    step, its loss held for the next log (what the loop runs every step; the memory preflight traces
+    it alone; ``cfg`` may be any trainer config with the loop's fields, ``grad_clip`` and ``lr_floor``
+    defaulting to off)."""
+    units = trainer.units
+    accumulated = {key: Accumulator(units[key].optimizer) for key in keys}
+    precision = autocast(cfg.precision, trainer.device) if trainer.autocast else contextlib.nullcontext()
+    with trainer.step_context(step):
+        for part, share in micro_batches(batch, cfg):
+            trainer.forward(part, keys)
+            for key in keys:
+                started = time.perf_counter()
+                if trainer.own_backward:
+                    accumulated[key].add_backward_done(trainer.backward(key, part, share), share)
+                else:
+                    with precision:
+                        loss = trainer.loss(key, part)
+                    accumulated[key].add(loss, share)
+                units[key].record["seconds"] += time.perf_counter() - started
+    for key in keys:
+        unit, started = units[key], time.perf_counter()
+        for group, lr in zip(unit.optimizer.param_groups, unit.base_lrs):
+            group["lr"] = lr * lr_factor(step, cfg, floor=getattr(cfg, "lr_floor", 0.0))
+        loss = accumulated[key].step(trainer.message(key, step), cfg.skip_nonfinite, data_parallel,
+                                     getattr(cfg, "grad_clip", 0.0))
+        curve = unit.record["curve"]
+        curve.append({"step": step, "loss": None, **({} if loss is not None else {"skipped": True})})
+        if loss is not None:
+            live.hold(curve[-1], "loss", loss)
+        unit.record["seconds"] += time.perf_counter() - started
+    trainer.after_step()
