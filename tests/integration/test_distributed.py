@@ -51,6 +51,7 @@ def _metrics(run_dir):
     return {k: v for k, v in metrics.items() if k.startswith("eval/")}
 
 
+@pytest.mark.long  # data parallelism runs by default in tests/component/test_data_parallel.py (gloo processes)
 def test_two_processes_equal_one_layerwise(tmp_path):
     single, ddp = _both(tmp_path, "data.num_tokens=1536")  # 24 sequences: 6 batches, 3 per rank
     one, two = _cache_arrays(tmp_path / "single_cache"), _cache_arrays(tmp_path / "ddp_cache")

@@ -91,6 +91,7 @@ def test_bad_value_fails_before_compute_in_one_sentence(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.long  # a real multirun runs by default (test_two_job_multirun_shares_one_cache_and_reports)
 def test_sweep_through_submitit_local_launcher(tmp_path):
     """The same launcher plugin a SLURM user picks (submitit), run locally for real."""
     sweep = tmp_path / "sweep"
@@ -101,7 +102,7 @@ def test_sweep_through_submitit_local_launcher(tmp_path):
     assert (sweep / "report.md").exists()
 
 
-@pytest.mark.long  # the submitit launcher's sweep runs by default
+@pytest.mark.long
 def test_sweep_through_joblib_launcher_builds_the_shared_cache_once(tmp_path):
     """Two jobs in parallel processes (joblib) need the same cache: one builds it under the lock."""
     sweep, cache = tmp_path / "sweep", tmp_path / "cache"
