@@ -20,7 +20,8 @@ import torch
 
 from dofla.eval.downstream import evaluate_tasks
 from dofla.eval.task_step import TaskScore, finetune_backward
-from dofla.train.loop import LOOP_FORMAT, Checkpointing, LoopConfig, Trainer, Unit, run_loop
+from dofla.train.checkpoints import one_unit_checkpoint
+from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, run_loop
 
 
 class Trial(Trainer):
@@ -104,14 +105,10 @@ class Trial(Trainer):
 def legacy_checkpoint(saved: dict) -> dict:
     """A trial checkpoint written before the trials ran on the loop harness, in the loop's layout."""
     p = saved["progress"]
-    record = {"curve": [], "initial": None, "best": None, "best_step": 0, "bad_evals": 0, "stopped": False,
-              "seconds": 0.0, "best_state": None}
     data = {"generator": saved["generator"], "order": p["order"], "accs": p["accs"], "losses": p["losses"],
             "current": p["current"], "scoring": 0.0, "steps": p["steps"]}
-    return {"format": LOOP_FORMAT, "meta": saved["meta"], "modules": {"model": saved["model"]},
-            "optimizers": {"model": saved["optimizer"]},
-            "state": {"step": p["steps"], "seconds": p["seconds"], "units": {"model": record}},
-            "data": data, "rng": saved["rng"]}
+    return one_unit_checkpoint(saved["meta"], "model", saved["model"], saved["optimizer"], p["steps"], p["seconds"],
+                               data, saved["rng"])
 
 
 def run_trial(model, tokenizer, task: str, pairs, lr: float, cfg, store=None, who: str = "model") -> TaskScore:

@@ -46,3 +46,19 @@ def restore_random_states(states) -> None:
     torch.set_rng_state(states["cpu"])
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def unit_record(initial: float | None = None, stopped: bool = False, best_state: dict | None = None,
+                curve: list | None = None) -> dict:
+    """A unit's part of the loop's state before any held-out evaluation improved on ``initial``."""
+    return {"curve": list(curve or []), "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
+            "stopped": stopped, "seconds": 0.0, "best_state": best_state}
+
+
+def one_unit_checkpoint(meta, key: str, module: dict, optimizer: dict, step: int, seconds: float, data, rng,
+                        curve: list | None = None) -> dict:
+    """A one-unit checkpoint in the loop's layout: what a trainer's legacy row builds from the checkpoint
+    it wrote before it ran on the loop (:attr:`Checkpointing.legacy`)."""
+    return {"format": LOOP_FORMAT, "meta": meta, "modules": {key: module}, "optimizers": {key: optimizer},
+            "state": {"step": step, "seconds": seconds, "units": {key: unit_record(curve=curve)}},
+            "data": data, "rng": rng}

@@ -32,7 +32,8 @@ from dofla.data.stream import StreamExhausted
 from dofla.precision import autocast
 from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
 from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
-from dofla.train.loop import LOOP_FORMAT, Checkpointing, LoopConfig, Trainer, Unit, run_loop
+from dofla.train.checkpoints import one_unit_checkpoint
+from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, run_loop
 from dofla.train.step import micro_batches
 from dofla.train.trainable import (  # noqa: F401 - API: what trains, chosen by name
     TRAINABLE, attention_projections, feature_parameters, finish, gate_parameters, prepare_trainable,
@@ -223,12 +224,8 @@ class Distillation(Trainer):
 def legacy_checkpoint(saved: dict) -> dict:
     """A KL checkpoint written before the stage ran on the loop harness, in the loop's layout."""
     curve = [{"step": e["step"], "loss": e["kl"]} for e in saved["curve"]]
-    record = {"curve": curve, "initial": None, "best": None, "best_step": 0, "bad_evals": 0, "stopped": False,
-              "seconds": 0.0, "best_state": None}
-    return {"format": LOOP_FORMAT, "meta": saved["meta"], "modules": {"student": saved["model"]},
-            "optimizers": {"student": saved["optimizer"]},
-            "state": {"step": saved["step"], "seconds": 0.0, "units": {"student": record}},
-            "data": {"batches": saved["data"], "used": saved["tokens"]}, "rng": torch.get_rng_state()}
+    return one_unit_checkpoint(saved["meta"], "student", saved["model"], saved["optimizer"], saved["step"], 0.0,
+                               {"batches": saved["data"], "used": saved["tokens"]}, torch.get_rng_state(), curve)
 
 
 def train_kl(student, teacher, batches, train: list[str], s: DistillSchedule, checkpoint_path: Path | None = None,

@@ -8,9 +8,9 @@ units, its batches, the loss of a micro-batch, the held-out value and its data p
                      checkpoint keyed by the settings (a killed run resumes to the same bits)
                      ─▶ every log_every steps the live curves
 
-until ``steps``, until every unit has stopped (patience), or until the trainer's data runs out. A unit (:class:`Unit`) is what one
-optimiser trains: a layer's feature map (one per layer for the layerwise trainers), or every trained
-parameter of a student (direct, LoRA). Losses stay on the device between log points
+until ``steps``, until every unit has stopped (patience), or until the trainer's data runs out. A
+unit (:class:`Unit`) is what one optimiser trains: a layer's feature map (one per layer for the
+layerwise trainers), or every trained parameter of a student (direct, KL, LoRA, a fine-tune trial). Losses stay on the device between log points
 (:class:`~dofla.train.live.Live`): a step waits for the device once, in its finiteness check.
 """
 from __future__ import annotations
@@ -27,10 +27,11 @@ from dofla import distributed
 from dofla.artifacts import load_checkpoint, torch_save_atomic
 from dofla.faults import kill_point
 from dofla.train.checkpoints import (  # noqa: F401 - API: the trainers import these from here
-    LOOP_FORMAT, Checkpointing, cpu_state, random_states, restore_random_states,
+    LOOP_FORMAT, Checkpointing, cpu_state, random_states, restore_random_states, unit_record,
 )
 from dofla.train.live import Live, Log, latest
 from dofla.train.step import optimiser_step
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -202,9 +203,8 @@ class _Loop:
         else:
             for key, unit in self.units.items():
                 initial = self._agreed(self.trainer.heldout(key)) if self.cfg.eval_every else None
-                unit.record = {"curve": [], "initial": initial, "best": initial, "best_step": 0, "bad_evals": 0,
-                               "stopped": unit.optimizer is None, "seconds": 0.0,
-                               "best_state": None if initial is None else cpu_state(unit.module)}
+                unit.record = unit_record(initial, unit.optimizer is None,
+                                          None if initial is None else cpu_state(unit.module))
         tokens = self.step * self.trainer.batch_tokens
         self.live = Live(self.on_log, self.cfg.log_every, self.cfg.steps * self.trainer.batch_tokens, tokens,
                          prefix=self.trainer.log_prefix, reduce=distributed.mean_across if self.dp else None)
