@@ -9,11 +9,12 @@ import tempfile
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dofla.config import RunConfig
+if TYPE_CHECKING:  # annotations only: the section configs' packages import this module
+    from dofla.config import RunConfig
 
 PACKAGES = ("dofla", "torch", "transformers", "hydra-core", "omegaconf", "datasets", "lm-eval", "wandb")
 

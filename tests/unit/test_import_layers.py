@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 RUN_LEVEL = ("dofla.stages", "dofla.pipeline", "dofla.cli", "dofla.evaluate_saved")
@@ -132,3 +136,30 @@ def test_the_graph_sees_a_circle_closed_inside_a_function(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from dofla.models import convert\n")
     assert imports(module) == {"dofla.models.student"}  # resolved through the package's re-export
+
+
+# Imports each module named on its command line first, in a forked child of an interpreter that holds
+# torch and transformers (so each child pays only dofla's own imports); prints the ones that fail.
+FIRST_IMPORTS = """
+import importlib, os, sys
+import torch, transformers.modeling_utils
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(name)
+        except BaseException as error:
+            print(name, type(error).__name__, error)
+            os._exit(1)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.long
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """A circle the static graph allows (a package's ``__init__`` run half-way, e.g. a section config's
+    package importing back into ``dofla.config``) breaks only when its module is the first one imported."""
+    done = subprocess.run([sys.executable, "-c", FIRST_IMPORTS, *sorted(MODULES)], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout[-3000:] + done.stderr[-2000:]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from dofla.config import RunConfig
+if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes this package's section
+    from dofla.config import RunConfig
 
 
 @contextmanager

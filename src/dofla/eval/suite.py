@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dofla.config import EvalConfig
+from dofla.eval.config import EvalConfig
 from dofla.errors import DoflaError
 from dofla.eval.downstream import DOWNSTREAM7
 

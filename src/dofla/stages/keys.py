@@ -5,7 +5,7 @@ the fine-tuned student, an evaluation measurement) is reused only when it was wr
 settings; these functions build those settings. Two rules keep old artifacts valid:
 
 - every field of a config section that feeds a key is declared beside it, in its section's ``KEYS``
-  (:class:`dofla.config.Keys`): in the key or out of it. A field added to a config dataclass without a
+  (:class:`dofla.section_keys.Keys`): in the key or out of it. A field added to a config dataclass without a
   declaration fails loudly (:class:`KeyDeclarationError`) instead of silently changing every key;
 - a setting added later is left out of a key while it has its legacy value (``Keys.legacy``, all of
   them in :data:`dofla.config.LEGACY_VALUES`), so artifacts written before it existed keep their key.

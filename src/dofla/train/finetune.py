@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dofla.config import FinetuneConfig
+from dofla.train.config import FinetuneConfig
 from dofla.models import get_adapter
 from dofla.train.live import Log
 from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, run_loop

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, save_artifact
 from dofla.attention.stable import widened
-from dofla.config import NOT_LEARNT, StepConfig
+from dofla.train.config import NOT_LEARNT, StepConfig
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.precision import autocast
 from dofla.train.causal_losses import teacher_output
@@ -29,7 +29,7 @@ from dofla.train.losses import LOSSES, compiled_loss
 
 @dataclass
 class LayerTrainConfig(StepConfig):
-    """A trainer's config: the optimisation (:class:`dofla.config.StepConfig`) plus what the loss needs."""
+    """A trainer's config: the optimisation (:class:`dofla.train.config.StepConfig`) plus what the loss needs."""
 
     loss: str = "softmax"
     loss_options: dict = field(default_factory=dict)

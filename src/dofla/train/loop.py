@@ -35,7 +35,7 @@ from dofla.train.step import optimiser_step
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """What the loop reads of a trainer's config (:class:`dofla.config.StepConfig` has every field):
+    """What the loop reads of a trainer's config (:class:`dofla.train.config.StepConfig` has every field):
     ``eval_every`` 0 never evaluates (no best state: the final one is kept); ``patience`` counts
     evaluations without improvement before a unit stops (0: never)."""
 

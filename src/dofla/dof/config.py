@@ -1,0 +1,41 @@
+"""The ``allocation`` and ``budget`` sections of a run: Algorithm 1's settings, the allocation policy
+and the feature budget it shares out (:mod:`dofla.dof`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, List, Optional
+
+from dofla.section_keys import Keys
+
+
+@dataclass
+class AllocationConfig:
+    policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured
+    lam: float = 1e-2
+    num_samples: int = 512  # J, vectors per head for Algorithm 1 (the paper does not state its J)
+    gram_norm: str = "trace"  # none | J | trace (docs/method.md §4)
+    num_tokens: Optional[int] = None  # tokens of the cache used to pool q∪k (None: all)
+    head_aggregate: str = "mean"  # a layer's DoF from its heads: mean (steadiest) | max (the paper's) | median
+    resamples: int = 16  # J-samples averaged per head (1: the paper's single sample)
+    spread_samples: int = 0  # > 0: also estimate each layer's DoF on this many other J-samples (spread)
+    measured_dims: List[int] = field(default_factory=lambda: [16, 64, 256])  # measured: M grid per layer
+    measured_steps: int = 60  # measured: training steps per (layer, M) point
+    head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
+    head_blocks: int = 2  # dof_head: at most this many blocks (distinct dims) per layer; 0 = no limit
+    # k > 0: keep exact (softmax, with a KV cache) the k layers whose restoration lowers the model's KL
+    # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
+    softmax_layers: int = 0
+    softmax_probe_seqs: int = 8
+    softmax_rank: str = "kl"  # kl (each alone) | kl_greedy (chosen kept exact) | attention_error | retrieval | passkey
+
+    # its keys are built field by field (dofla.stages.keys.dof_settings, student_settings)
+    KEYS: ClassVar[Keys] = Keys(legacy={"resamples": 1, "softmax_layers": 0, "softmax_probe_seqs": 8,
+                                        "softmax_rank": "kl"})
+
+
+@dataclass
+class BudgetConfig:
+    name: str = "head_dim"
+    value: Optional[float] = None  # mean feature dimension per layer; None = multiple × head size
+    multiple: float = 1.0
