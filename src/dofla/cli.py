@@ -5,19 +5,30 @@ allocation=fix,dof,dof_clip`` sweeps; ``dofla-report DIR`` compares runs.
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from dofla import distributed
 from dofla.config import RunConfig
 from dofla.errors import DoflaError
-
+from dofla.evaluate_saved import evaluate_saved
+from dofla.pipeline import run
+from dofla.report.tables import write_report
+from dofla.stages.data import prepare
+from dofla.tracking import NullTracker, build_tracker, run_tags
+from dofla.validate import validate_config
 
 
 def find_conf_dir() -> Path:
@@ -44,10 +55,6 @@ def to_run_config(dcfg: DictConfig) -> RunConfig:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main_hydra(dcfg: DictConfig) -> None:
-    from dofla import distributed
-    from dofla.pipeline import run
-    from dofla.tracking import NullTracker, build_tracker, run_tags
-
     cfg = to_run_config(dcfg)
     hydra_cfg = HydraConfig.get()
     distributed.init()  # under torchrun: one process group; every rank uses rank 0's run directory
@@ -74,8 +81,6 @@ def main() -> None:
         sys.exit(f"dofla: error: config directory {CONF_DIR} has no config.yaml; reinstall dofla "
                  "(`pip install .` from a checkout ships conf/ inside the package)")
     main_hydra()
-    from dofla import distributed
-
     distributed.finish()
 
 
@@ -89,10 +94,6 @@ REPORT_TABLES = {  # dofla-report --table NAME: a table module with main(argv)
 def report_main(argv: list[str] | None = None) -> None:
     """``dofla-report DIR [DIR ...]``: compare every run found under the given directories;
     ``dofla-report --table NAME ...``: one of the study tables (``--table NAME --help``)."""
-    import importlib
-
-    from dofla.report import write_report
-
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--frontier"]:  # the frontier is one of the tables; --frontier is its short form
         argv = ["--table", "frontier", *argv[1:]]
@@ -118,8 +119,6 @@ class SweepReport(Callback):
     """Hydra callback: after a multirun, write the comparison report into the sweep directory."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from dofla.report import write_report
-
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
             write_report(sweep_dir)
@@ -129,8 +128,6 @@ class SweepReport(Callback):
 
 def compose_config(overrides: list[str]) -> RunConfig:
     """The typed config ``dofla OVERRIDES`` would run, composed without starting a Hydra job."""
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides))
 
@@ -138,13 +135,6 @@ def compose_config(overrides: list[str]) -> RunConfig:
 def prepare_main(argv: list[str] | None = None) -> None:
     """``dofla-prepare [overrides]``: tokenise the data ``dofla [overrides]`` reads, once (see
     dofla.data.prepared); every run, sweep cell, resume and rank with that data and model reads it."""
-    import argparse
-
-    from hydra.errors import HydraException
-
-    from dofla.stages.data import prepare
-    from dofla.validate import validate_config
-
     parser = argparse.ArgumentParser(prog="dofla-prepare", description="Tokenise the data a run reads, once, "
                                      "into the dofla cache (e.g. dofla-prepare experiment=paper_gpt2).")
     parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides (model=..., data=..., experiment=...)")
@@ -168,13 +158,6 @@ def prepare_main(argv: list[str] | None = None) -> None:
 
 def eval_main(argv: list[str] | None = None) -> None:
     """``dofla-eval DIR [--out OUT] [overrides]``: evaluate a saved model (see dofla.evaluate_saved)."""
-    import argparse
-    from datetime import datetime
-
-    from hydra.errors import HydraException
-
-    from dofla.evaluate_saved import evaluate_saved
-
     parser = argparse.ArgumentParser(prog="dofla-eval", description="Evaluate a saved student or any Hugging "
                                      "Face model directory; overrides are the pipeline's (eval=..., data=...).")
     parser.add_argument("model_dir", help="a directory written by save_pretrained (with its tokenizer)")

@@ -29,6 +29,8 @@ from typing import Any, Iterable, TypeVar
 import torch
 import torch.distributed as dist
 
+from dofla.errors import require
+
 T = TypeVar("T")
 
 
@@ -56,8 +58,6 @@ def device(spec: str = "auto") -> torch.device:
 def check_device(spec: str) -> None:
     """``spec`` is auto, cpu, cuda or cuda:N; a GPU only if visible; and ``auto`` does not quietly run
     on the CPU in a SLURM job that was given GPUs (a CPU-only torch build on a GPU node)."""
-    from dofla.errors import require
-
     require(spec in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(spec)) is not None,
             f"device={spec!r} must be auto, cpu, cuda or cuda:N")
     count = torch.cuda.device_count()

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from dofla.config import RunConfig
 from dofla.errors import DoflaError
+from dofla.eval import probes, suite
+from dofla.eval.metrics import heldout_loss
+from dofla.models.hub_export import load_student_tokenizer, teacher_config_dict
+from dofla.models.loading import load_teacher
+from dofla.models.student import load_student
 from dofla.record import write_json
+from dofla.stages.data import open_data, pack_heldout
+from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
 
 WHO = "model"
 
@@ -31,10 +38,6 @@ class SavedModelError(DoflaError, ValueError):
 
 def load_saved(directory: str | Path):
     """(model in eval mode, tokenizer) from a student or any Hugging Face model directory."""
-    from dofla.models import load_student, load_student_tokenizer
-    from dofla.models.hub_export import teacher_config_dict
-    from dofla.models.loading import load_teacher
-
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -52,10 +55,6 @@ def load_saved(directory: str | Path):
 
 def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -> dict:
     """Every measurement ``cfg.eval`` asks for on the model in ``directory`` -> ``out_dir/metrics.json``."""
-    from dofla.eval import heldout_loss, probes, suite
-    from dofla.stages.data import open_data, pack_heldout
-    from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, source = open_data(cfg)  # checks the data (prepared tokens when they exist) before the model loads

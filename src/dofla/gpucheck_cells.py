@@ -14,9 +14,18 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from transformers import GPT2Config, GPTNeoXConfig
+from transformers import AutoModelForCausalLM
 
 import dofla
 from dofla.eval.downstream import TRAIN_EXAMPLES
+from dofla.feature_maps.blocks import build_layer_feature_map
+from dofla.measure import peak_memory
+from dofla.models.student import convert
+from dofla.precision import configure_matmul, teacher_dtype
+from dofla.train import capacity, probe_steps
+from dofla.train.capacity import quiet
+from dofla.train.layerwise import LayerTrainConfig
 
 PAPER_TOKENS = 362e6  # distillation tokens of a paper cell: one pass over 10 % of English Wikipedia
 GRID = 6  # learning rates of the teacher's grid (eval.finetune_lr_grid of the paper experiments)
@@ -64,8 +73,6 @@ class CheckResult:
 
 def config_of(teacher: str, tiny: bool):
     """The teacher's transformers configuration: the real shapes, or tiny ones (2 layers, width 64)."""
-    from transformers import GPT2Config, GPTNeoXConfig
-
     if teacher == "gpt2":
         return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0,
                           eos_token_id=0) if tiny else GPT2Config()
@@ -108,11 +115,6 @@ class HostSyncs(TorchFunctionMode):
 def builders(cell: Cell, precision: str, device: torch.device, teacher):
     """(the cell's step builder, a callable that predicts its :class:`~dofla.train.capacity.Peak`: the
     memory preflight's trace, on the CPU)."""
-    from dofla.feature_maps import build_layer_feature_map
-    from dofla.models import convert
-    from dofla.precision import teacher_dtype
-    from dofla.train import LayerTrainConfig, capacity, probe_steps
-
     n, heads = teacher.config.num_hidden_layers, teacher.config.num_attention_heads
     head_dim = teacher.config.hidden_size // heads
     maps = [build_layer_feature_map("learned_prf", heads, head_dim, cell.budget, seed=i) for i in range(n)]
@@ -147,18 +149,12 @@ def check_cell(cell: Cell, precision: str, device: torch.device, tiny: bool, tol
                limit: int | None = None) -> CheckResult:
     """Predict the cell's peak, pick the micro-batch ``auto`` would, run one step at it (after a warm-up),
     time it, measure its peak and count its host synchronisations."""
-    from dofla.measure import peak_memory
-    from dofla.precision import configure_matmul
-    from dofla.train import capacity
-
     cell = shrunk(cell) if tiny else cell
     result = CheckResult(cell.teacher, cell.stage, precision, cell.seq_len, cell.batch, None, 0.0, math.nan,
                          math.nan, None, "cuda" if device.type == "cuda" else "rss", None, None)
     configure_matmul(precision)
     try:
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
             teacher = AutoModelForCausalLM.from_config(config_of(cell.teacher, tiny))
         step, predict = builders(cell, precision, device, teacher)
         twin = (cell, "fp32" if precision == "tf32" else precision)  # tf32 changes no tensor: fp32's memory
@@ -188,8 +184,6 @@ def check_cell(cell: Cell, precision: str, device: torch.device, tiny: bool, tol
 
 def measured(result: CheckResult, step, layers: int, micro: int, device: torch.device, peak_memory) -> CheckResult:
     """``result`` with one whole-depth step's time, peak memory and host synchronisations."""
-    from dofla.train.capacity import quiet
-
     with quiet(), peak_memory(device) as peak:
         run = step(layers, micro)
         out = run()  # warm-up

@@ -7,6 +7,9 @@ import threading
 import time
 from contextlib import contextmanager
 from urllib.parse import urlparse
+from urllib.request import getproxies, proxy_bypass
+
+from huggingface_hub import constants
 
 
 def hub_offline() -> bool:
@@ -23,8 +26,6 @@ def hub_reachable(timeout: float = 5.0) -> bool:
     """
     if hub_offline():
         return False
-    from huggingface_hub import constants
-
     host, port = _first_hop(constants.ENDPOINT)
     deadline = time.monotonic() + timeout
     found: list = []
@@ -48,8 +49,6 @@ def hub_reachable(timeout: float = 5.0) -> bool:
 def _first_hop(endpoint: str) -> tuple[str, int]:
     """(host, port) a request to ``endpoint`` connects to first: the HTTPS proxy when one is set
     (HTTPS_PROXY / https_proxy, not bypassed by NO_PROXY), else the endpoint itself."""
-    from urllib.request import getproxies, proxy_bypass
-
     url = urlparse(endpoint)
     proxy = getproxies().get(url.scheme or "https")
     if proxy and not proxy_bypass(url.hostname or ""):
@@ -68,11 +67,9 @@ def _resolve(host: str, port: int) -> list:
 @contextmanager
 def forced_offline():
     """Make ``huggingface_hub`` / ``datasets`` / ``transformers`` use only the local cache."""
-    from huggingface_hub import constants
-
     modules = [constants]
     try:
-        import datasets
+        import datasets  # lazy: datasets (hub data only) takes seconds to import
 
         modules.append(datasets.config)
     except ImportError:

@@ -8,6 +8,7 @@ are shared across runs), so re-running resumes. Under torchrun every rank runs t
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from dofla.eval.probes import long_tokens
 from dofla.eval.suite import plan_tasks
 from dofla.models import get_adapter, load_teacher
 from dofla.models.card import lm_eval_settings, write_model_card
-from dofla.precision import configure_matmul, teacher_dtype
+from dofla.precision import configure_matmul, resolve, teacher_dtype
 from dofla.record import build_record, read_json, write_json
 from dofla.stages import allocate, assemble, cache, data, distill, dof, finetune, preflight, report, train
 from dofla.stages import estimate as predicted_time
@@ -152,10 +153,6 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
 
 def resolve_precision(cfg: RunConfig) -> RunConfig:
     """``precision=auto`` made tf32 on a GPU and fp32 on the CPU (said once); other settings unchanged."""
-    from dataclasses import replace
-
-    from dofla.precision import resolve
-
     if cfg.precision != "auto":
         return cfg
     chosen = resolve(cfg.precision, cfg.device)

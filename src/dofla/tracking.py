@@ -1,11 +1,14 @@
 """Experiment trackers: ``none`` (files only) and ``wandb`` (never blocks without network)."""
 from __future__ import annotations
 
+import netrc
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from dofla.config import LoggerConfig
+from dofla.report.seeds import settings_hash
 
 
 def split_overrides(name: str) -> list[str]:
@@ -24,8 +27,6 @@ def seed_group(config: dict, name: str) -> str:
     """The wandb group of a run: its overrides without seed and paths, then a hash of its settings
     without seed (``dofla.report.seeds.settings_hash``), so runs that differ only in their seed
     share one group and nothing else does. At most 128 characters (wandb's limit)."""
-    from dofla.report.seeds import settings_hash
-
     kept = [o for o in split_overrides(name) if o.partition("=")[0].lstrip("+~") != "seed"
             and "dir" not in o.partition("=")[0]]
     return f"{','.join(kept)[:110] or 'default'}-{settings_hash(config)}"
@@ -51,7 +52,7 @@ class WandbTracker(NullTracker):
     """Weights & Biases: online when logged in (WANDB_API_KEY or `wandb login`), else offline, said on one line."""
 
     def __init__(self, cfg: LoggerConfig, config: dict, out_dir: Path, name: str, tags: list[str] = ()):
-        import wandb
+        import wandb  # lazy: wandb is an optional extra
 
         mode = wandb_mode(cfg)
         if mode == "offline":
@@ -80,9 +81,6 @@ class WandbTracker(NullTracker):
 
 def wandb_logged_in() -> bool:
     """A W&B key is available: WANDB_API_KEY, or the netrc entry `wandb login` writes for the W&B host."""
-    import netrc
-    from urllib.parse import urlparse
-
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname

@@ -27,6 +27,7 @@ def fla_kernel():
     GPU call only: the package pulls in Triton and compiles CUDA kernels, which a CPU run must never
     need (or pay for at import time)."""
     try:
+        # lazy: flash-linear-attention is an optional GPU extra
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # not installed, or installed without a working Triton/CUDA
         return None

@@ -41,6 +41,7 @@ from torch import nn
 
 from dofla.attention.delta import unit_features
 from dofla.attention.delta_backend import delta_rule
+from dofla.attention.delta_hybrid import hybrid_delta_chunked
 
 BETA_INIT = 0.1
 DECAY_INIT = 1e-3  # −log α at the start: a memory of about a thousand tokens
@@ -134,8 +135,6 @@ class DeltaFeatureMap(nn.Module):
         log_q = self.log_features(q) if log_q is None else log_q
         log_k = self.log_features(k) if log_k is None else log_k
         if window > 0:
-            from dofla.attention.delta_hybrid import hybrid_delta_chunked
-
             return hybrid_delta_chunked(q, k, v, log_q, log_k, window, self.gates, chunk_size, state, sinks=sinks,
                                         key_valid=key_valid, softcap=softcap)
         log_alpha, beta = self.gates(v)

@@ -19,7 +19,7 @@ from dofla.hub import forced_offline, hub_offline, hub_reachable
 def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = True):
     """``datasets.load_dataset`` that uses only the local HF cache when the hub is unreachable,
     failing within seconds with one sentence instead of retrying for minutes."""
-    import datasets
+    import datasets  # lazy: datasets (hub data only) takes seconds to import
 
     label = f"{path} ({name})" if name else path
     reachable = hub_reachable()
@@ -40,7 +40,7 @@ def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = 
 
 def parquet_rows(paths: list[Path], column: str) -> Iterator[dict]:
     """``{column: value}`` for every row of the Parquet files, in file and row order, read in batches."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: only for parquet files
 
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(columns=[column], batch_size=1024):
@@ -50,7 +50,7 @@ def parquet_rows(paths: list[Path], column: str) -> Iterator[dict]:
 
 def check_parquet(paths: list[str], column: str, setting: str) -> list[Path]:
     """The files as Paths, each an existing Parquet file with ``column``; one sentence when not."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: only for parquet files
 
     out = [Path(p).expanduser() for p in ([paths] if isinstance(paths, str) else paths)]
     if not out:

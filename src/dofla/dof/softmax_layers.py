@@ -29,7 +29,11 @@ from contextlib import ExitStack
 import torch
 from tqdm.auto import tqdm
 
+from dofla.eval.longctx import answer_nll, passkey_case
+from dofla.eval.metrics import attention_errors
 from dofla.models import restorable_layers, softmax_restored
+from dofla.models.adapters.support import get_adapter
+from dofla.models.capture import capture_qkv
 from dofla.train.distill import kl_to_teacher
 
 
@@ -121,8 +125,6 @@ def passkey_prompts(tokenizer, length: int, count: int, seed: int) -> list[tuple
     answer " <key>" (1, A)) token ids: the eval probe's format (:func:`dofla.eval.longctx.passkey_prompt`),
     with keys drawn from ``seed + PASSKEY_SALT`` and needles at depths (t + 0.25) / count, so the
     eval's prompts (keys from ``seed``, depths (t + 0.5) / trials) are not the ones chosen on."""
-    from dofla.eval.longctx import passkey_case
-
     gen = torch.Generator().manual_seed(seed + PASSKEY_SALT)
     return [passkey_case(tokenizer, length, gen, depth=(t + 0.25) / count)[1:] for t in range(count)]
 
@@ -136,8 +138,6 @@ def restoration_passkey(student, prompts: list[tuple[torch.Tensor, torch.Tensor]
 
     Returns {"base": float, "restored": {layer: float}}.
     """
-    from dofla.eval.longctx import answer_nll
-
     device = next(student.parameters()).device
     if layers is None:
         layers = restorable_layers(student)
@@ -173,8 +173,6 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
     probability, from each token of a span repeated at the end of the text (:func:`copy_probe` of
     ``tokens``), to the token that followed the same token in the span's first occurrence: the key
     an induction head reads to copy the next token, about L positions back. 1 is a perfect copier."""
-    from dofla.models import capture_qkv, get_adapter
-
     device = next(teacher.parameters()).device
     softcap = get_adapter(teacher).geometry(teacher.config).softcap
     probe, span = copy_probe(tokens, start)
@@ -209,8 +207,6 @@ def probe_retrieval(student, teacher, tokens: torch.Tensor, batch_size: int = 2)
 def probe_attention_errors(student, teacher, tokens: torch.Tensor, batch_size: int = 2) -> dict:
     """{"attention_error": {layer: error}}: each restorable layer's own attention-output error on the
     teacher's activations of ``tokens`` (the cheaper proxy ranking, ``rank="attention_error"``)."""
-    from dofla.eval import attention_errors
-
     errors = attention_errors(teacher, student, tokens, batch_size)
     return {"attention_error": {i: errors[i] for i in restorable_layers(student)}}
 

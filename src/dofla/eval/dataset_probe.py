@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from huggingface_hub import constants
+
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """A TCP connection to the hub endpoint, not a download: cheap and bounded by ``timeout_s``."""
@@ -28,9 +30,7 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 
 def cached(path: str, name: str | None) -> bool:
     """Whether ``datasets`` can load this dataset from the local cache alone (offline mode)."""
-    import datasets
-    from huggingface_hub import constants
-
+    import datasets  # lazy: datasets (hub data only) takes seconds to import
     # No trace in either cache means no load attempt (~0.3 s each; MMLU alone has 57 configs).
     traces = [Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___"),
               Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}"]

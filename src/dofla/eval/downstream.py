@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import huggingface_hub.constants as hub_constants
+
 from dofla.eval.mmlu_dev import write_mmlu_dev_task
 
 # lm-eval names. ``wsc`` is SuperGLUE WSC (aps/super_glue, wsc.fixed; validation has 104 docs);
@@ -60,7 +62,7 @@ class DatasetSpec:
 @lru_cache(maxsize=8)
 def task_manager(task_dirs: tuple[str, ...] = (), include_defaults: bool = True):
     """One cached TaskManager per (dirs, defaults): indexing lm-eval's own tasks takes ~10 s."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: lm-eval (the eval extra) takes seconds to import
 
     return TaskManager(include_path=list(task_dirs) or None, include_defaults=include_defaults)
 
@@ -76,8 +78,8 @@ def manager_for(task: str, task_dirs: tuple[str, ...]):
 
 def dataset_specs(manager, task: str) -> list[DatasetSpec]:
     """Every dataset a task (or group, e.g. ``mmlu``'s 57 subjects) reads, from its YAML alone."""
-    from lm_eval.tasks._index import Kind
-    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks._index import Kind  # lazy: lm-eval (the eval extra) takes seconds to import
+    from lm_eval.tasks._yaml_loader import load_yaml  # lazy: lm-eval (the eval extra) takes seconds to import
 
     entry = manager.task_index.get(task)
     if entry is None:
@@ -90,7 +92,7 @@ def dataset_specs(manager, task: str) -> list[DatasetSpec]:
 
 
 def _group_members(manager, task: str, entry) -> list[str]:
-    from lm_eval.tasks._index import Kind
+    from lm_eval.tasks._index import Kind  # lazy: lm-eval (the eval extra) takes seconds to import
 
     if entry.kind == Kind.TAG:
         return [n for n, e in manager.task_index.items() if task in e.tags]
@@ -159,8 +161,7 @@ def hub_offline(enabled: bool = True):
     if not enabled:
         yield
         return
-    import datasets.config
-    import huggingface_hub.constants as hub_constants
+    import datasets.config  # lazy: datasets (hub data only) takes seconds to import
 
     saved = (hub_constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, dict(os.environ))
     hub_constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
@@ -176,7 +177,7 @@ def hub_offline(enabled: bool = True):
 def run_lm_eval(lm, task: str, manager, limit: int | None) -> dict:
     """lm-eval's result row for one task (or group), zero-shot, no bootstrap (stderr is not used), with
     the task's version under ``version`` when lm-eval reports one (a number: the model card shows it)."""
-    import lm_eval
+    import lm_eval  # lazy: lm-eval (the eval extra) takes seconds to import
 
     out = lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=limit,
                                   task_manager=manager, log_samples=False, bootstrap_iters=0)
@@ -196,7 +197,7 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
     ``hub_reachable`` given means the caller already ran :func:`availability` and ``tasks`` are
     the runnable ones (no second probe). Raises ``DownstreamUnavailable`` when none can run.
     """
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # lazy: lm-eval (the eval extra) takes seconds to import
 
     dirs = tuple(str(Path(d).resolve()) for d in task_dirs)
     if hub_reachable is None:

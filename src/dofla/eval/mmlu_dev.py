@@ -36,7 +36,7 @@ TASK_YAML = {
 
 
 def flan_cot_dir() -> Path:
-    import lm_eval
+    import lm_eval  # lazy: lm-eval (the eval extra) takes seconds to import
 
     return Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "flan_cot_fewshot"
 

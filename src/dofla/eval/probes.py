@@ -9,6 +9,10 @@ import math
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from dofla.data.prepared import pack_split
+from dofla.eval.longctx import losses_by_position, mass_outside_window, passkey_results
+from dofla.eval.metrics import attention_errors, heldout_losses
+
 if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes this package's section
     from dofla.config import RunConfig
 
@@ -31,9 +35,6 @@ def without_linear_part(student):
 def ablation_metrics(cfg: RunConfig, teacher, student, heldout_tokens, full: dict) -> dict:
     """The student with its linear part removed: perplexity, attention error, and the differences
     to the full student (``full``: its metrics), i.e. what the linear part contributes."""
-    from dofla.eval import attention_errors
-    from dofla.eval.metrics import heldout_losses
-
     out = {}
     with without_linear_part(student):
         if cfg.eval.perplexity:
@@ -53,8 +54,6 @@ def ablation_metrics(cfg: RunConfig, teacher, student, heldout_tokens, full: dic
 
 def window_mass_metrics(cfg: RunConfig, teacher, heldout_tokens) -> dict:
     """Per layer, the teacher's attention probability outside ``attention.window`` + sinks."""
-    from dofla.eval.longctx import mass_outside_window
-
     masses = mass_outside_window(teacher, heldout_tokens[: cfg.eval.attn_error_seqs], cfg.attention.window,
                                  cfg.attention.sinks)
     out = {f"window_mass/layer_{i:02d}": m for i, m in enumerate(masses)}
@@ -65,8 +64,6 @@ def window_mass_metrics(cfg: RunConfig, teacher, heldout_tokens) -> dict:
 def long_tokens(cfg: RunConfig, tokenizer, source):
     """``eval.long_context_seqs`` held-out sequences of ``eval.long_seq_len`` tokens (S, L) of ``source``
     (a data source or prepared tokens)."""
-    from dofla.data.prepared import pack_split
-
     length = cfg.eval.long_seq_len or cfg.data.seq_len
     return pack_split(source, "heldout", tokenizer, length, cfg.eval.long_context_seqs * length,
                       desc="tokenize long held-out", setting="eval.long_context_seqs")
@@ -75,8 +72,6 @@ def long_tokens(cfg: RunConfig, tokenizer, source):
 def position_metrics(cfg: RunConfig, who: str, model, tokens) -> dict:
     """Held-out loss per position bucket ``[edges[b], edges[b+1])`` of ``eval.position_buckets``, and
     (``seq/`` keys) each sequence's."""
-    from dofla.eval.longctx import losses_by_position
-
     edges = list(cfg.eval.position_buckets)
     losses = losses_by_position(model, tokens, edges)  # (S, buckets)
     out = {}
@@ -101,8 +96,6 @@ def passkey_seed(cfg: RunConfig) -> int:
 def passkey_metrics(cfg: RunConfig, who: str, model, tokenizer) -> dict:
     """Passkey retrieval accuracy and answer NLL (nats) per context length in ``eval.passkey_lengths``,
     and (``seq/`` keys) each prompt's."""
-    from dofla.eval.longctx import passkey_results
-
     results = passkey_results(model, tokenizer, list(cfg.eval.passkey_lengths), cfg.eval.passkey_trials,
                               passkey_seed(cfg))
     out = {}

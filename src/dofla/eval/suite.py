@@ -8,12 +8,20 @@ student), ``finetuned/<who>/<task>/acc`` and ``finetuned/lr/<task>`` for the pro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
-from dofla.eval.config import EvalConfig
 from dofla.errors import DoflaError
-from dofla.eval.downstream import DOWNSTREAM7
+from dofla.eval.config import EvalConfig
+from dofla.eval.downstream import DOWNSTREAM7, availability, dataset_specs, evaluate_tasks, manager_for
+from dofla.eval.finetune_store import TrialStore
+from dofla.eval.mmlu_dev import MMLU_DEV_TASK, write_mmlu_dev_task
+from dofla.eval.mqar import mqar_curve
+from dofla.eval.task_finetune import FinetuneProtocolConfig, TeacherProtocol, run_finetune_protocol, run_teacher_protocol
+from dofla.record import read_json, write_json
 
 # `eval.tasks=[downstream7]` stands for the paper's seven tasks.
 ALIASES = {"downstream7": DOWNSTREAM7}
@@ -43,9 +51,6 @@ def plan_tasks(ev: EvalConfig, out_dir: Path, others_requested: bool) -> TaskPla
     Raises :class:`TaskPlanError` for an unknown task name, or when no task can run and the run
     was asked for nothing else (``others_requested`` false).
     """
-    from dofla.eval.downstream import availability, dataset_specs, manager_for
-    from dofla.eval.mmlu_dev import MMLU_DEV_TASK, write_mmlu_dev_task
-
     tasks = expand_tasks(list(ev.tasks))
     dirs = [str(Path(d).expanduser().resolve()) for d in ev.task_dirs]
     if MMLU_DEV_TASK in tasks:
@@ -75,8 +80,6 @@ def plan_tasks(ev: EvalConfig, out_dir: Path, others_requested: bool) -> TaskPla
 
 def zero_shot(model, tokenizer, who: str, plan: TaskPlan, ev: EvalConfig) -> dict[str, float]:
     """``tasks/<who>/...`` metrics of one model on the plan's runnable tasks."""
-    from dofla.eval.downstream import evaluate_tasks
-
     result = evaluate_tasks(model, tokenizer, plan.runnable, limit=ev.task_limit,
                             batch_size=ev.task_batch_size, task_dirs=list(plan.task_dirs),
                             hub_reachable=plan.hub_reachable)
@@ -87,10 +90,6 @@ def zero_shot(model, tokenizer, who: str, plan: TaskPlan, ev: EvalConfig) -> dic
 def teacher_file(directory: Path, plan: TaskPlan, cfg, kind: str, extra: dict | None = None) -> Path:
     """``directory/<kind>-<digest>.json``: where a teacher measurement of the plan's tasks is kept,
     keyed by (model, tasks, task files, limit, lm-eval version, ``extra``)."""
-    import hashlib
-    import json
-    from importlib.metadata import version
-
     files = sorted(p for d in plan.task_dirs for p in Path(d).rglob("*") if p.is_file())
     digest = hashlib.sha256(json.dumps({
         "model": cfg.model.source, "revision": cfg.model.revision, "seed": cfg.seed,
@@ -106,8 +105,6 @@ def teacher_file(directory: Path, plan: TaskPlan, cfg, kind: str, extra: dict | 
 
 def kept(path: Path | None, compute, what: str):
     """The JSON at ``path`` when it exists, else ``compute()`` written there (None: never kept)."""
-    from dofla.record import read_json, write_json
-
     value = read_json(path) if path is not None else None
     if value is None:
         value = compute()
@@ -141,8 +138,6 @@ def finetune_micro_batch_sizes(ev: EvalConfig) -> dict:
 def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int, precision: str = "fp32"):
     """The fine-tune protocol's settings from ``eval`` (dofla.eval.task_finetune); a micro-batch still
     ``auto`` (no memory preflight ran, e.g. ``dofla-eval``) is the whole batch, said once."""
-    from dofla.eval.task_finetune import FinetuneProtocolConfig
-
     sizes, micro = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
     if "auto" in micro.values():
         print("dofla: eval.finetune_micro_batch_size=auto needs the memory preflight of a dofla run; "
@@ -168,8 +163,6 @@ UNKEYED = ("task_dirs", "eval_batch_size", "micro_batch_size", "task_micro_batch
 def protocol_settings(pcfg) -> dict:
     """What the fine-tune protocol's results depend on; settings added later are in it only when set
     away from the value every earlier result used (older kept grids stay valid)."""
-    from dataclasses import asdict
-
     return {k: v for k, v in asdict(pcfg).items() if k not in UNKEYED
             and not (k == "train_data" and not v) and not (k == "precision" and v == "fp32")}
 
@@ -185,9 +178,6 @@ def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, director
     keeps the student's trials the same way. Returns the ``finetuned/...`` metrics, with
     ``finetuned/step_s``: the measured seconds per fine-tune step over the trials that report it.
     """
-    from dofla.eval.finetune_store import TrialStore
-    from dofla.eval.task_finetune import TeacherProtocol, run_finetune_protocol, run_teacher_protocol
-
     pcfg = protocol_config(plan, cfg.eval, cfg.seed, cfg.precision)
     settings = protocol_settings(pcfg)
     path = None if directory is None else teacher_file(directory, plan, cfg, "teacher_finetuned", settings)
@@ -208,8 +198,6 @@ def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, director
 
 def mqar(model, who: str, ev: EvalConfig, seed: int) -> dict[str, float]:
     """``mqar/<who>/T<len>``: recall accuracy at each length (lengths past the context are dropped)."""
-    from dofla.eval.mqar import mqar_curve
-
     vocab = model.get_output_embeddings().weight.shape[0]
     curve = mqar_curve(model, vocab, tuple(ev.mqar_seq_lens), ev.mqar_examples, seed)
     return {f"mqar/{who}/T{length}": acc for length, acc in curve.items()}

@@ -13,7 +13,7 @@ def training_pairs(task: str, model, tokenizer, task_dirs: tuple[str, ...] = (),
                    limit: int | None = None, train_data: dict | None = None) -> list[tuple[list[int], list[int]]]:
     """[(context ids, continuation ids)] of the correct answers in the task's training split(s), or,
     when ``train_data`` is given, in those rows (formatted by the task's first subtask)."""
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # lazy: lm-eval (the eval extra) takes seconds to import
 
     leaves = list(manager_for(task, task_dirs).load([task])["tasks"].values())
     encoder = HFLM(pretrained=model, tokenizer=tokenizer)  # lm-eval's own pair tokenisation
@@ -32,7 +32,7 @@ def training_pairs(task: str, model, tokenizer, task_dirs: tuple[str, ...] = (),
 def extra_training_docs(task: str, spec: dict, limit: int | None = None) -> list[dict]:
     """The rows of ``spec`` (``{path, name, split}`` on the hub or ``{files: [...]}`` of JSON lines),
     the first ``limit`` of them; one sentence naming the setting when they cannot be read."""
-    import datasets
+    import datasets  # lazy: datasets (hub data only) takes seconds to import
 
     problem = train_data_problem(spec, task)
     if problem:

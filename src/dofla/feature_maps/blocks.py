@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dofla.attention.linear import LinearState
 from dofla.feature_maps.base import FeatureMap, build_feature_map
 from dofla.feature_maps.performer import PerformerFeatureMap, prf_log_features
 
@@ -209,8 +210,6 @@ class BlockState:
 
 def _merge(layout: BlockLayout, states: list):
     """Per-block LinearStates -> one over all heads, features padded to the widest block."""
-    from dofla.attention.linear import LinearState
-
     first = states[0]
     b, dv = first.kv.shape[0], first.kv.shape[-1]
     merged = LinearState.zeros(b, layout.num_heads, max(layout.dims), dv, first.kv.dtype, first.kv.device)
@@ -225,8 +224,6 @@ def _merge(layout: BlockLayout, states: list):
 
 def _split(layout: BlockLayout, merged) -> list:
     """One LinearState over all heads -> per-block states of each block's own width."""
-    from dofla.attention.linear import LinearState
-
     pick = lambda t, heads, m: t.index_select(1, heads).narrow(2, 0, m)  # noqa: E731
     return [LinearState(pick(merged.kv, heads, m), pick(merged.k_sum, heads, m), pick(merged.offset, heads, m),
                         merged.length) for heads, m in zip(layout.index, layout.dims)]

@@ -18,6 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from dofla.models.adapters.support import get_adapter
+
 CAPTURE_IMPLEMENTATION = "dofla_capture"
 
 # (layer_idx, q (B, H, T, d), k (B, H_kv, T, d), v (B, H_kv, T, d)) -> None
@@ -82,8 +84,6 @@ def capturing(model, attention_modules, callback: CaptureCallback):
 @torch.no_grad()
 def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Run the teacher on ``input_ids`` (B, T) and return [(q, k, v)] per layer (see module doc)."""
-    from dofla.models.adapters import get_adapter
-
     captured: dict[int, tuple] = {}
     modules = get_adapter(model).attention_modules(model)
     with capturing(model, modules, lambda i, q, k, v: captured.__setitem__(i, (q, k, v))):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dofla.eval.store import MEASUREMENTS
+from dofla.record import read_json
+
 CARD_METRICS = (  # (metrics.json key, label), in the card's order
     ("train/tokens", "distillation tokens"),
     ("distill/tokens", "model-level (KL) distillation tokens"),
@@ -108,9 +111,6 @@ def lm_eval_settings(run_dir: str | Path, metrics: dict) -> dict | None:
     eval stage stored them under (``eval_measurements.json``): ``{"lm_eval": version, "tasks",
     "limit", "batch_size"}``; None when the run scored no task. The entry is the one whose scores
     are the run's (the store keeps earlier settings' entries too)."""
-    from dofla.eval.store import MEASUREMENTS
-    from dofla.record import read_json
-
     entries = read_json(Path(run_dir) / MEASUREMENTS) or {}
     for key, entry in sorted(entries.items()):
         scores = entry.get("metrics") or {}

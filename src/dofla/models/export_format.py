@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dofla.models.card import write_model_card
@@ -70,8 +70,6 @@ def load_student_tokenizer(path: str | Path, **hub_kwargs):
     """The tokenizer saved with a student. Given the student's own (teacher-class) config, so that
     ``AutoTokenizer`` does not read ``model_type = "dofla_student"`` and stop to ask whether to run
     remote code."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path, config=student_config(path, **hub_kwargs), **hub_kwargs)
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import huggingface_hub
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -120,11 +122,7 @@ class StudentMixin:
                     token=None, revision: str | None = None, create_pr: bool = False, **save_kwargs):
         """Save the exported student (with its model card) to a temporary directory and upload it.
         Hugging Face's own push would replace the model card with an empty one."""
-        import tempfile
-
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
+        api = huggingface_hub.HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, **save_kwargs)

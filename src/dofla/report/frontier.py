@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dofla.report.intervals import crossed_interval
+from dofla.report.plot_common import plt
 from dofla.report.records import RunRecord, read_runs
 
 MEMORY = re.compile(r"^memory/(teacher|student)/decode_mib/T(\d+)$")
@@ -74,8 +75,6 @@ def frontier_table(points: list[dict]) -> str:
 
 def frontier_plot(points: list[dict], path: Path) -> Path:
     """Held-out loss (top) and passkey recall (bottom) against decode memory, one column per context."""
-    from dofla.report.plot_common import plt
-
     contexts = sorted({c for p in points for c in p["memory"]})
     if not contexts:
         raise SystemExit("the runs measured no decode memory: evaluate them with eval.memory_contexts=[2048,8192]")

@@ -9,12 +9,15 @@ import csv
 import io
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dofla.config import RunConfig
 from dofla.feature_maps.blocks import layer_mean_dim, mean_dim
 from dofla.record import read_json
+from dofla.report.plots import write_plots
 from dofla.report.seed_tables import GROUP_CAPTION, PAIRED_CAPTION, csv_columns, group_rows, paired_rows
 from dofla.report.seeds import distinguishing_overrides, paired_vs_fix, run_seed, seed_groups, twin_key
 
@@ -50,10 +53,6 @@ def load_run(run_dir: Path) -> dict:
 def run_config(run_dir: Path):
     """The typed :class:`~dofla.config.RunConfig` a finished run ran with (its run.json); a run
     recorded before ``cache_dir`` moved into ``paths`` is read as such."""
-    from omegaconf import OmegaConf
-
-    from dofla.config import RunConfig
-
     config = dict((read_json(Path(run_dir) / "run.json") or {}).get("config") or {})
     if not config:
         raise FileNotFoundError(f"{run_dir} holds no run.json with a config; point at a finished run's directory")
@@ -147,8 +146,6 @@ def write_report(root: Path, console: Console | None = None) -> Path:
     Runs that differ only in their seed are summarised as mean ± 95 % Student-t interval, and each
     allocation policy is compared with ``fix`` at the same seed and budget (paired differences).
     """
-    from dofla.report.plots import write_plots  # matplotlib loads only when plots are written
-
     root = Path(root)
     runs = [load_run(d) for d in find_runs(root)]
     if not runs:

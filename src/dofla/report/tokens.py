@@ -129,17 +129,17 @@ def layers_path(out: Path) -> Path:
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # lazy: only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: only when a plot is drawn
 
     return plt
 
 
 def _log_axes(ax, budgets: list[int]) -> None:
     """Log-log with the token budgets as the x ticks and plain numbers on y."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # lazy: only when a plot is drawn
 
     ax.set_xscale("log")
     ax.set_yscale("log")

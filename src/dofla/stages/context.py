@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from dofla import distributed
 from dofla.config import RunConfig
+from dofla.measure import StepClock, peak_memory
 from dofla.stages.plan import TrainPlan
 
 
@@ -67,8 +69,6 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, stage: str):
-        from dofla.measure import peak_memory
-
         start = time.perf_counter()
         with peak_memory(self.device) as peak:
             try:
@@ -78,15 +78,11 @@ class StageTimer:
         self.peaks[stage] = peak
         line = self.summary(stage)
         if line is not None:
-            from dofla import distributed
-
             if distributed.is_main():
                 print(line, flush=True)
 
     def watch(self, tracker):
         """``tracker``, with the training steps it is told of timed."""
-        from dofla.measure import StepClock
-
         self.clock = StepClock(tracker)
         return self.clock
 

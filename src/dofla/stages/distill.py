@@ -7,17 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dofla import distributed
 import torch
 
-from dofla.artifacts import canonical
+from dofla import distributed
+from dofla.artifacts import canonical, model_dir_matches, save_model_dir
+from dofla.cache.teacher_logits import TeacherLogitCache, entry_bytes
+from dofla.data.copies import CopySpans
 from dofla.errors import require
+from dofla.models.student import load_student
 from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
-from dofla.stages.keys import distill_settings
+from dofla.stages.keys import distill_settings, teacher_settings
 from dofla.stages.plan import distill_schedule
 from dofla.stages.sources import cache_root, data_source, training_stream
 from dofla.stages.students import with_settings
+from dofla.train.distill import teacher_targets, train_kl
 
 TARGET = "student_distilled"
 
@@ -33,10 +37,6 @@ class Distilled:
 def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     """The distilled student (or the stored one, for the same settings); ``tracker`` gets the KL
     every ``distill.log_every`` steps while it trains."""
-    from dofla.artifacts import model_dir_matches, save_model_dir
-    from dofla.models import load_student
-    from dofla.train.distill import teacher_targets, train_kl
-
     cfg, target = ctx.cfg, ctx.out_dir / TARGET
     settings = distill_settings(cfg, getattr(student, "dofla_settings", None))
     device = next(student.parameters()).device
@@ -47,8 +47,6 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
     stream = training_stream(cfg, ctx.tokenizer, d.batch_size, offset(ctx, data), seq_len=d.seq_len,
                              source=data_source(ctx))
     if d.copy_share:
-        from dofla.data.copies import CopySpans
-
         stream = CopySpans(stream, d.copy_share, d.copy_distance, cfg.seed)
     log = None if tracker is None else (lambda values: tracker.log(values))
     s = distill_schedule(ctx.cfg, stream.batch_tokens)
@@ -72,9 +70,6 @@ def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
     """The store of the teacher's targets for this run's text (``distill.teacher_cache``), or None: off,
     exact targets in logit chunks (never whole, so never stored), or a text too large for
     ``distill.teacher_cache_gb`` (said in one sentence)."""
-    from dofla.cache.teacher_logits import TeacherLogitCache, entry_bytes
-    from dofla.stages.keys import teacher_settings
-
     cfg, d, teacher = ctx.cfg, ctx.cfg.distill, ctx.teacher
     vocab = teacher.get_output_embeddings().weight.shape[0]
     require(d.teacher_topk < vocab, f"distill.teacher_topk={d.teacher_topk} must be less than the teacher's "

@@ -20,7 +20,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dofla import distributed
+from dofla.eval.downstream import TRAIN_EXAMPLES
+from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
+from dofla.measure import teacher_tokens_per_second
+from dofla.precision import teacher_dtype
 from dofla.stages.context import RunContext
+from dofla.stages.plan import distill_schedule
+from dofla.stages.sources import stream_steps
+from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
+from dofla.train import probe_steps
+from dofla.train.capacity import in_depth, quiet
 
 
 @dataclass
@@ -33,8 +43,6 @@ class StageTime:
 
 def timed(step, layers: int, micro: int, device: torch.device) -> float:
     """Seconds of one call of ``step(depth, micro)`` at depth ``layers``, from timed calls at depths 1 and 2."""
-    from dofla.train.capacity import in_depth, quiet
-
     seconds = []
     for depth in (1, 2):
         run = step(depth, micro)
@@ -55,8 +63,6 @@ def synchronize(device: torch.device) -> None:
 
 def predict(ctx: RunContext, dims: list, plan) -> list[StageTime]:
     """The predicted time of every stage of ``plan`` this module can time (see the module's note)."""
-    from dofla.measure import teacher_tokens_per_second
-
     cfg, device = ctx.cfg, next(ctx.teacher.parameters()).device
     out = []
     if "cache" in plan:
@@ -73,11 +79,6 @@ def predict(ctx: RunContext, dims: list, plan) -> list[StageTime]:
 
 
 def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
-    from dofla.precision import teacher_dtype
-    from dofla.stages.sources import stream_steps
-    from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
-    from dofla.train import probe_steps
-
     cfg, L, n = ctx.cfg, ctx.cfg.data.seq_len, ctx.geometry.num_layers
     direct, streams = ctx.train.direct, ctx.train.streams
     batch = cfg.train.direct_batch_size if direct else cfg.train.batch_size
@@ -106,10 +107,6 @@ def train_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
 
 
 def distill_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
-    from dofla.stages.plan import distill_schedule
-    from dofla.stages.students import make_student
-    from dofla.train import probe_steps
-
     cfg, d = ctx.cfg, ctx.cfg.distill
     L = d.seq_len or cfg.data.seq_len
     micro = d.micro_batch_size or d.batch_size
@@ -123,11 +120,6 @@ def distill_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
 def finetune_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     """The task fine-tunes: the teacher's grid (every rate of ``eval.finetune_lr_grid``, once per
     sweep) and the student's fine-tune at the picked rate (every cell), an upper bound."""
-    from dofla.eval.downstream import TRAIN_EXAMPLES
-    from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
-    from dofla.stages.students import make_student
-    from dofla.train import probe_steps
-
     cfg, ev = ctx.cfg, ctx.cfg.eval
     length, n = ev.finetune_max_length, ctx.geometry.num_layers
     batches, micros = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
@@ -163,8 +155,6 @@ def run(ctx: RunContext, dims: list, plan, predicted: dict | None = None) -> lis
     """Print the cell's predicted time per stage, the cell's total and a sweep's; ``predicted``: gets
     ``{stage: {"seconds": ...}}`` (for metrics.json). The random state is left as it was, so the
     estimate changes nothing the run computes."""
-    from dofla import distributed
-
     device = next(ctx.teacher.parameters()).device
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), distributed.alone():

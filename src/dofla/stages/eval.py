@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from importlib.metadata import version
 from pathlib import Path
 
+import torch
+
+from dofla import distributed
 from dofla.config import LEGACY_VALUES, RunConfig
+from dofla.eval import probes, suite
+from dofla.eval.memory import memory_metrics
+from dofla.eval.metrics import attention_errors, heldout_losses
 from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.faults import kill_point
 from dofla.record import write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.keys import teacher_settings
@@ -24,8 +33,6 @@ from dofla.stages.sources import cache_root, data_source, open_data
 def model_settings(model) -> dict:
     """The settings a model was built from (``dofla_settings``, attached by the assemble and
     fine-tune stages), else a fingerprint of its weights (a model handed in from Python)."""
-    import torch
-
     settings = getattr(model, "dofla_settings", None)
     if settings is not None:
         return {"settings": settings}
@@ -59,8 +66,6 @@ def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
     a changed setting redoes only what it affects. Under torchrun, perplexity and attention error
     are shared across the ranks; the tasks, MQAR and every file are rank 0's.
     """
-    from dofla import distributed
-
     main = distributed.is_main()
     store = Measurements(out_dir / MEASUREMENTS, main, shared=teacher_scores)
     who_settings = {"teacher": teacher_settings(cfg), "student": model_settings(student)}
@@ -74,8 +79,6 @@ def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
         write_json(out_dir / "tasks_skipped.json", plan.skipped)
     metrics.update(_probe_measurements(cfg, models, who_settings, heldout_tokens, tokenizer, store, metrics, source))
     if cfg.eval.mqar:
-        from dofla.eval import suite
-
         for who, model in models:
             settings = {"model": who_settings[who], "seq_lens": cfg.eval.mqar_seq_lens,
                         "examples": cfg.eval.mqar_examples, "seed": cfg.seed}
@@ -86,12 +89,6 @@ def evaluate(cfg: RunConfig, teacher, student, heldout_tokens, out_dir: Path,
 
 def _shared_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tokens, store) -> dict:
     """Perplexity and attention error (every rank takes part under torchrun)."""
-    import math
-
-    from dofla.eval import attention_errors
-    from dofla.eval.metrics import heldout_losses
-    from dofla.faults import kill_point
-
     metrics = {}
     if cfg.eval.perplexity:
         for who, model in models:
@@ -125,11 +122,6 @@ def _shared_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tok
 def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, plan, store,
                        teacher_scores: Path | None) -> dict:
     """lm-eval zero-shot scores per model and the fine-tune protocol, keyed by the task settings."""
-    from importlib.metadata import version
-
-    from dofla.eval import suite
-    from dofla.faults import kill_point
-
     ev = cfg.eval
     tasks = {"tasks": plan.runnable, "limit": ev.task_limit, "batch_size": ev.task_batch_size,
              "task_dirs": list(plan.task_dirs), "lm_eval": version("lm_eval")}
@@ -165,8 +157,6 @@ def _task_measurements(cfg: RunConfig, models, who_settings: dict, tokenizer, pl
 def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_tokens, tokenizer, store,
                         full: dict, source=None) -> dict:
     """The optional probes of :mod:`dofla.eval.probes` (rank 0), each keyed by its settings."""
-    from dofla.eval import probes
-
     ev, metrics = cfg.eval, {}
     (_, teacher), (_, student) = models
     held = {"heldout": tokens_digest(heldout_tokens), "batch_size": ev.batch_size,
@@ -184,8 +174,6 @@ def _probe_measurements(cfg: RunConfig, models, who_settings: dict, heldout_toke
     long = None
     for who, model in models:
         if ev.memory_contexts:
-            from dofla.eval.memory import memory_metrics
-
             metrics.update(store.get(f"memory/{who}", {"model": who_settings[who], "contexts": ev.memory_contexts},
                                      lambda who=who, model=model: memory_metrics(who, model, ev.memory_contexts),
                                      share=who == "teacher"))

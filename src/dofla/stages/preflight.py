@@ -12,8 +12,13 @@ import torch
 
 from dofla import distributed
 from dofla.errors import DoflaError
+from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
+from dofla.precision import teacher_dtype
 from dofla.record import write_json
 from dofla.stages.context import RunContext
+from dofla.stages.plan import distill_schedule
+from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
+from dofla.train import capacity
 from dofla.world import train_split
 
 GIB = 2**30
@@ -31,10 +36,6 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     """The train stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
     of this process's ``batch``; None when no layer has features to train (Performer's are random and
     fixed)."""
-    from dofla.precision import teacher_dtype
-    from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
-    from dofla.train import capacity
-
     cfg, teacher = ctx.cfg, ctx.teacher
     # the trace runs the eager loss (compiling inside the trace's dispatch mode would trace the
     # compiler); inductor's fused kernels usually hold fewer buffers, so the eager peak plans safe
@@ -59,18 +60,12 @@ def predict(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
 def loaded_bytes(teacher, maps: list) -> int:
     """What stays loaded while the whole student trains: the teacher, and the student (the teacher's
     weights and every layer's features), counted without building the student."""
-    from dofla.train import capacity
-
     return 2 * capacity.module_bytes(teacher) + sum(capacity.module_bytes(m) for m in maps if m is not None)
 
 
 def predict_distill(ctx: RunContext, dims: list, micro_batch: int | None, batch: int):
     """The distill stage's :class:`~dofla.train.capacity.Peak` at ``micro_batch`` (None: the whole batch)
     of this process's ``batch``."""
-    from dofla.stages.plan import distill_schedule
-    from dofla.stages.students import build_feature_maps, make_student
-    from dofla.train import capacity
-
     cfg, teacher, d = ctx.cfg, ctx.teacher, ctx.cfg.distill
     return capacity.kl_step_peak(
         lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), teacher, ctx.geometry.num_layers,
@@ -108,8 +103,6 @@ def run(ctx: RunContext, dims: list, plan=("train",), records: dict | None = Non
 
 def memory_limit(ctx: RunContext) -> tuple[int, str]:
     """(bytes the preflight plans against, where they come from in words)."""
-    from dofla.train import capacity
-
     cfg = ctx.cfg
     device = next(ctx.teacher.parameters()).device
     if cfg.train.memory_limit_gb:
@@ -121,8 +114,6 @@ def memory_limit(ctx: RunContext) -> tuple[int, str]:
 def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     """One stage's preflight (``<stage>.micro_batch_size``): prints its peak, records it in ``records``,
     refuses what cannot fit; returns the micro-batch to run (None: the whole batch)."""
-    from dofla.train import capacity
-
     cfg = ctx.cfg
     setting = getattr(cfg, stage).micro_batch_size
     auto, name = setting == "auto", f"{stage}.micro_batch_size"
@@ -161,10 +152,6 @@ def predict_task_finetune(ctx: RunContext, dims: list, batch: int):
     """The evaluation protocol's task fine-tune :class:`~dofla.train.capacity.Peak` (``eval`` stage): the
     larger of the teacher's and the student's, every row at ``eval.finetune_max_length`` tokens, with the
     teacher, the student (and the teacher's capture copy) loaded beside the working copy."""
-    from dofla.precision import teacher_dtype
-    from dofla.stages.students import build_feature_maps, make_student
-    from dofla.train import capacity
-
     cfg, teacher = ctx.cfg, ctx.teacher
     maps = build_feature_maps(cfg, ctx.geometry, dims)
     features = sum(capacity.module_bytes(m) for m in maps if m is not None)
@@ -179,9 +166,6 @@ def check_task_finetune(ctx: RunContext, dims: list, records: dict) -> RunContex
     """The preflight of the task fine-tunes (``eval.finetune_micro_batch_size``, per task): prints the
     peak at the micro-batch of the largest batch, refuses a micro-batch that cannot fit, resolves
     ``auto`` per task to the largest that fits; returns ``ctx`` with the resolved sizes."""
-    from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
-    from dofla.train import capacity
-
     ev, name = ctx.cfg.eval, "eval.finetune_micro_batch_size"
     batches, settings = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
     tasks = expand_tasks(list(ev.tasks))

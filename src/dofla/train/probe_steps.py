@@ -11,13 +11,20 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from dofla.eval.task_step import finetune_step
+from dofla.models.adapters.support import get_adapter
+from dofla.train.direct import train_direct
+from dofla.train.distill import train_kl
+from dofla.train.layerwise import layer_loss, needs_values, param_groups
+from dofla.train.live import Live
+from dofla.train.stream import _train_step
 
 
 def cut_to(model, layers: int, device: str | torch.device = "cpu"):
     """A fresh, randomly initialised copy of ``model``'s architecture with ``layers`` layers (fp32), built
     on ``device`` (seeded on the CPU; on a GPU its own generator draws the weights)."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
     for name in ("layer_types", "sliding_window_pattern_list"):
@@ -35,10 +42,6 @@ def stream_step(teacher, feature_maps: list, layers: list[int], cfg, seq_len: in
     copy's) at ``micro`` random sequences: one teacher forward, every layer's loss and backward, one
     Adam step per layer (each layer has the widest of ``layers``' features), on ``device``. The memory
     trace, the startup estimate (on the run's device) and the cost model (``studies/cost_model.py``) run it."""
-    from dofla.train.layerwise import param_groups
-    from dofla.train.live import Live
-    from dofla.train.stream import _train_step
-
     widest = widest_layer(feature_maps, layers)
     models: dict[int, torch.nn.Module] = {}
 
@@ -64,8 +67,6 @@ def cached_step(feature_maps: list, layers: list[int], cfg, seq_len: int, geomet
     (``dofla.train.layerwise``: one layer's loss, backward and Adam step) at ``micro`` random rows of
     q, k (v), for the widest of ``layers``' features; ``depth`` does not matter (layers train one
     after another)."""
-    from dofla.train.layerwise import layer_loss, needs_values, param_groups
-
     widest = widest_layer(feature_maps, layers)
     heads, kv, d = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
 
@@ -108,8 +109,6 @@ def model_step(student_of, teacher, seq_len: int, run, device: str | torch.devic
 
 def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2, device: str | torch.device = "cpu"):
     """``steps`` end-to-end (``direct``) steps (:func:`model_step`)."""
-    from dofla.train import train_direct
-
     return model_step(student_of, teacher, seq_len, lambda student, _, tokens: train_direct(
         student, tokens, replace(cfg, steps=steps, batch_size=len(tokens), micro_batch_size=None), progress=False),
         device)
@@ -120,8 +119,6 @@ def task_step(model_of, teacher, seq_len: int, precision: str = "fp32", steps: i
     """``steps`` steps of the evaluation protocol's task fine-tune
     (:func:`dofla.eval.task_step.finetune_step`: every parameter of ``model_of(cut)``, AdamW) on
     rows of ``seq_len`` tokens that are all targets: its worst case, every row at the maximum length."""
-    from dofla.eval.task_step import finetune_step
-
     def run(model, _, tokens):
         for p in model.parameters():
             p.requires_grad_(True)
@@ -137,8 +134,6 @@ def kl_step(student_of, teacher, schedule, train: list[str], lora: tuple[int, in
     """``step(depth, micro)``: two steps of the distill stage (``distill=kl``,
     :func:`dofla.train.distill.train_kl`: the teacher's forward, the student's forward and backward,
     the KL on their logits, AdamW on what ``train`` names) on the same random batch."""
-    from dofla.train.distill import train_kl
-
     def run(student, cut, tokens):
         batches = SimpleNamespace(next_batch=lambda: tokens, state=dict, restore=lambda _: None,
                                   batch_tokens=tokens.numel())  # the same batch every step
@@ -154,6 +149,4 @@ def widest_layer(feature_maps: list, layers: list[int]) -> int:
 
 
 def attention_modules(model):
-    from dofla.models.adapters import get_adapter
-
     return get_adapter(model).attention_modules(model)

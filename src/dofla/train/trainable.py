@@ -7,14 +7,13 @@ from __future__ import annotations
 from torch import nn
 
 from dofla.errors import DoflaError
+from dofla.models.adapters.support import get_adapter
 
 TRAINABLE = ("features", "attention", "lora", "gate")
 
 
 def attention_projections(student) -> list[nn.Parameter]:
     """The parameters of every attention module except its linear-attention part (q/k/v/o, norms)."""
-    from dofla.models import get_adapter
-
     params = []
     for module in get_adapter(student).attention_modules(student):
         params += [p for n, p in module.named_parameters() if not n.startswith("dofla.")]
@@ -49,9 +48,7 @@ def prepare_trainable(student, train: list[str], lora_rank: int = 8, lora_alpha:
         p.requires_grad_(False)
     model, groups = student, []
     if "lora" in train:
-        from peft import LoraConfig, get_peft_model
-
-        from dofla.models import get_adapter
+        from peft import LoraConfig, get_peft_model  # lazy: peft (the lora extra), only for LoRA
 
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
                             target_modules=get_adapter(student).lora_targets,
