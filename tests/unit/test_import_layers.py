@@ -138,6 +138,37 @@ def test_the_graph_sees_a_circle_closed_inside_a_function(tmp_path):
     assert imports(module) == {"dofla.models.student"}  # resolved through the package's re-export
 
 
+# What may be imported inside a function: optional extras and libraries that take seconds to import,
+# kept off the start of every run; each such import says why in a ``# lazy:`` comment.
+LAZY = ("lm_eval", "datasets", "pyarrow", "matplotlib", "wandb", "peft", "fla")
+
+
+def function_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, commented) of every import inside a function of ``path``."""
+    lines = path.read_text().splitlines()
+    found = []
+    for fn in ast.walk(ast.parse("\n".join(lines))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    said = "# lazy:" in lines[node.end_lineno - 1] or "# lazy:" in lines[node.lineno - 2]
+                    found.append((node.lineno, module or "", said))
+    return found
+
+
+def test_imports_inside_functions_are_only_lazy_extras_and_say_why():
+    wrong = [f"{path.relative_to(SRC)}:{line} {module}" for path in MODULES.values()
+             for line, module, said in function_imports(path) if module.split(".")[0] not in LAZY or not said]
+    assert not wrong, wrong
+
+
+def test_the_lazy_import_check_sees_an_import_inside_a_function(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    import wandb  # lazy: optional\n\n\ndef g():\n    from dofla import errors\n")
+    assert function_imports(module) == [(2, "wandb", True), (6, "dofla", False)]
+
+
 # Imports each module named on its command line first, in a forked child of an interpreter that holds
 # torch and transformers (so each child pays only dofla's own imports); prints the ones that fail.
 FIRST_IMPORTS = """

@@ -62,7 +62,7 @@ def finetune_lora(student, tokens: torch.Tensor, cfg: FinetuneConfig, seed: int 
     ``cfg.warmup_steps``, then constant); they are merged on return. ``checkpoint_path``: where the
     loop checkpoints every 50 steps under ``meta`` (the settings), so a killed fine-tune resumes.
     """
-    from peft import LoraConfig, get_peft_model  # an optional dependency (the lora extra)
+    from peft import LoraConfig, get_peft_model  # lazy: peft (the lora extra), only for LoRA
 
     targets = get_adapter(student).lora_targets
     lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=targets,
