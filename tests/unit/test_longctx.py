@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dofla.eval import heldout_loss
+from dofla.eval.metrics import next_token_nll, next_token_nll_reference
 from dofla.eval.longctx import (
     loss_by_position,
     mass_outside_window,
@@ -63,6 +64,18 @@ def test_loss_by_position_buckets_average_to_the_heldout_loss(llama):
     assert math.isnan(loss_by_position(llama, tokens, [1, 17, 40])[1])
     with pytest.raises(ValueError, match="increasing"):
         loss_by_position(llama, tokens, [5, 1])
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3), (3, 17, 259), (2, 64, 1031)])
+def test_next_token_nll_over_contiguous_rows_is_the_transposed_cross_entropy(shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    logits = torch.randn(shape, generator=generator, dtype=torch.float64) * 8  # peaked rows, as a trained head's
+    tokens = torch.randint(0, shape[2], shape[:2], generator=generator)
+    fast = next_token_nll(logits.double(), tokens)  # float32 inside, as both read the logits
+    assert fast.shape == (shape[0], shape[1] - 1)
+    torch.testing.assert_close(fast, next_token_nll_reference(logits, tokens), rtol=1e-5, atol=1e-5)
+    picked = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    torch.testing.assert_close(fast, picked, rtol=1e-5, atol=1e-5)
 
 
 def test_passkey_prompt_holds_the_key_at_about_the_length():

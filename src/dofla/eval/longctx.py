@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from dofla.eval.metrics import next_token_nll
 from dofla.models import capture_qkv
 
 
@@ -73,8 +74,7 @@ def losses_by_position(model, tokens: torch.Tensor, edges: list[int], batch_size
     out = torch.full((tokens.shape[0], len(edges) - 1), float("nan"), dtype=torch.float64)
     for start in tqdm(range(0, tokens.shape[0], batch_size), desc="loss by position", unit="seq", leave=False):
         batch = tokens[start : start + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        nll = next_token_nll(model(input_ids=batch, use_cache=False).logits, batch)  # (B, L-1)
         for b in range(len(edges) - 1):
             pick = bucket == b
             if pick.any():
