@@ -9,6 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS := eval,wandb,launchers,lora,test
 LOCK := requirements.lock
 PYTEST_ARGS ?=
+# make test and the long tier: one pytest-xdist worker per core; a module with slow tests runs whole on
+# one worker (its module-scoped runs are made once) and is handed out first (tests/conftest.py)
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # The compatibility check: the tests that meet transformers, lm-eval and peft most directly.
 COMPAT_TESTS := tests/component/test_student.py tests/component/test_student_attention_forms.py tests/component/test_padding.py \
 	tests/component/test_families.py tests/component/test_export.py tests/component/test_downstream.py \
@@ -38,7 +42,7 @@ run: install
 	$(VENV)/bin/dofla
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # the inner loop: unit and component tests not marked slow (docs/development.md says which tier when)
 test-fast: install
@@ -47,11 +51,11 @@ test-fast: install
 # everything but the paper grid: make test plus the long tier (more kill points, launchers and run
 # variants through the real CLI)
 test-all: install
-	$(PY) -m pytest -m "not grid" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m "not grid" $(PYTEST_ARGS)
 
 # the long tier: tests marked long, and the parametrisations of slow tests after their first
 test-long: install
-	$(PY) -m pytest -m "long or (slow and variant)" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m "long or (slow and variant)" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py

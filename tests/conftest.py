@@ -11,7 +11,13 @@ import yaml
 
 from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (make test runs one worker per core) each worker, and every subprocess its tests
+# start, gets its share of the cores, so workers do not oversubscribe them.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, len(os.sched_getaffinity(0)) // WORKERS))
+torch.set_num_threads(min(THREADS, torch.get_num_threads()))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 # Every test runs offline as far as trackers and tokenizer threads go; the subprocesses the tests
 # start inherit this environment. Tests that need the hub offline set their own caches as well.
@@ -199,7 +205,8 @@ def pytest_collection_modifyitems(config, items):
     """Tiers: everything in tests/integration (the CLI, launchers, torchrun, the embedded model) and
     the tests in :data:`SLOW` and :data:`SLOW_TOO` are ``slow``; every parametrisation of a test but
     its first is a ``variant`` (the fast tier runs each test once, ``make test`` every variant);
-    ``gpu`` tests are skipped where CUDA is not available."""
+    ``gpu`` tests are skipped where CUDA is not available. Under xdist, the modules that hold slow
+    tests go first, each as one group."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     first_seen = set()
     for item in items:
@@ -213,6 +220,15 @@ def pytest_collection_modifyitems(config, items):
             first_seen.add((where, item.originalname))
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():  # not keywords: a checkout in a folder named gpu
             item.add_marker(no_gpu)
+    if WORKERS > 1:
+        # under make test's --dist loadgroup: a module with slow tests runs whole on one worker (its
+        # module-scoped runs are made once) and goes first, the rest test by test after it, so the
+        # workers take the long modules while there is much left to share and finish together
+        slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow_modules)
+        for item in items:
+            if item.path in slow_modules:
+                item.add_marker(pytest.mark.xdist_group(item.path.relative_to(ROOT).as_posix()))
 
 
 @pytest.fixture(params=TINY_ARCHITECTURES)

@@ -22,11 +22,18 @@ PRESETS["hybrid_recall"] = ["allocation.softmax_layers=1", "eval.passkey_lengths
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every preset's run under root/runs/<preset>: the presets without extra settings as one multirun
+    (one process: a CLI start costs ~10 s of imports here), each other one on its own."""
     root = tmp_path_factory.mktemp("presets")
-    for preset, extra in PRESETS.items():
-        result = run_cli(f"experiment={preset}", *SMALL, *extra, f"paths.cache_dir={root / 'cache'}",
-                         f"train.layer_dir={root / 'layers'}", f"hydra.run.dir={root / 'runs' / preset}")
-        assert result.returncode == 0, f"{preset}: {result.stderr[-3000:]}"
+    shared = [*SMALL, f"paths.cache_dir={root / 'cache'}", f"train.layer_dir={root / 'layers'}"]
+    plain = [preset for preset, extra in PRESETS.items() if not extra]
+    calls = [("-m", "experiment=" + ",".join(plain), f"hydra.sweep.dir={root / 'runs'}", "hydra.sweep.subdir=${experiment}")]
+    calls += [(f"experiment={preset}", *extra, f"hydra.run.dir={root / 'runs' / preset}")
+              for preset, extra in PRESETS.items() if extra]
+    for call in calls:
+        result = run_cli(*call, *shared, timeout=1200)
+        assert result.returncode == 0, f"{call[:2]}: {result.stderr[-3000:]}"
+    assert sorted(p.name for p in (root / "runs").iterdir() if p.is_dir()) == sorted(PRESETS)
     return root
 
 
