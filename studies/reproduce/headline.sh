@@ -3,7 +3,8 @@
 # (seed=0,1,2 also set the order of the training text), then the page's tables. Each finished run's
 # record goes to docs/results/runs/headline/ as soon as the run ends, so a stopped script keeps what it
 # finished, and running it again resumes the unfinished run and skips the finished ones.
-# About 15 hours on 2 CPU cores. SEEDS, PRESETS: a subset (e.g. SEEDS=0 PRESETS="window_sinks_kl");
+# 18 runs; one run of the recall hybrid took 2 h 38 min on 2 CPU cores (evaluation 100 min of it, with
+# the teacher's scores, which the later runs reuse). SEEDS, PRESETS: a subset (e.g. SEEDS=0 PRESETS="window_sinks_kl");
 # EXTRA: more overrides for every run (e.g. to stop before the eval).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
