@@ -9,8 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS := eval,wandb,launchers,lora,test
 LOCK := requirements.lock
 PYTEST_ARGS ?=
-# make test and the long tier: one pytest-xdist worker per core; a module with slow tests runs whole on
-# one worker (its module-scoped runs are made once) and is handed out first (tests/conftest.py)
+# make test: one pytest-xdist worker per core; a module with slow tests runs whole on one worker (its
+# module-scoped runs are made once) and is handed out first (tests/conftest.py). The long tier stays in one
+# process (PYTEST_ARGS="-n 2 --dist loadgroup" runs it in parallel too)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # The compatibility check: the tests that meet transformers, lm-eval and peft most directly.
@@ -51,11 +52,11 @@ test-fast: install
 # everything but the paper grid: make test plus the long tier (more kill points, launchers and run
 # variants through the real CLI)
 test-all: install
-	$(PY) -m pytest $(PARALLEL) -m "not grid" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not grid" $(PYTEST_ARGS)
 
 # the long tier: tests marked long, and the parametrisations of slow tests after their first
 test-long: install
-	$(PY) -m pytest $(PARALLEL) -m "long or (slow and variant)" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "long or (slow and variant)" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/run_all.py
