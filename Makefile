@@ -11,7 +11,7 @@ LOCK := requirements.lock
 PYTEST_ARGS ?=
 # make test: one pytest-xdist worker per core; a module with slow tests runs whole on one worker (its
 # module-scoped runs are made once) and is handed out first (tests/conftest.py). The long tier stays in one
-# process (PYTEST_ARGS="-n 2 --dist loadgroup" runs it in parallel too)
+# process.
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 # The compatibility check: the tests that meet transformers, lm-eval and peft most directly.

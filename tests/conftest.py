@@ -14,7 +14,8 @@ from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_ti
 # Under pytest-xdist (make test runs one worker per core) each worker, and every subprocess its tests
 # start, gets its share of the cores, so workers do not oversubscribe them.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, min(2, len(os.sched_getaffinity(0)) // WORKERS))
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: no affinity
+THREADS = max(1, min(2, CORES // WORKERS))
 torch.set_num_threads(min(THREADS, torch.get_num_threads()))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
