@@ -19,10 +19,15 @@ from pathlib import Path
 
 import torch
 
+from dofla.runtime import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results.json"
 # as the pipeline does: subnormal floats from shifted exponentials are ~100x slower on x86 CPUs
 torch.set_flush_denormal(True)
+# as dofla's commands do: freed tensors stay with the allocator (dofla.runtime); DOFLA_KEEP_FREED_MEMORY=0 measures
+# without, for both sides of every row alike
+KEEP_FREED = keep_freed_memory()
 
 
 @dataclass
@@ -155,7 +160,8 @@ def machine() -> str:
     load = ", load average %.2f %.2f %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     return (f"{cpu_model()}, {os.cpu_count()} cores, {ram:.0f} GiB RAM, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}{load}")
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}{load}"
+            f"{', freed memory kept by malloc' if KEEP_FREED else ''}")
 
 
 def as_row(r) -> Row:

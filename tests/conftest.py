@@ -10,6 +10,9 @@ import torch
 import yaml
 
 from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model
+from dofla.runtime import keep_freed_memory
+
+keep_freed_memory()  # the tests run the code as dofla's commands do (dofla.runtime)
 
 # Under pytest-xdist (make test runs one worker per core) each worker, and every subprocess its tests
 # start, gets its share of the cores, so workers do not oversubscribe them.

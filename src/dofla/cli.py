@@ -26,6 +26,7 @@ from dofla.errors import DoflaError
 from dofla.evaluate_saved import evaluate_saved
 from dofla.pipeline import run
 from dofla.report.tables import write_report
+from dofla.runtime import keep_freed_memory
 from dofla.stages.data import prepare
 from dofla.tracking import NullTracker, build_tracker, run_tags
 from dofla.validate import validate_config
@@ -55,6 +56,7 @@ def to_run_config(dcfg: DictConfig) -> RunConfig:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main_hydra(dcfg: DictConfig) -> None:
+    keep_freed_memory()  # here, not only in main(): a launcher's job process starts at this function
     cfg = to_run_config(dcfg)
     hydra_cfg = HydraConfig.get()
     distributed.init()  # under torchrun: one process group; every rank uses rank 0's run directory
@@ -95,6 +97,7 @@ def report_main(argv: list[str] | None = None) -> None:
     """``dofla-report DIR [DIR ...]``: compare every run found under the given directories;
     ``dofla-report --table NAME ...``: one of the study tables (``--table NAME --help``)."""
     argv = sys.argv[1:] if argv is None else argv
+    keep_freed_memory()
     if argv[:1] == ["--frontier"]:  # the frontier is one of the tables; --frontier is its short form
         argv = ["--table", "frontier", *argv[1:]]
     if argv[:1] == ["--table"] or (argv and argv[0].startswith("--table=")):
@@ -139,6 +142,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
                                      "into the dofla cache (e.g. dofla-prepare experiment=paper_gpt2).")
     parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides (model=..., data=..., experiment=...)")
     args = parser.parse_args(argv)
+    keep_freed_memory()
     try:
         cfg = compose_config(args.overrides)
         validate_config(cfg)
@@ -165,6 +169,7 @@ def eval_main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. eval=recall eval.tasks=[piqa]")
     args = parser.parse_intermixed_args(argv)
     out = Path(args.out or datetime.now().strftime("outputs/eval/%Y-%m-%d/%H-%M-%S"))
+    keep_freed_memory()
     try:
         cfg = compose_config(args.overrides)
         metrics = evaluate_saved(args.model_dir, cfg, out)
