@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Row, as_row, machine, markdown, print_rows, save_rows, set_threads  # noqa: E402
 
-BENCHES = ["attention", "model", "training", "kl", "dof", "cache", "stream"]
+BENCHES = ["attention", "model", "training", "kl", "delta", "dof", "cache", "stream"]
 
 
 def run_one(name: str, flags: list[str]) -> list[Row]:
