@@ -137,7 +137,10 @@ def memory_point(kind: str, t: int) -> dict:
 
 
 def memory_rows(lengths: list[int]) -> list[Row]:
-    mem = {t: {kind: run_isolated("bench_attention", "--memory-point", kind, str(t))["peak_mib"]
+    # malloc as it comes (dofla.runtime off): every large block is mapped when allocated, so the peak is the
+    # layer's own, not hidden by memory the inputs' set-up freed and the allocator kept
+    plain = {"DOFLA_KEEP_FREED_MEMORY": "0"}
+    mem = {t: {kind: run_isolated("bench_attention", "--memory-point", kind, str(t), env=plain)["peak_mib"]
                for kind in ("linear", "sdpa")} for t in lengths}
     txt = ", ".join(f"T={t}: {m['linear']:.0f}/{m['sdpa']:.0f} MiB" for t, m in mem.items())
     lo, hi = lengths[0], lengths[-1]

@@ -139,10 +139,11 @@ def peak_delta_mib(fn) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
 
 
-def run_isolated(module: str, *args: str) -> dict:
-    """``python -m benchmarks.<module> args`` in a fresh process; its last stdout line is JSON."""
+def run_isolated(module: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """``python -m benchmarks.<module> args`` in a fresh process (``env``: more environment variables);
+    its last stdout line is JSON."""
     out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+                         capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

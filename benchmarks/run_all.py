@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
 import sys
 import time
 import traceback
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Row, as_row, machine, markdown, print_rows, save_rows, set_threads  # noqa: E402
+from benchmarks.common import ROOT, Row, as_row, machine, markdown, print_rows, save_rows, set_threads  # noqa: E402
 
 BENCHES = ["attention", "model", "training", "kl", "delta", "dof", "cache", "stream"]
 
@@ -34,6 +35,16 @@ def run_one(name: str, flags: list[str]) -> list[Row]:
     save_rows(name, rows)
     print(f"[run_all] bench_{name}: {len(rows)} rows in {time.perf_counter() - start:.0f} s")
     return rows
+
+
+def code_version() -> str:
+    """The commit the benchmarks ran (with a note when the work tree differs from it), or why unknown."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "not a git checkout"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks")
+    return f"commit {commit}" + (" with uncommitted changes to src/ or benchmarks/" if dirty else "")
 
 
 def main() -> None:
@@ -53,7 +64,7 @@ def main() -> None:
     print_rows(rows)
     mode = "quick smoke run (small sizes; ratios not meaningful)" if args.quick else "full sizes"
     out = Path(args.out)
-    out.write_text(f"# dofla speed benchmarks\n\nMeasured on: {machine()}\n\n"
+    out.write_text(f"# dofla speed benchmarks\n\nMeasured on: {machine()}\n\nCode: {code_version()}\n\n"
                    f"Command: `python benchmarks/run_all.py {' '.join(sys.argv[1:])}`; {mode}; "
                    f"{time.perf_counter() - start:.0f} s in all.\n\n{markdown(rows)}\n")
     print(f"wrote {out}")
