@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ROOT, Row, as_row, machine, markdown, print_rows, save_rows, set_threads  # noqa: E402
 
+RESULTS_MD = ROOT / "benchmarks" / "results.md"
+PAGE = ROOT / "docs" / "benchmarks.md"  # its table is the last full run's (between these markers)
+BEGIN, END = "<!-- begin: benchmarks/results.md -->", "<!-- end: benchmarks/results.md -->"
 BENCHES = ["attention", "model", "training", "kl", "delta", "dof", "cache", "stream"]
 
 
@@ -52,7 +55,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run (< 2 minutes)")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores; 1 on a busy machine)")
     parser.add_argument("--only", help=f"comma list out of {','.join(BENCHES)}")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results.md"))
+    parser.add_argument("--out", default=str(RESULTS_MD))
     args = parser.parse_args()
     threads = set_threads(args.threads)
     flags = ["--threads", str(threads)] + (["--quick"] if args.quick else [])
@@ -64,10 +67,23 @@ def main() -> None:
     print_rows(rows)
     mode = "quick smoke run (small sizes; ratios not meaningful)" if args.quick else "full sizes"
     out = Path(args.out)
-    out.write_text(f"# dofla speed benchmarks\n\nMeasured on: {machine()}\n\nCode: {code_version()}\n\n"
-                   f"Command: `python benchmarks/run_all.py {' '.join(sys.argv[1:])}`; {mode}; "
-                   f"{time.perf_counter() - start:.0f} s in all.\n\n{markdown(rows)}\n")
+    body = (f"Measured on: {machine()}\n\nCode: {code_version()}\n\n"
+            f"Command: `python benchmarks/run_all.py {' '.join(sys.argv[1:])}`; {mode}; "
+            f"{time.perf_counter() - start:.0f} s in all.\n\n{markdown(rows)}\n")
+    out.write_text(f"# dofla speed benchmarks\n\n{body}")
     print(f"wrote {out}")
+    if not args.quick and not args.only and out.resolve() == RESULTS_MD.resolve():  # the page: a full run only
+        PAGE.write_text(with_table(PAGE.read_text(), body))
+        print(f"wrote its table into {PAGE}")
+
+
+def with_table(page: str, body: str) -> str:
+    """``page`` with the text between its :data:`BEGIN` and :data:`END` markers replaced by ``body``."""
+    head, begin, rest = page.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise SystemExit(f"run_all: {PAGE} has no {BEGIN} ... {END} block for the table; add the two markers")
+    return f"{head}{BEGIN}\n{body}{END}{tail}"
 
 
 if __name__ == "__main__":
