@@ -7,7 +7,7 @@ way the next tensor of that size page-faults its memory in again. One layer's qu
 (9 heads × 64, fp32) are 38 MiB: a (9, 16384, 64) @ (9, 64, 64) product took 15 ms into fresh memory
 and 5 ms into memory malloc still held, on the 2-core CPU of ``docs/benchmarks.md``. Raising the
 mmap threshold to 1 GiB and the trim threshold to 2 GiB keeps freed blocks for the next tensor: the
-student's whole-model prefill at 16K went from 27 s to 16–22 s there. The numbers computed are the
+student's whole-model prefill at 16K went from 27 s to 17 s there. The numbers computed are the
 same; the process's resident memory stays near its peak instead of falling back between steps (it
 never goes above it).
 
