@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dofla.report import RunRecord, crossed_interval, frontier_points, frontier_table, load_records, paired_interval
+from dofla.report.frontier import frontier_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -173,6 +174,19 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
 
 
 PAGES = {"headline": headline}
+# A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
+FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
+
+
+def frontier_figure(records: list[RunRecord], path: Path) -> Path | None:
+    """Held-out loss and passkey recall against decode memory, one point per preset and the teacher;
+    None while no recorded run measured its decode memory."""
+    usable = [r for r in records if "heldout/student" in r.sequences]
+    points = frontier_points(usable) if usable else []
+    if not any(p["memory"] for p in points):
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return frontier_plot(points, path)
 
 
 def page_path(name: str) -> Path:
@@ -199,7 +213,8 @@ def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str)
 def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
     """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
     root = records_root / page
-    blocks = PAGES[page](load_records(root) if root.is_dir() else [])
+    loaded = load_records(root) if root.is_dir() else []
+    blocks = PAGES[page](loaded)
     differ = []
     for file in sorted({f for f, _ in blocks}):
         path = page_path(file if file == "README" else page)
@@ -207,6 +222,8 @@ def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
         differ += changed
         if not check and changed:
             path.write_text(text)
+    if not check and page in FIGURES and (differ or not FIGURES[page].exists()):
+        frontier_figure(loaded, FIGURES[page])
     return differ
 
 

@@ -14,8 +14,9 @@ from studies import records, results
 SEQS, PROMPTS = 6, 4
 
 
-def fake_run(root, name, preset, seed, shift):
-    """A finished run's directory as the pipeline leaves it (the files a record reads)."""
+def fake_run(root, name, preset, seed, shift, memory=None):
+    """A finished run's directory as the pipeline leaves it (the files a record reads); ``memory``:
+    the student's decode MiB by context, as eval.memory_contexts measures it."""
     run = root / name
     gen = torch.Generator().manual_seed(seed)
     text = torch.linspace(2.0, 3.0, SEQS, dtype=torch.float64)  # the same held-out text in every run
@@ -23,7 +24,9 @@ def fake_run(root, name, preset, seed, shift):
     hits = [float((i + seed) % 2) for i in range(PROMPTS)]
     (run).mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"config": {"experiment": preset, "seed": seed}, "host": "machine"}))
-    (run / "metrics.json").write_text(json.dumps({"eval/student_loss": sum(student) / SEQS}))
+    metrics = {"eval/student_loss": sum(student) / SEQS}
+    metrics.update({f"memory/student/decode_mib/T{context}": mib for context, mib in (memory or {}).items()})
+    (run / "metrics.json").write_text(json.dumps(metrics))
     store = Measurements(run / MEASUREMENTS, main=True)
     store.get("perplexity/teacher", {}, lambda: {"l": 0.0, "seq/heldout/teacher": text.tolist()})
     store.get("perplexity/student", {}, lambda: {"l": 0.0, "seq/heldout/student": student})
@@ -63,6 +66,17 @@ def test_the_headline_blocks_are_recomputed_from_the_records(tmp_path):
     assert results.rewrite(text, "headline", blocks, "headline")[1] == []  # recomputed: nothing differs
 
 
+def test_the_frontier_figure_is_drawn_from_the_records_that_measured_decode_memory(tmp_path):
+    fake_run(tmp_path / "runs", "sw_s0", "window_sinks_kl", 0, 0.5)
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
+    figure = tmp_path / "figures" / "frontier.png"
+    assert results.frontier_figure(load_records(tmp_path / "records"), figure) is None and not figure.exists()
+    fake_run(tmp_path / "runs", "hy_s0", "hybrid_text", 0, 0.2, memory={2048: 17.6, 8192: 17.6})
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
+    assert results.frontier_figure(load_records(tmp_path / "records"), figure) == figure
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
+
+
 def test_runs_scored_on_different_text_are_refused(tmp_path):
     fake_run(tmp_path / "runs", "a", "window_sinks_kl", 0, 0.5)
     other = fake_run(tmp_path / "runs", "b", "window_sinks_kl", 1, 0.5)
@@ -80,3 +94,5 @@ def test_the_committed_pages_are_what_the_committed_records_give():
     """README's and the headline page's generated blocks equal what studies.results builds from the records
     in docs/results/runs/headline (empty while none is committed): no number in them is typed by hand."""
     assert results.run("headline", check=True) == []
+    if any("memory/student/decode_mib/T2048" in r.metrics for r in load_records(results.RECORDS / "headline")):
+        assert results.FIGURES["headline"].is_file()  # README and the page show it

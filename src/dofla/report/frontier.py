@@ -20,6 +20,7 @@ from dofla.report.intervals import crossed_interval
 from dofla.report.plot_common import plt
 from dofla.report.records import RunRecord, read_runs
 
+MARKERS = "os^vD"
 MEMORY = re.compile(r"^memory/(teacher|student)/decode_mib/T(\d+)$")
 
 
@@ -78,16 +79,27 @@ def frontier_plot(points: list[dict], path: Path) -> Path:
     contexts = sorted({c for p in points for c in p["memory"]})
     if not contexts:
         raise SystemExit("the runs measured no decode memory: evaluate them with eval.memory_contexts=[2048,8192]")
+    lengths = sorted({n for p in points for n in p["passkey"]})
     fig, axes = plt.subplots(2, len(contexts), figsize=(5.2 * len(contexts), 7), squeeze=False)
     for col, context in enumerate(contexts):
         top, bottom = axes[0][col], axes[1][col]
-        for p in (p for p in points if context in p["memory"]):
-            x, loss = p["memory"][context], p["loss"]
-            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, label=p["name"])
+        for i, p in enumerate(points):
+            if context not in p["memory"]:
+                continue
+            x, loss, color = p["memory"][context], p["loss"], f"C{i % 10}"  # one colour per student, both panels
+            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, color=color)
             top.annotate(p["name"], (x, loss.mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
             for length, share in sorted(p["passkey"].items()):
-                bottom.scatter([x], [share], marker="os^v"[sorted(p["passkey"]).index(length) % 4], s=18)
-        for ax, label in ((top, "held-out loss (nats)"), (bottom, "passkey recall (○ shortest length)")):
+                bottom.scatter([x], [share], marker=MARKERS[lengths.index(length) % len(MARKERS)], s=22, color=color)
+            if p["passkey"]:
+                bottom.annotate(p["name"], (x, max(p["passkey"].values())), fontsize=6, xytext=(3, 3),
+                                textcoords="offset points")
+        for length in lengths:  # the legend: one marker per passkey length
+            bottom.scatter([], [], marker=MARKERS[lengths.index(length) % len(MARKERS)], color="grey",
+                           label=f"{length:,} tokens")
+        if lengths:
+            bottom.legend(fontsize=7, title="passkey length", title_fontsize=7, loc="center left")
+        for ax, label in ((top, "held-out loss (nats)"), (bottom, "passkey recall (share of prompts)")):
             ax.set_xscale("log")
             ax.set_xlabel(f"decode memory per sequence at {context:,} tokens (MiB)")
             ax.set_ylabel(label)
