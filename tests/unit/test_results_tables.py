@@ -14,7 +14,7 @@ from studies import records, results
 SEQS, PROMPTS = 6, 4
 
 
-def fake_run(root, name, preset, seed, shift, memory=None):
+def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None):
     """A finished run's directory as the pipeline leaves it (the files a record reads); ``memory``:
     the student's decode MiB by context, as eval.memory_contexts measures it."""
     run = root / name
@@ -31,6 +31,9 @@ def fake_run(root, name, preset, seed, shift, memory=None):
     store.get("perplexity/teacher", {}, lambda: {"l": 0.0, "seq/heldout/teacher": text.tolist()})
     store.get("perplexity/student", {}, lambda: {"l": 0.0, "seq/heldout/student": student})
     store.get("passkey/student", {}, lambda: {"p": 0.0, "seq/passkey/student/T1024": hits})
+    if teacher_passkey:  # {length: hits}: the teacher's passkey prompts at those lengths
+        store.get("passkey/teacher", {}, lambda: {"p": 0.0, **{f"seq/passkey/teacher/T{n}": h
+                                                              for n, h in teacher_passkey.items()}})
     return run
 
 
@@ -75,6 +78,22 @@ def test_the_frontier_figure_is_drawn_from_the_records_that_measured_decode_memo
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
     assert results.frontier_figure(load_records(tmp_path / "records"), figure) == figure
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
+
+
+def test_the_teachers_scores_come_from_whichever_run_measured_them(tmp_path):
+    """Only some presets measure passkey at 2K; the teacher's row and point show it whatever the
+    records' order (here the run that measured it sorts last)."""
+    fake_run(tmp_path / "runs", "a_s0", "hybrid_text", 0, 0.2, memory={2048: 17.6},
+             teacher_passkey={1024: [1.0, 1.0, 1.0, 0.0]})
+    fake_run(tmp_path / "runs", "z_s0", "hybrid_recall", 0, 0.0, memory={2048: 32.1, 8192: 86.1},
+             teacher_passkey={1024: [1.0, 1.0, 1.0, 0.0], 2048: [1.0, 1.0, 0.0, 0.0]})
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
+    loaded = load_records(tmp_path / "records")
+    assert [r.name for r in loaded][0] == "a_s0"
+    assert results.teacher_row(loaded)[-2:] == ["0.75", "0.50"]
+    teacher = results.frontier_points(loaded)[0]
+    assert teacher["name"] == "teacher" and teacher["passkey"] == {1024: 0.75, 2048: 0.5}
+    assert teacher["memory"] == {}  # the fakes measured the students' decode memory only
 
 
 def test_runs_scored_on_different_text_are_refused(tmp_path):

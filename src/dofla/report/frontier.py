@@ -35,12 +35,20 @@ def student_label(record: RunRecord) -> str:
 
 
 def point(name: str, runs: list[RunRecord], who: str) -> dict:
-    """One student's (or the teacher's) numbers over its runs."""
+    """One student's (or the teacher's) numbers over its runs. The teacher's are the same in every run
+    (the same text and prompts), so each of its measurements comes from the first run that took it: the
+    runs of one preset may measure passkey at more lengths than another's."""
+    def holding(key: str, where: str) -> list[RunRecord]:
+        found = [r for r in runs if key in getattr(r, where)]
+        return found if who == "student" else found[:1]
+
     losses = torch.tensor([r.sequences[f"heldout/{who}"] for r in runs], dtype=torch.float64)
     loss = crossed_interval(losses if who == "student" else losses[:1])
-    passkey = {int(k.rsplit("T", 1)[1]): sum(sum(r.sequences[k]) / len(r.sequences[k]) for r in runs) / len(runs)
-               for k in runs[0].sequences if k.startswith(f"passkey/{who}/T")}
-    memory = {int(m[2]): v for k, v in runs[0].metrics.items() if (m := MEMORY.match(k)) and m[1] == who}
+    keys = sorted({k for r in runs for k in r.sequences if k.startswith(f"passkey/{who}/T")})
+    passkey = {int(k.rsplit("T", 1)[1]): sum(sum(r.sequences[k]) / len(r.sequences[k]) for r in rs) / len(rs)
+               for k in keys if (rs := holding(k, "sequences"))}
+    memory = {int(m[2]): holding(k, "metrics")[0].metrics[k] for k in sorted({k for r in runs for k in r.metrics})
+              if (m := MEMORY.match(k)) and m[1] == who}
     return {"name": name, "runs": len(runs) if who == "student" else 0, "loss": loss, "passkey": passkey,
             "memory": memory}
 
@@ -56,7 +64,7 @@ def frontier_points(records: list[RunRecord]) -> list[dict]:
     students = [point(name, runs, "student") for name, runs in groups.items()]
     longest = max((max(p["memory"]) for p in students if p["memory"]), default=None)
     students.sort(key=lambda p: p["memory"].get(longest, math.inf))
-    return [point("teacher", usable[:1], "teacher"), *students]
+    return [point("teacher", usable, "teacher"), *students]
 
 
 def frontier_table(points: list[dict]) -> str:
