@@ -95,13 +95,11 @@ def frontier_plot(points: list[dict], path: Path) -> Path:
             if context not in p["memory"]:
                 continue
             x, loss, color = p["memory"][context], p["loss"], f"C{i % 10}"  # one colour per student, both panels
-            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, color=color)
-            top.annotate(p["name"], (x, loss.mean), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, color=color,
+                         label=p["name"])
             for length, share in sorted(p["passkey"].items()):
                 bottom.scatter([x], [share], marker=MARKERS[lengths.index(length) % len(MARKERS)], s=22, color=color)
-            if p["passkey"]:
-                bottom.annotate(p["name"], (x, max(p["passkey"].values())), fontsize=6, xytext=(3, 3),
-                                textcoords="offset points")
+        top.legend(fontsize=7, loc="center", title="student", title_fontsize=7)  # points sit close: no labels
         for length in lengths:  # the legend: one marker per passkey length
             bottom.scatter([], [], marker=MARKERS[lengths.index(length) % len(MARKERS)], color="grey",
                            label=f"{length:,} tokens")
