@@ -178,8 +178,8 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
     found = {preset: runs for _, preset, runs in arms}
     rows = [[what, ", ".join(map(str, common_orders(found[a], found[b]))), paired(found[a], found[b], name, other)]
             for what, a, b, name, other in COMPARISONS if a in found and b in found]
-    readme = markdown(["student", "preset", "held-out ppl", "× teacher", "passkey @ 1K"],
-                      [[r[0], r[1], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
+    readme = markdown(["student", "preset", "runs", "held-out ppl", "× teacher", "passkey @ 1K"],
+                      [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
     usable = [r for r in records if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
