@@ -154,15 +154,11 @@ MAIN_HEADER = ["student", "preset", "runs", "held-out ppl", "× teacher", "loss 
 
 
 def teacher_row(records: list[RunRecord]) -> list[str]:
-    """The teacher's row: its scores are the same in every run (the same text and prompts), so each
-    comes from the first run that measured it (only some presets measure passkey at 2K)."""
-    def first(name: str) -> torch.Tensor | None:
-        return next((values([r], name) for r in records if name in r.sequences), None)
-
-    loss = first("heldout/teacher")
-    keys = {length: first(f"passkey/teacher/T{length}") for length in (1024, 2048)}
-    rates = {length: "–" if hits is None else f"{hits.mean().item():.2f}" for length, hits in keys.items()}
-    return ["teacher (SmolLM2-135M-Instruct)", "–", "–", f"{math.exp(loss.mean().item()):.2f}", "1.00×", "–", "–",
+    """The teacher's row: its scores are the same in every run (the same text and prompts), so each comes
+    from the first run that measured it (only some presets measure passkey at 2K): the frontier's teacher point."""
+    point = frontier_points([r for r in records if "heldout/student" in r.sequences])[0]
+    rates = {length: f"{point['passkey'][length]:.2f}" if length in point["passkey"] else "–" for length in (1024, 2048)}
+    return ["teacher (SmolLM2-135M-Instruct)", "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–",
             rates[1024], rates[2048]]
 
 
@@ -174,12 +170,13 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
                 ("README", "table"): ""}
     arms = [(label, preset, arm(records, preset)) for label, preset in HEADLINE]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
-    main = markdown(MAIN_HEADER, [teacher_row(records)] + [arm_row(*a) for a in arms])
+    table = [teacher_row(records)] + [arm_row(*a) for a in arms]
+    main = markdown(MAIN_HEADER, table)
     found = {preset: runs for _, preset, runs in arms}
     rows = [[what, ", ".join(map(str, common_orders(found[a], found[b]))), paired(found[a], found[b], name, other)]
             for what, a, b, name, other in COMPARISONS if a in found and b in found]
     readme = markdown(["student", "preset", "runs", "held-out ppl", "× teacher", "passkey @ 1K"],
-                      [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in [teacher_row(records)] + [arm_row(*a) for a in arms]])
+                      [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in table])
     usable = [r for r in records if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
