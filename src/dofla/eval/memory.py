@@ -1,6 +1,6 @@
 """Decode memory per sequence: the bytes a model's cache holds while it generates, at a context length.
 
-A student's cache (:class:`~dofla.models.student_attention.RecurrentStateCache`) holds a fixed-size state
+A student's cache (:class:`~dofla.models.recurrent_cache.RecurrentStateCache`) holds a fixed-size state
 per linear, gated-delta, hybrid or sliding-window layer and every key and value of a layer kept exact; a
 teacher's Hugging Face cache holds every key and value. Once every window is full, the bytes are affine in
 the tokens seen, so they are measured after two short prefills and extended to any context: exact, and

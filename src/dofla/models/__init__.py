@@ -11,7 +11,8 @@ from dofla.models.loading import EMBEDDED, ModelLoadError, cache_root, load_teac
 from dofla.models.restore import restorable_layers, restore_softmax, softmax_restored
 from dofla.models.spec import ConversionSpec
 from dofla.models.student import convert, load_student, student_class
-from dofla.models.student_attention import RecurrentStateCache, StudentAttention
+from dofla.models.recurrent_cache import RecurrentStateCache
+from dofla.models.student_attention import StudentAttention
 
 __all__ = [
     "ADAPTERS", "AttentionGeometry", "UnsupportedModelError", "check_supported", "get_adapter", "capture_qkv",

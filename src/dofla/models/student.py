@@ -38,11 +38,8 @@ from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
 from dofla.models.export_format import export_student, student_config
 from dofla.models.spec import ConversionSpec
-from dofla.models.student_attention import (
-    ATTN_IMPLEMENTATION,
-    RecurrentStateCache,
-    StudentAttention,
-)
+from dofla.models.recurrent_cache import RecurrentStateCache
+from dofla.models.student_attention import ATTN_IMPLEMENTATION, StudentAttention
 
 class StudentMixin:
     """Mixed into the teacher's own class: installs linear attention and its decoding cache."""

@@ -25,8 +25,9 @@ decoding does no extra work). Padded keys contribute nothing: linear layers set 
 features to −inf and values to 0, hybrid layers pass ``key_valid`` on, sliding-window layers skip
 them. Only the softmax reference asks Hugging Face for the 4D mask (see :func:`dofla_mask`).
 
-During decoding the per-layer state lives in a :class:`RecurrentStateCache`; except for the
-softmax reference its size does not depend on the number of tokens seen.
+During decoding the per-layer state lives in a
+:class:`~dofla.models.recurrent_cache.RecurrentStateCache`; except for the softmax reference its size
+does not depend on the number of tokens seen.
 """
 from __future__ import annotations
 
@@ -36,26 +37,22 @@ import math
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dofla.attention import (
-    DeltaState,
-    HybridState,
-    LinearState,
     hybrid_attention_chunked,
     linear_attention_chunked,
     linear_attention_recurrent,
     softmax_attention,
 )
 from dofla.attention.delta_gates import is_delta
-from dofla.attention.sliding import SlidingState, sliding_window_chunked
+from dofla.attention.sliding import sliding_window_chunked
 from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
 from dofla.feature_maps.blocks import BlockState, decode_blocks, for_each_block
+from dofla.models.recurrent_cache import RecurrentLayer, State
 
 ATTN_IMPLEMENTATION = "dofla_linear"
-State = LinearState | HybridState | BlockState | SlidingState | DeltaState
 
 
 class StudentAttention(nn.Module):
@@ -241,77 +238,3 @@ def dofla_mask(*args, config=None, **kwargs) -> torch.Tensor | None:
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, dofla_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dofla_mask)
-
-
-class RecurrentLayer(CacheLayerMixin):
-    """One layer's decoding state: a fixed-size state (linear / hybrid / sliding) plus the number
-    of tokens seen; for the softmax reference (``keep_kv``) also every key/value (B, H_kv, S, d).
-
-    Without ``keep_kv``, ``update`` keeps no keys or values: it returns the new ones unchanged, so
-    memory stays flat. Masks are sized (seen + new, offset 0), which is right for the softmax
-    reference because it keeps every position; ``is_sliding`` is False for the same reason.
-    """
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self):
-        super().__init__()
-        self.state: State | None = None
-        self.seen = 0
-        self.keep_kv = False  # set per call by the student model's forward
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.is_initialized = True
-        self.seen += key_states.shape[-2]
-        if not self.keep_kv:
-            return key_states, value_states
-        if self.keys is not None:
-            key_states = torch.cat([self.keys, key_states], dim=-2)
-            value_states = torch.cat([self.values, value_states], dim=-2)
-        self.keys, self.values = key_states, value_states
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def offload(self) -> None:
-        pass  # the state is small and stays on its device
-
-    def prefetch(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        self.state, self.seen, self.keys, self.values = None, 0, None, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.state is not None:
-            self.state = self.state.index_select(beam_idx)
-        if self.keys is not None:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
-            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
-
-    def nbytes(self) -> int:
-        kept = [t for t in (self.keys, self.values) if t is not None]
-        state = 0 if self.state is None else self.state.nbytes()
-        return state + sum(t.numel() * t.element_size() for t in kept)
-
-
-class RecurrentStateCache(Cache):
-    """A Hugging Face ``Cache`` holding one :class:`RecurrentLayer` per layer."""
-
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[RecurrentLayer() for _ in range(num_layers)])
-
-    def state_bytes(self) -> int:
-        """Bytes held by all layers (constant in the tokens seen, except for the softmax reference)."""
-        return sum(layer.nbytes() for layer in self.layers)
