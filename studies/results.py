@@ -4,7 +4,8 @@
 
 A results page (``docs/results/<PAGE>.md``), and README.md for the headline, hold blocks between
 ``<!-- results: PAGE BLOCK -->`` and ``<!-- /results -->``. This command rewrites them from the records
-in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``); ``--check`` rewrites nothing and
+in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``; ``SOURCES`` names the other record
+directories a page reads); ``--check`` rewrites nothing and
 exits 1 naming every block that differs (a test runs it). No number in those blocks is typed by hand.
 
 Intervals are 95 % over training runs and held-out text together (``dofla.report.crossed_interval``):
@@ -19,75 +20,13 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
-from dofla.report import (RunRecord, crossed_interval, frontier_plot, frontier_points, frontier_table, load_records,
-                          paired_interval)
+from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records, paired_interval
+from studies.dof_tables import dof_allocation
+from studies.tables import arm, bucket, common_orders, gap, markdown, paired, passkey, signed, teacher, values
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
 BLOCK = re.compile(r"(<!-- results: (\S+) (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
-
-
-def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:
-    """The runs of ``preset``, by data order."""
-    return sorted((r for r in records if r.experiment == preset), key=lambda r: r.seed)
-
-
-def values(runs: list[RunRecord], name: str) -> torch.Tensor | None:
-    """(runs, sequences) of the per-sequence values ``name`` (e.g. ``heldout/student``); None if a run lacks it."""
-    if not runs or any(name not in r.sequences for r in runs):
-        return None
-    return torch.tensor([r.sequences[name] for r in runs], dtype=torch.float64)
-
-
-# The teacher's loss on one sequence, scored twice on the same text, agrees to about 1e-4 nats (fp32 sums
-# taken in another order on another thread count or allocator); other text differs by tenths of a nat.
-SAME_TEXT_NATS = 1e-3
-
-
-def teacher(runs: list[RunRecord], name: str) -> torch.Tensor | None:
-    """The teacher's values ``name`` (``heldout/teacher``...) of each of ``runs``: the same text in every
-    run, so the same scores up to fp32 rounding (checked); each run is paired with its own."""
-    table = values(runs, name)
-    if table is not None and (table - table[:1]).abs().max() > SAME_TEXT_NATS:
-        raise SystemExit(f"the runs of {runs[0].experiment} were scored on different {name} text; "
-                         "a paired interval needs the same held-out text in every run")
-    return table
-
-
-def bucket(name: str, runs: list[RunRecord], lo: int) -> str | None:
-    """The loss-by-position key of ``name`` (teacher/student) whose bucket starts at ``lo``."""
-    keys = [k for k in runs[0].sequences if k.startswith(f"position/{name}/{lo}-")] if runs else []
-    return keys[0] if keys else None
-
-
-def _counted(interval, text: str) -> str:
-    """``text``, marked when its interval cannot count both runs and text (one run: text only)."""
-    return text if interval.counts == "runs and text" or interval.half_width is None else f"{text} ({interval.counts})"
-
-
-def signed(interval) -> str:
-    if interval.half_width is None:
-        return f"{interval.mean:+.3f}"
-    return _counted(interval, f"{interval.mean:+.3f} ± {interval.half_width:.3f}")
-
-
-def share(interval) -> str:
-    if interval.half_width is None:
-        return f"{interval.mean:.2f}"
-    return _counted(interval, f"{interval.mean:.2f} ± {interval.half_width:.2f}")
-
-
-def gap(runs: list[RunRecord], student: str, reference: str) -> str:
-    """Student − teacher on the per-sequence values ``student``/``reference``, or – when not measured."""
-    a, b = values(runs, student), teacher(runs, reference)
-    return "–" if a is None or b is None else signed(paired_interval(a, b))
-
-
-def passkey(runs: list[RunRecord], length: int) -> str:
-    hits = values(runs, f"passkey/student/T{length}")
-    return "–" if hits is None else share(crossed_interval(hits))
 
 
 def arm_row(label: str, preset: str, runs: list[RunRecord]) -> list[str]:
@@ -99,24 +38,6 @@ def arm_row(label: str, preset: str, runs: list[RunRecord]) -> list[str]:
     return [label, f"`{preset}`", str(len(runs)), f"{math.exp(loss.mean().item()):.2f}",
             f"{math.exp(delta.mean):.2f}×", signed(delta), far, passkey(runs, 1024), passkey(runs, 2048)]
 
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-
-
-def common_orders(a: list[RunRecord], b: list[RunRecord]) -> list[int]:
-    """The data orders (seeds) both arms ran, in order."""
-    return sorted({r.seed for r in a} & {r.seed for r in b})
-
-
-def paired(a: list[RunRecord], b: list[RunRecord], name: str, b_name: str | None = None) -> str:
-    """A − B on ``name`` (B on ``b_name``), paired by data order and sequence over the orders both arms
-    ran; – if either lacks the values or they share no order."""
-    orders = common_orders(a, b)
-    a, b = [r for r in a if r.seed in orders], [r for r in b if r.seed in orders]
-    x, y = values(a, name), values(b, b_name or name)
-    return "–" if not orders or x is None or y is None else signed(paired_interval(x, y))
 
 
 HEADLINE = (  # (label, preset), in the order of the tables
@@ -183,7 +104,10 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
             ("headline", "frontier"): frontier, ("README", "table"): readme}
 
 
-PAGES = {"headline": headline}
+PAGES = {"headline": headline, "dof_allocation": dof_allocation}
+# The record directories under docs/results/runs/ a page reads (default: its own name): the DoF page's `fix`
+# arm is the headline preset's run, recorded once with the headline's.
+SOURCES = {"dof_allocation": ("dof_allocation", "headline")}
 # A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
 FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
 
@@ -222,8 +146,8 @@ def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str)
 
 def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
     """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
-    root = records_root / page
-    loaded = load_records(root) if root.is_dir() else []
+    roots = [records_root / source for source in SOURCES.get(page, (page,))]
+    loaded = [record for root in roots if root.is_dir() for record in load_records(root)]
     blocks = PAGES[page](loaded)
     differ = []
     for file in sorted({f for f, _ in blocks}):

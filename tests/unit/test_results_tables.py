@@ -14,16 +14,20 @@ from studies import records, results
 SEQS, PROMPTS = 6, 4
 
 
-def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None):
+def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None, dims=None, policy="fix"):
     """A finished run's directory as the pipeline leaves it (the files a record reads); ``memory``:
-    the student's decode MiB by context, as eval.memory_contexts measures it."""
+    the student's decode MiB by context, as eval.memory_contexts measures it; ``dims``: the feature
+    dims per layer the allocate stage chose under ``policy``."""
     run = root / name
     gen = torch.Generator().manual_seed(seed)
     text = torch.linspace(2.0, 3.0, SEQS, dtype=torch.float64)  # the same held-out text in every run
     student = (text + shift + 0.01 * seed + 0.02 * torch.rand(SEQS, generator=gen, dtype=torch.float64)).tolist()
     hits = [float((i + seed) % 2) for i in range(PROMPTS)]
     (run).mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"config": {"experiment": preset, "seed": seed}, "host": "machine"}))
+    config = {"experiment": preset, "seed": seed, "allocation": {"policy": policy}}
+    (run / "run.json").write_text(json.dumps({"config": config, "host": "machine"}))
+    if dims is not None:
+        (run / "allocation.json").write_text(json.dumps({"policy": policy, "dims": dims}))
     metrics = {"eval/student_loss": sum(student) / SEQS}
     metrics.update({f"memory/student/decode_mib/T{context}": mib for context, mib in (memory or {}).items()})
     (run / "metrics.json").write_text(json.dumps(metrics))
@@ -38,9 +42,10 @@ def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None)
 
 
 def test_records_keep_the_per_sequence_values_and_drop_the_host(tmp_path):
-    run = fake_run(tmp_path / "sweep", "a_s0", "window_sinks_kl", 0, 0.5)
+    run = fake_run(tmp_path / "sweep", "a_s0", "window_sinks_kl", 0, 0.5, dims=[96, 32])
     records.main([str(tmp_path / "sweep"), "--into", str(tmp_path / "records")])
     (record,) = load_records(tmp_path / "records")
+    assert record.allocation == {"policy": "fix", "dims": [96, 32]}
     assert record.name == "a_s0" and record.experiment == "window_sinks_kl" and record.seed == 0
     assert record.sequences["heldout/teacher"] == pytest.approx(torch.linspace(2.0, 3.0, SEQS).tolist())
     assert "host" not in json.loads((tmp_path / "records" / "a_s0" / "run.json").read_text())
@@ -128,9 +133,35 @@ def test_runs_scored_on_different_text_are_refused(tmp_path, shift, refused):
         assert "window_sinks_kl" in results.headline(load_records(tmp_path / "records"))[("headline", "main")]
 
 
-def test_the_committed_pages_are_what_the_committed_records_give():
-    """README's and the headline page's generated blocks equal what studies.results builds from the records
-    in docs/results/runs/headline (empty while none is committed): no number in them is typed by hand."""
-    assert results.run("headline", check=True) == []
+def test_the_dof_page_pairs_each_policy_with_fix_by_data_order_and_reads_the_headline_records(tmp_path):
+    """`fix` is the headline preset's run (its records stay with the headline's); `dof` is paired with it
+    by data order and sequence, pooled and per order, and the allocation's dims reach the table."""
+    for seed in range(3):
+        fake_run(tmp_path / "headline", f"fix_s{seed}", "linear_hedgehog_kl", seed, 1.0, dims=[64, 64, 64])
+        fake_run(tmp_path / "dof", f"dof_s{seed}", "linear_hedgehog_kl", seed, 1.1, dims=[150 + seed, 30, 12], policy="dof")
+    fake_run(tmp_path / "headline", "sw_s0", "window_sinks_kl", 0, 0.5)  # another preset: not an arm
+    for source, page in (("headline", "headline"), ("dof", "dof_allocation")):
+        records.main([str(tmp_path / source), "--into", str(tmp_path / "records" / page)])
+    loaded = [r for page in results.SOURCES["dof_allocation"] for r in load_records(tmp_path / "records" / page)]
+    blocks = results.PAGES["dof_allocation"](loaded)
+    main, comparisons = blocks[("dof_allocation", "main")], blocks[("dof_allocation", "comparisons")]
+    assert "| `fix` | `experiment=linear_hedgehog_kl` | 3 |" in main and "| 64 | 64 |" in main
+    assert "`allocation=dof` | 3 |" in main and "| 150–152 | 12–30 |" in main and "window" not in main
+    dof = [r for r in loaded if r.name.startswith("dof")]
+    fix = [r for r in loaded if r.name.startswith("fix")]
+    pooled = paired_interval(results.values(dof, "heldout/student"), results.values(fix, "heldout/student"))
+    assert pooled.counts == "runs and text"
+    assert f"| `dof` − `fix`, held-out loss | 0, 1, 2 | {pooled.mean:+.3f} ± {pooled.half_width:.3f} |" in comparisons
+    one = paired_interval(results.values(dof[2:], "heldout/student"), results.values(fix[2:], "heldout/student"))
+    assert f"order 2 alone | 2 | {one.mean:+.3f} ± {one.half_width:.3f} (text only) |" in comparisons
+
+
+@pytest.mark.parametrize("page", sorted(results.PAGES))
+def test_the_committed_pages_are_what_the_committed_records_give(page):
+    """README's and each results page's generated blocks equal what studies.results builds from the
+    committed records (empty while none is committed): no number in them is typed by hand."""
+    assert results.run(page, check=True) == []
+    if page != "headline":
+        return
     if any("memory/student/decode_mib/T2048" in r.metrics for r in load_records(results.RECORDS / "headline")):
         assert results.FIGURES["headline"].is_file()  # README and the page show it

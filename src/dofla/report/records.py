@@ -3,7 +3,8 @@
 A record is a directory holding the run's ``run.json`` (resolved config, git SHA, package versions,
 seed, cache key), ``metrics.json``, ``sequences.json`` (every per-sequence and per-prompt value the
 eval stage kept: held-out loss per sequence, loss by position per sequence, passkey recall and answer
-NLL per prompt) and, when the run distilled, ``distill.json`` (the KL curve and the tokens). No
+NLL per prompt), ``allocation.json`` (each layer's feature dims, and its DoF where Algorithm 1 ran) and,
+when the run distilled, ``distill.json`` (the KL curve and the tokens). No
 weights: a record is tens of KB, so the records behind a results page live in the repository and
 the page's tables are recomputed from them.
 """
@@ -27,6 +28,7 @@ class RunRecord:
     config: dict
     metrics: dict
     sequences: dict  # metric name (without the ``seq/`` prefix) -> list of numbers
+    allocation: dict | None = None  # allocation.json: ``dims`` per layer, ``layer_dof``, ``policy``, ``budget``
 
     @property
     def seed(self) -> int:
@@ -52,6 +54,9 @@ def collect_record(run_dir: Path, into: Path) -> Path:
     write_json(target / "run.json", {k: v for k, v in run.items() if k != "host"})
     write_json(target / "metrics.json", metrics)
     write_json(target / "sequences.json", {k.removeprefix("seq/"): _rounded(v) for k, v in sorted(sequences.items())})
+    allocation = read_json(run_dir / "allocation.json")
+    if allocation is not None:
+        write_json(target / "allocation.json", allocation)
     distilled = read_json(run_dir / "distill_summary.json")
     if distilled is not None:
         write_json(target / "distill.json", {"tokens": distilled["tokens"], "curve": distilled["curve"]})
@@ -63,7 +68,7 @@ def load_record(directory: Path) -> RunRecord:
     directory = Path(directory)
     run = json.loads((directory / "run.json").read_text())
     return RunRecord(directory.name, run["config"], json.loads((directory / "metrics.json").read_text()),
-                     json.loads((directory / "sequences.json").read_text()))
+                     json.loads((directory / "sequences.json").read_text()), read_json(directory / "allocation.json"))
 
 
 def load_records(root: Path) -> list[RunRecord]:
@@ -76,7 +81,7 @@ def run_record(run_dir: Path) -> RunRecord:
     run_dir = Path(run_dir)
     sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence()
     return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], read_json(run_dir / "metrics.json"),
-                     {k.removeprefix("seq/"): v for k, v in sequences.items()})
+                     {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"))
 
 
 def read_runs(paths: list[Path]) -> list[RunRecord]:

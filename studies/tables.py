@@ -1,0 +1,88 @@
+"""Table helpers shared by the results pages (:mod:`studies.results`): per-sequence values of a run
+record, the 95 % intervals over runs and held-out text (``dofla.report.crossed_interval``) as table cells,
+and markdown tables."""
+from __future__ import annotations
+
+import torch
+
+from dofla.report import RunRecord, crossed_interval, paired_interval
+
+
+def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:
+    """The runs of ``preset``, by data order."""
+    return sorted((r for r in records if r.experiment == preset), key=lambda r: r.seed)
+
+
+def values(runs: list[RunRecord], name: str) -> torch.Tensor | None:
+    """(runs, sequences) of the per-sequence values ``name`` (e.g. ``heldout/student``); None if a run lacks it."""
+    if not runs or any(name not in r.sequences for r in runs):
+        return None
+    return torch.tensor([r.sequences[name] for r in runs], dtype=torch.float64)
+
+
+# The teacher's loss on one sequence, scored twice on the same text, agrees to about 1e-4 nats (fp32 sums
+# taken in another order on another thread count or allocator); other text differs by tenths of a nat.
+SAME_TEXT_NATS = 1e-3
+
+
+def teacher(runs: list[RunRecord], name: str) -> torch.Tensor | None:
+    """The teacher's values ``name`` (``heldout/teacher``...) of each of ``runs``: the same text in every
+    run, so the same scores up to fp32 rounding (checked); each run is paired with its own."""
+    table = values(runs, name)
+    if table is not None and (table - table[:1]).abs().max() > SAME_TEXT_NATS:
+        raise SystemExit(f"the runs of {runs[0].experiment} were scored on different {name} text; "
+                         "a paired interval needs the same held-out text in every run")
+    return table
+
+
+def bucket(name: str, runs: list[RunRecord], lo: int) -> str | None:
+    """The loss-by-position key of ``name`` (teacher/student) whose bucket starts at ``lo``."""
+    keys = [k for k in runs[0].sequences if k.startswith(f"position/{name}/{lo}-")] if runs else []
+    return keys[0] if keys else None
+
+
+def _counted(interval, text: str) -> str:
+    """``text``, marked when its interval cannot count both runs and text (one run: text only)."""
+    return text if interval.counts == "runs and text" or interval.half_width is None else f"{text} ({interval.counts})"
+
+
+def signed(interval) -> str:
+    if interval.half_width is None:
+        return f"{interval.mean:+.3f}"
+    return _counted(interval, f"{interval.mean:+.3f} ± {interval.half_width:.3f}")
+
+
+def share(interval) -> str:
+    if interval.half_width is None:
+        return f"{interval.mean:.2f}"
+    return _counted(interval, f"{interval.mean:.2f} ± {interval.half_width:.2f}")
+
+
+def gap(runs: list[RunRecord], student: str, reference: str) -> str:
+    """Student − teacher on the per-sequence values ``student``/``reference``, or – when not measured."""
+    a, b = values(runs, student), teacher(runs, reference)
+    return "–" if a is None or b is None else signed(paired_interval(a, b))
+
+
+def passkey(runs: list[RunRecord], length: int) -> str:
+    hits = values(runs, f"passkey/student/T{length}")
+    return "–" if hits is None else share(crossed_interval(hits))
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def common_orders(a: list[RunRecord], b: list[RunRecord]) -> list[int]:
+    """The data orders (seeds) both arms ran, in order."""
+    return sorted({r.seed for r in a} & {r.seed for r in b})
+
+
+def paired(a: list[RunRecord], b: list[RunRecord], name: str, b_name: str | None = None) -> str:
+    """A − B on ``name`` (B on ``b_name``), paired by data order and sequence over the orders both arms
+    ran; – if either lacks the values or they share no order."""
+    orders = common_orders(a, b)
+    a, b = [r for r in a if r.seed in orders], [r for r in b if r.seed in orders]
+    x, y = values(a, name), values(b, b_name or name)
+    return "–" if not orders or x is None or y is None else signed(paired_interval(x, y))
