@@ -54,10 +54,10 @@ def policy_row(policy: str, runs: list[RunRecord]) -> list[str]:
             f"{memory[0]:.1f}" if None not in memory else "–"]
 
 
-def dof_allocation(records: list[RunRecord]) -> dict[tuple[str, str], str]:
-    """The page's blocks: one row per policy, and each policy against ``fix`` (pooled over the data orders
-    both ran, then each order alone)."""
-    arms = policy_arms(records)
+def dof_allocation(policies: list[RunRecord], headline: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The page's blocks from the other policies' records and the headline's (``fix``): one row per policy,
+    and each policy against ``fix`` (pooled over the data orders both ran, then each order alone)."""
+    arms = policy_arms(policies + headline)
     if not arms:
         return {("dof_allocation", "main"): "", ("dof_allocation", "comparisons"): ""}
     main = markdown(MAIN_HEADER, [policy_row(p, runs) for p, runs in arms.items()])

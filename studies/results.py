@@ -4,8 +4,8 @@
 
 A results page (``docs/results/<PAGE>.md``), and README.md for the headline, hold blocks between
 ``<!-- results: PAGE BLOCK -->`` and ``<!-- /results -->``. This command rewrites them from the records
-in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``; ``SOURCES`` names the other record
-directories a page reads); ``--check`` rewrites nothing and
+in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``; ``SOURCES`` names the record
+directories of a page that reads more than its own); ``--check`` rewrites nothing and
 exits 1 naming every block that differs (a test runs it). No number in those blocks is typed by hand.
 
 Intervals are 95 % over training runs and held-out text together (``dofla.report.crossed_interval``):
@@ -104,10 +104,27 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
             ("headline", "frontier"): frontier, ("README", "table"): readme}
 
 
-PAGES = {"headline": headline, "dof_allocation": dof_allocation}
-# The record directories under docs/results/runs/ a page reads (default: its own name): the DoF page's `fix`
-# arm is the headline preset's run, recorded once with the headline's.
-SOURCES = {"dof_allocation": ("dof_allocation", "headline")}
+def headline_rerun(reruns: list[RunRecord], recorded: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The reproduction check: each preset rerun from a fresh clone into a fresh run directory against the
+    headline record of the same preset and data order, paired over the held-out sequences."""
+    rows = []
+    for again in sorted(reruns, key=lambda r: (r.experiment, r.seed)):
+        (first,) = [r for r in recorded if r.experiment == again.experiment and r.seed == again.seed] or [None]
+        if first is None:
+            continue
+        a, b = values([again], "heldout/student"), values([first], "heldout/student")
+        rows.append([f"`{again.experiment}`", str(again.seed), f"{math.exp(b.mean().item()):.2f}",
+                     f"{math.exp(a.mean().item()):.2f}", f"{(a - b).mean().item():+.4f}", f"{(a - b).abs().max().item():.4f}"])
+    header = ["preset", "data order", "held-out ppl, record", "held-out ppl, rerun", "rerun − record (nats)",
+              "largest difference on one sequence (nats)"]
+    return {("headline_rerun", "table"): markdown(header, rows) if rows else ""}
+
+
+# Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
+# (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
+PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun}
+SOURCES = {"dof_allocation": ("dof_allocation", "headline"), "headline_rerun": ("headline_rerun", "headline")}
+PAGE_FILES = {"headline_rerun": "headline"}
 # A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
 FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
 
@@ -147,17 +164,18 @@ def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str)
 def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
     """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
     roots = [records_root / source for source in SOURCES.get(page, (page,))]
-    loaded = [record for root in roots if root.is_dir() for record in load_records(root)]
-    blocks = PAGES[page](loaded)
+    sources = [load_records(root) if root.is_dir() else [] for root in roots]
+    blocks = PAGES[page](*sources)
     differ = []
     for file in sorted({f for f, _ in blocks}):
-        path = page_path(file if file == "README" else page)
+        path = page_path(file if file == "README" else PAGE_FILES.get(page, page))
         text, changed = rewrite(path.read_text(), page, blocks, file)
-        differ += changed
+        differ += changed + [f"{file}: {page} {name} (no such block in {path.name})" for f, name in blocks
+                             if f == file and blocks[f, name] and f"<!-- results: {page} {name} -->" not in text]
         if not check and changed:
             path.write_text(text)
     if not check and page in FIGURES and (differ or not FIGURES[page].exists()):
-        frontier_figure(loaded, FIGURES[page])
+        frontier_figure(sources[0], FIGURES[page])
     return differ
 
 

@@ -142,8 +142,9 @@ def test_the_dof_page_pairs_each_policy_with_fix_by_data_order_and_reads_the_hea
     fake_run(tmp_path / "headline", "sw_s0", "window_sinks_kl", 0, 0.5)  # another preset: not an arm
     for source, page in (("headline", "headline"), ("dof", "dof_allocation")):
         records.main([str(tmp_path / source), "--into", str(tmp_path / "records" / page)])
-    loaded = [r for page in results.SOURCES["dof_allocation"] for r in load_records(tmp_path / "records" / page)]
-    blocks = results.PAGES["dof_allocation"](loaded)
+    sources = [load_records(tmp_path / "records" / page) for page in results.SOURCES["dof_allocation"]]
+    blocks = results.PAGES["dof_allocation"](*sources)
+    loaded = sources[0] + sources[1]
     main, comparisons = blocks[("dof_allocation", "main")], blocks[("dof_allocation", "comparisons")]
     assert "| `fix` | `experiment=linear_hedgehog_kl` | 3 |" in main and "| 64 | 64 |" in main
     assert "`allocation=dof` | 3 |" in main and "| 150–152 | 12–30 |" in main and "window" not in main
@@ -165,3 +166,17 @@ def test_the_committed_pages_are_what_the_committed_records_give(page):
         return
     if any("memory/student/decode_mib/T2048" in r.metrics for r in load_records(results.RECORDS / "headline")):
         assert results.FIGURES["headline"].is_file()  # README and the page show it
+
+
+def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_order(tmp_path):
+    for seed in range(2):
+        fake_run(tmp_path / "headline", f"sw_s{seed}", "window_sinks_kl", seed, 0.5)
+    fake_run(tmp_path / "rerun", "sw_s1", "window_sinks_kl", 1, 0.5 + 1e-3)  # the same run, 0.001 nats off
+    fake_run(tmp_path / "rerun", "hy_s0", "hybrid_text", 0, 0.2)  # nothing recorded to compare with: no row
+    for source, page in (("headline", "headline"), ("rerun", "headline_rerun")):
+        records.main([str(tmp_path / source), "--into", str(tmp_path / "records" / page)])
+    sources = [load_records(tmp_path / "records" / page) for page in results.SOURCES["headline_rerun"]]
+    (table,) = results.PAGES["headline_rerun"](*sources).values()
+    recorded = math.exp(sum(sources[1][1].sequences["heldout/student"]) / SEQS)
+    assert f"| `window_sinks_kl` | 1 | {recorded:.2f} | {recorded * math.exp(1e-3):.2f} | +0.0010 | 0.0010 |" in table
+    assert "hybrid_text" not in table and "| 0 |" not in table
