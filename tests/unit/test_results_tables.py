@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pytest
@@ -180,3 +181,29 @@ def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_orde
     recorded = math.exp(sum(sources[1][1].sequences["heldout/student"]) / SEQS)
     assert f"| `window_sinks_kl` | 1 | {recorded:.2f} | {recorded * math.exp(1e-3):.2f} | +0.0010 | 0.0010 |" in table
     assert "hybrid_text" not in table and "| 0 |" not in table
+
+
+INTERVAL = re.compile(r"[+−-]?\d+\.\d+ ± \d+\.\d+")
+
+
+def measured_text(path) -> str:
+    """A page's prose measured under the records' protocol, its generated blocks taken out: README's
+    results section, a results page above its earlier-protocol section."""
+    text = path.read_text()
+    if path.name == "README.md":
+        text = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    text = text.split("## Earlier protocol", 1)[0]
+    return results.BLOCK.sub("", text)
+
+
+@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation"])
+def test_every_interval_the_prose_quotes_is_one_the_records_give(page):
+    """An interval typed in a page's answer (README's results, the pages' answers) is one of the cells
+    studies.results computes from the committed records, so prose cannot drift from the records."""
+    computed = ""
+    for name in results.PAGES:
+        roots = [results.RECORDS / source for source in results.SOURCES.get(name, (name,))]
+        computed += "".join(results.PAGES[name](*[load_records(r) if r.is_dir() else [] for r in roots]).values())
+    computed = computed.replace("−", "-")
+    for interval in INTERVAL.findall(measured_text(results.page_path(page))):
+        assert interval.replace("−", "-").lstrip("+") in computed, f"{page} quotes {interval}, which no record gives"
