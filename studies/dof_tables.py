@@ -9,10 +9,8 @@ sequence, and each order alone gives the interval over its text.
 """
 from __future__ import annotations
 
-import math
-
-from dofla.report import RunRecord, paired_interval
-from studies.tables import bucket, common_orders, gap, markdown, paired, signed, teacher, values
+from dofla.report import RunRecord
+from studies.tables import common_orders, markdown, paired, quality, signed
 
 PRESET = "linear_hedgehog_kl"
 POLICIES = ("fix", "dof", "dof_clip", "fix_max", "measured")
@@ -44,13 +42,10 @@ def features(runs: list[RunRecord]) -> tuple[str, str]:
 
 
 def policy_row(policy: str, runs: list[RunRecord]) -> list[str]:
-    loss = values(runs, "heldout/student")
-    delta = paired_interval(loss, teacher(runs, "heldout/teacher"))
-    far_s, far_t = bucket("student", runs, 1024), bucket("teacher", runs, 1024)
+    ppl, delta, far = quality(runs)
     memory = [r.metrics.get("memory/student/decode_mib/T8192") for r in runs]
     command = f"`experiment={PRESET}`" + ("" if policy == "fix" else f" `allocation={policy}`")
-    return [f"`{policy}`", command, str(len(runs)), f"{math.exp(loss.mean().item()):.2f}", signed(delta),
-            gap(runs, far_s, far_t) if far_s and far_t else "–", *features(runs),
+    return [f"`{policy}`", command, str(len(runs)), f"{ppl:.2f}", signed(delta), far, *features(runs),
             f"{memory[0]:.1f}" if None not in memory else "–"]
 
 

@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records, paired_interval
+from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
 from studies.dof_tables import dof_allocation
-from studies.tables import arm, bucket, common_orders, gap, markdown, paired, passkey, signed, teacher, values
+from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed, values
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -31,12 +31,9 @@ BLOCK = re.compile(r"(<!-- results: (\S+) (\S+) -->\n)(.*?)(<!-- /results -->)",
 
 def arm_row(label: str, preset: str, runs: list[RunRecord]) -> list[str]:
     """One student's row of the main table."""
-    loss = values(runs, "heldout/student")
-    delta = paired_interval(loss, teacher(runs, "heldout/teacher"))
-    far_s, far_t = bucket("student", runs, 1024), bucket("teacher", runs, 1024)
-    far = gap(runs, far_s, far_t) if far_s and far_t else "–"
-    return [label, f"`{preset}`", str(len(runs)), f"{math.exp(loss.mean().item()):.2f}",
-            f"{math.exp(delta.mean):.2f}×", signed(delta), far, passkey(runs, 1024), passkey(runs, 2048)]
+    ppl, delta, far = quality(runs)
+    return [label, f"`{preset}`", str(len(runs)), f"{ppl:.2f}", f"{math.exp(delta.mean):.2f}×", signed(delta), far,
+            passkey(runs, 1024), passkey(runs, 2048)]
 
 
 
@@ -161,10 +158,15 @@ def rewrite(text: str, page: str, blocks: dict[tuple[str, str], str], file: str)
     return BLOCK.sub(replace, text), changed
 
 
+def sources_of(page: str, records_root: Path = RECORDS) -> list[list[RunRecord]]:
+    """The records of each directory ``page`` reads (SOURCES), in order; [] for one not there yet."""
+    roots = [records_root / source for source in SOURCES.get(page, (page,))]
+    return [load_records(root) if root.is_dir() else [] for root in roots]
+
+
 def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
     """Rewrite (or with ``check`` only compare) every block of ``page``; returns the blocks that differ."""
-    roots = [records_root / source for source in SOURCES.get(page, (page,))]
-    sources = [load_records(root) if root.is_dir() else [] for root in roots]
+    sources = sources_of(page, records_root)
     blocks = PAGES[page](*sources)
     differ = []
     for file in sorted({f for f, _ in blocks}):

@@ -3,9 +3,11 @@ record, the 95 % intervals over runs and held-out text (``dofla.report.crossed_i
 and markdown tables."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from dofla.report import RunRecord, crossed_interval, paired_interval
+from dofla.report import Interval, RunRecord, crossed_interval, paired_interval
 
 
 def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:
@@ -86,3 +88,12 @@ def paired(a: list[RunRecord], b: list[RunRecord], name: str, b_name: str | None
     a, b = [r for r in a if r.seed in orders], [r for r in b if r.seed in orders]
     x, y = values(a, name), values(b, b_name or name)
     return "–" if not orders or x is None or y is None else signed(paired_interval(x, y))
+
+
+def quality(runs: list[RunRecord]) -> tuple[float, Interval, str]:
+    """A student's held-out perplexity, its loss − teacher interval, and its gap to the teacher at
+    positions 1,024–2,047 as a cell (– when not measured)."""
+    loss = values(runs, "heldout/student")
+    delta = paired_interval(loss, teacher(runs, "heldout/teacher"))
+    far_s, far_t = bucket("student", runs, 1024), bucket("teacher", runs, 1024)
+    return math.exp(loss.mean().item()), delta, gap(runs, far_s, far_t) if far_s and far_t else "–"

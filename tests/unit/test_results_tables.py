@@ -202,8 +202,7 @@ def test_every_interval_the_prose_quotes_is_one_the_records_give(page):
     studies.results computes from the committed records, so prose cannot drift from the records."""
     computed = ""
     for name in results.PAGES:
-        roots = [results.RECORDS / source for source in results.SOURCES.get(name, (name,))]
-        computed += "".join(results.PAGES[name](*[load_records(r) if r.is_dir() else [] for r in roots]).values())
+        computed += "".join(results.PAGES[name](*results.sources_of(name)).values())
     computed = computed.replace("−", "-")
     for interval in INTERVAL.findall(measured_text(results.page_path(page))):
         assert interval.replace("−", "-").lstrip("+") in computed, f"{page} quotes {interval}, which no record gives"
