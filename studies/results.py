@@ -120,7 +120,7 @@ def headline_rerun(reruns: list[RunRecord], recorded: list[RunRecord]) -> dict[t
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
 PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun}
-SOURCES = {"dof_allocation": ("dof_allocation", "headline"), "headline_rerun": ("headline_rerun", "headline")}
+SOURCES = {"dof_allocation": ("dof_allocation", "headline", "algorithm1"), "headline_rerun": ("headline_rerun", "headline")}
 PAGE_FILES = {"headline_rerun": "headline"}
 # A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
 FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}

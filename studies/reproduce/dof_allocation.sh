@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# Reproduces docs/results/dof_allocation.md's answer from a clean checkout: the best pure linear additive
-# student (linear_hedgehog_kl, `fix`) against the same preset with its feature budget shared by each
-# layer's degrees of freedom (`allocation=dof`), over three data orders. seed=0,1,2 also set the order of
-# the layerwise and KL text, so each order trains its own layerwise stage under each policy. The `fix` arm
-# is the headline preset's own run (the same command and run directory as studies/reproduce/headline.sh,
-# so a run either script finished is resumed, not repeated, and its record stays with the headline's); the
-# `dof` arm skips passkey (no pure linear student recalls one). Then the page's tables.
-# 6 runs, about 20 min each on 2 CPU cores. SEEDS: a subset (e.g. SEEDS=0).
+# Reproduces docs/results/dof_allocation.md's answers from a clean checkout: a pure linear student under
+# `fix` against the same preset with its feature budget shared by each layer's degrees of freedom
+# (`allocation=dof`), over three data orders, for the additive student (linear_hedgehog_kl) and the gated
+# delta-rule student (linear_delta_kl). seed=0,1,2 also set the order of the layerwise and KL text, so each
+# order trains its own layerwise stage under each policy. The `fix` arm is the headline preset's own run
+# (the same command and run directory as studies/reproduce/headline.sh, so a run either script finished is
+# resumed, not repeated, and its record stays with the headline's); the other arms skip passkey (no pure
+# linear student recalls one). Then Algorithm 1 exactly as the paper writes it (G/J, its two λ, J = 2048,
+# one sample, the max over heads), the allocation alone, and the page's tables.
+# 12 runs, about 20 min each on 2 CPU cores. SEEDS, PRESETS, POLICIES: a subset (e.g. SEEDS=0).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/headline}
 SEEDS=${SEEDS:-0 1 2}
+PRESETS=${PRESETS:-linear_hedgehog_kl linear_delta_kl}
+POLICIES=${POLICIES:-dof}
 for seed in $SEEDS; do
-  dofla experiment=linear_hedgehog_kl seed=$seed train.layer_dir=$OUT/layers hydra.run.dir=$OUT/linear_hedgehog_kl_s$seed
-  python -m studies.records $OUT/linear_hedgehog_kl_s$seed --into docs/results/runs/headline
-  dofla experiment=linear_hedgehog_kl allocation=dof seed=$seed train.layer_dir=$OUT/layers \
-    'eval.passkey_lengths=[]' hydra.run.dir=$OUT/linear_hedgehog_kl_dof_s$seed
-  python -m studies.records $OUT/linear_hedgehog_kl_dof_s$seed --into docs/results/runs/dof_allocation
+  for preset in $PRESETS; do
+    dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers hydra.run.dir=$OUT/${preset}_s$seed
+    python -m studies.records $OUT/${preset}_s$seed --into docs/results/runs/headline
+    for policy in $POLICIES; do
+      dofla experiment=$preset allocation=$policy seed=$seed train.layer_dir=$OUT/layers \
+        'eval.passkey_lengths=[]' hydra.run.dir=$OUT/${preset}_${policy}_s$seed
+      python -m studies.records $OUT/${preset}_${policy}_s$seed --into docs/results/runs/dof_allocation
+    done
+  done
+done
+# The paper's estimator as written: its allocation (the cache and allocate stages; the student's other
+# settings do not enter Algorithm 1). λ = 2⁻⁴ is the paper's for GPT-2, 2⁻⁸ for Pythia-1B.
+for lam in 0.0625 0.00390625; do
+  run=$OUT/algorithm1_paper_lam${lam}_s0
+  dofla experiment=linear_delta_kl allocation=dof allocation.gram_norm=J allocation.lam=$lam \
+    allocation.num_samples=2048 allocation.resamples=1 allocation.head_aggregate=max seed=0 \
+    'stages=[cache,allocate]' hydra.run.dir=$run
+  python -m studies.records $run --allocation-only --into docs/results/runs/algorithm1
 done
 python -m studies.results dof_allocation

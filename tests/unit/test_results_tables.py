@@ -141,12 +141,16 @@ def test_the_dof_page_pairs_each_policy_with_fix_by_data_order_and_reads_the_hea
         fake_run(tmp_path / "headline", f"fix_s{seed}", "linear_hedgehog_kl", seed, 1.0, dims=[64, 64, 64])
         fake_run(tmp_path / "dof", f"dof_s{seed}", "linear_hedgehog_kl", seed, 1.1, dims=[150 + seed, 30, 12], policy="dof")
     fake_run(tmp_path / "headline", "sw_s0", "window_sinks_kl", 0, 0.5)  # another preset: not an arm
+    fake_run(tmp_path / "headline", "delta_s0", "linear_delta_kl", 0, 0.9, dims=[64, 64, 64])
     for source, page in (("headline", "headline"), ("dof", "dof_allocation")):
         records.main([str(tmp_path / source), "--into", str(tmp_path / "records" / page)])
-    sources = [load_records(tmp_path / "records" / page) for page in results.SOURCES["dof_allocation"]]
-    blocks = results.PAGES["dof_allocation"](*sources)
+    sources = [load_records(tmp_path / "records" / page) for page in results.SOURCES["dof_allocation"][:2]]
+    blocks = results.PAGES["dof_allocation"](*sources, [])
     loaded = sources[0] + sources[1]
     main, comparisons = blocks[("dof_allocation", "main")], blocks[("dof_allocation", "comparisons")]
+    assert "linear_delta_kl" not in main + comparisons and blocks[("dof_allocation", "algorithm1")] == ""
+    assert "| `fix` | `experiment=linear_delta_kl` | 1 |" in blocks[("dof_allocation", "delta_main")]
+    assert blocks[("dof_allocation", "delta_comparisons")] == ""  # no other policy ran on the delta student
     assert "| `fix` | `experiment=linear_hedgehog_kl` | 3 |" in main and "| 64 | 64 |" in main
     assert "`allocation=dof` | 3 |" in main and "| 150–152 | 12–30 |" in main and "window" not in main
     dof = [r for r in loaded if r.name.startswith("dof")]
@@ -156,6 +160,33 @@ def test_the_dof_page_pairs_each_policy_with_fix_by_data_order_and_reads_the_hea
     assert f"| `dof` − `fix`, held-out loss | 0, 1, 2 | {pooled.mean:+.3f} ± {pooled.half_width:.3f} |" in comparisons
     one = paired_interval(results.values(dof[2:], "heldout/student"), results.values(fix[2:], "heldout/student"))
     assert f"order 2 alone | 2 | {one.mean:+.3f} ± {one.half_width:.3f} (text only) |" in comparisons
+
+
+def test_the_papers_algorithm1_is_kept_as_its_allocation_beside_the_projects_estimate(tmp_path):
+    """A run stopped after the allocate stage keeps run.json and allocation.json; the page's Algorithm 1
+    table shows its settings and result next to the project's estimate of the same data order."""
+    fake_run(tmp_path / "dof", "dof_s0", "linear_delta_kl", 0, 1.1, dims=[150, 30, 12], policy="dof")
+    (tmp_path / "dof" / "dof_s0" / "allocation.json").write_text(json.dumps(
+        {"policy": "dof", "dims": [150, 30, 12], "layer_dof": [15.0, 3.0, 1.2], "gram_norm": "trace", "lambda": 0.01}))
+    paper = tmp_path / "paper_s0"
+    paper.mkdir()
+    config = {"experiment": "linear_delta_kl", "seed": 0, "stages": ["cache", "allocate"],
+              "allocation": {"policy": "dof", "gram_norm": "J", "lam": 0.0625, "num_samples": 2048, "resamples": 1,
+                             "head_aggregate": "max"}}
+    (paper / "run.json").write_text(json.dumps({"config": config, "host": "machine"}))
+    (paper / "allocation.json").write_text(json.dumps(
+        {"policy": "dof", "dims": [59, 64, 65], "layer_dof": [1888.5, 2040.0, 2048.0], "gram_norm": "J", "lambda": 0.0625}))
+    with pytest.raises(SystemExit, match="no finished run"):  # it measured nothing: not a finished run
+        records.main([str(paper), "--into", str(tmp_path / "records" / "algorithm1")])
+    records.main([str(paper), "--allocation-only", "--into", str(tmp_path / "records" / "algorithm1")])
+    records.main([str(tmp_path / "dof"), "--into", str(tmp_path / "records" / "dof_allocation")])
+    (kept,) = load_records(tmp_path / "records" / "algorithm1")
+    assert kept.metrics == {} and kept.sequences == {} and kept.allocation["dims"] == [59, 64, 65]
+    assert sorted(p.name for p in (tmp_path / "records" / "algorithm1" / "paper_s0").iterdir()) == ["allocation.json", "run.json"]
+    table = results.PAGES["dof_allocation"](load_records(tmp_path / "records" / "dof_allocation"), [], [kept])
+    rows = table[("dof_allocation", "algorithm1")].splitlines()[2:]
+    assert rows == ["| the project's (`allocation=dof`) | 0 | `trace` | 0.01 | – | – | `–` | 15.0 | 1.2–3.0 | 150 | 12–30 |",
+                    "| the paper's, as written | 0 | `J` | 0.0625 | 2048 | 1 | `max` | 1888.5 | 2040.0–2048.0 | 59 | 64–65 |"]
 
 
 @pytest.mark.parametrize("page", sorted(results.PAGES))

@@ -63,12 +63,27 @@ def collect_record(run_dir: Path, into: Path) -> Path:
     return target
 
 
+def collect_allocation_record(run_dir: Path, into: Path) -> Path:
+    """The record of a run that stopped after the allocate stage (``stages=[cache,allocate]``): its
+    run.json and allocation.json, nothing measured; returns it."""
+    run_dir = Path(run_dir)
+    run, allocation = read_json(run_dir / "run.json"), read_json(run_dir / "allocation.json")
+    if run is None or allocation is None:
+        raise FileNotFoundError(f"{run_dir} has no run.json or allocation.json: run its allocate stage first")
+    target = Path(into) / run_dir.name
+    write_json(target / "run.json", {k: v for k, v in run.items() if k != "host"})
+    write_json(target / "allocation.json", allocation)
+    return target
+
+
 def load_record(directory: Path) -> RunRecord:
-    """The record in ``directory`` (see :func:`collect_record`)."""
+    """The record in ``directory`` (see :func:`collect_record`; an allocation-only record has no metrics
+    and no per-sequence values)."""
     directory = Path(directory)
     run = json.loads((directory / "run.json").read_text())
-    return RunRecord(directory.name, run["config"], json.loads((directory / "metrics.json").read_text()),
-                     json.loads((directory / "sequences.json").read_text()), read_json(directory / "allocation.json"))
+    metrics, sequences = read_json(directory / "metrics.json"), read_json(directory / "sequences.json")
+    return RunRecord(directory.name, run["config"], {} if metrics is None else metrics,
+                     {} if sequences is None else sequences, read_json(directory / "allocation.json"))
 
 
 def load_records(root: Path) -> list[RunRecord]:
