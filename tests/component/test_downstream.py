@@ -10,7 +10,7 @@ import yaml
 
 from dofla.eval.downstream import DOWNSTREAM7, DownstreamUnavailable, evaluate_tasks
 from dofla.eval.mmlu_dev import mmlu_dev_questions, write_mmlu_dev_task
-from dofla.eval.mqar import id_ranges, make_mqar_batch, mqar_accuracy, mqar_curve
+from dofla.eval.mqar import id_ranges, make_mqar_batch, mqar_accuracy, mqar_curve, mqar_hits
 from dofla.eval.task_finetune import FinetuneProtocolConfig, pad_batch, run_finetune_protocol
 from dofla.models import convert
 from dofla.models.tiny import build_tiny_model
@@ -140,4 +140,6 @@ def test_mqar_oracle_recalls_and_random_model_is_at_chance(teacher_student):
     acc = mqar_accuracy(teacher_student[0], 257, 128, 32, 32, num_examples=8, seed=0)
     assert acc < 6 / num_values  # chance is 1/num_values ≈ 0.014; an untrained model cannot recall
     curve = mqar_curve(teacher_student[1], 257, seq_lens=(32, 64, 1024), num_examples=2)
-    assert list(curve) == [32, 64] and all(0 <= v <= 1 for v in curve.values())
+    assert list(curve) == [32, 64] and all(v.shape == (2,) and ((0 <= v) & (v <= 1)).all() for v in curve.values())
+    hits = mqar_hits(recall_oracle, 257, 64, 12, 8, num_examples=3, seed=0)
+    assert hits.tolist() == [1.0, 1.0, 1.0]

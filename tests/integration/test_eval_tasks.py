@@ -45,6 +45,12 @@ def test_tasks_protocol_and_mqar_in_one_run(tmp_path, offline_env):
         assert metrics[f"tasks/{who}/avg_acc"] == pytest.approx(
             (metrics[f"tasks/{who}/piqa_local/acc"] + metrics[f"tasks/{who}/mmlu_dev_offline/acc"]) / 2)
         assert set(k for k in metrics if k.startswith(f"mqar/{who}/")) == {f"mqar/{who}/T16", f"mqar/{who}/T32"}
+    # each example's share is kept for the run's record, and averages to the scalar
+    sequences = {k: v for stored in json.loads((run / "eval_sequences.json").read_text()).values() for k, v in stored.items()}
+    for who in ("teacher", "student"):
+        for length in (16, 32):
+            shares = sequences[f"seq/mqar/{who}/T{length}"]
+            assert len(shares) == 4 and metrics[f"mqar/{who}/T{length}"] == pytest.approx(sum(shares) / 4)
     assert metrics["tasks/acc_gap"] == pytest.approx(metrics["tasks/teacher/avg_acc"] - metrics["tasks/student/avg_acc"])
     # the protocol: a learning rate picked on the teacher from the grid, both models fine-tuned
     assert metrics["finetuned/lr/piqa_local"] in (1e-4, 1e-3)

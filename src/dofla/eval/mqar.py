@@ -63,22 +63,30 @@ def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mqar_accuracy(model, vocab_size: int, seq_len: int, num_pairs: int, num_queries: int,
-                  num_examples: int = 16, seed: int = 0, batch_size: int = 4) -> float:
-    """Fraction of queries whose value is the argmax over the value ids at the query key."""
+def mqar_hits(model, vocab_size: int, seq_len: int, num_pairs: int, num_queries: int,
+              num_examples: int = 16, seed: int = 0, batch_size: int = 4) -> torch.Tensor:
+    """(num_examples,) float64: the share of each example's queries whose value is the argmax over the
+    value ids at the query key (every example asks the same number of queries)."""
     ids, positions, targets = make_mqar_batch(vocab_size, seq_len, num_pairs, num_queries,
                                               num_examples, seed)
     values = id_ranges(vocab_size)[1]
     device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else "cpu"
-    correct = 0
+    hits = []
     for start in range(0, num_examples, batch_size):
         batch = ids[start : start + batch_size].to(device)
         logits = logits_of(model, batch).float()  # (B, T, V)
         pos = positions[start : start + batch_size].to(device)
         at_queries = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))  # (B, Q, V)
         guess = values.start + at_queries[..., values.start : values.stop].argmax(-1)
-        correct += (guess.cpu() == targets[start : start + batch_size]).sum().item()
-    return correct / targets.numel()
+        hits.append((guess.cpu() == targets[start : start + batch_size]).double().mean(1))
+    return torch.cat(hits)
+
+
+def mqar_accuracy(model, vocab_size: int, seq_len: int, num_pairs: int, num_queries: int,
+                  num_examples: int = 16, seed: int = 0, batch_size: int = 4) -> float:
+    """Fraction of all queries recalled (:func:`mqar_hits` averaged over the examples)."""
+    return mqar_hits(model, vocab_size, seq_len, num_pairs, num_queries, num_examples, seed,
+                     batch_size).mean().item()
 
 
 def max_context(model, default: int = 512) -> int:
@@ -90,13 +98,13 @@ def max_context(model, default: int = 512) -> int:
 
 
 def mqar_curve(model, vocab_size: int, seq_lens: tuple[int, ...] = (128, 256, 512),
-               num_examples: int = 16, seed: int = 0, batch_size: int = 4) -> dict[int, float]:
-    """{seq_len: accuracy}; each length holds seq_len/4 pairs and as many queries (no filler),
-    capped by the distinct keys the vocabulary offers; lengths past the model's context are dropped."""
+               num_examples: int = 16, seed: int = 0, batch_size: int = 4) -> dict[int, torch.Tensor]:
+    """{seq_len: each example's share of queries recalled (:func:`mqar_hits`)}; each length holds
+    seq_len/4 pairs and as many queries (no filler), capped by the distinct keys the vocabulary offers;
+    lengths past the model's context are dropped."""
     num_keys = len(id_ranges(vocab_size)[0])
     curve = {}
     for seq_len in (t for t in seq_lens if t <= max_context(model)):
         pairs = min(seq_len // 4, num_keys)
-        curve[seq_len] = mqar_accuracy(model, vocab_size, seq_len, pairs, pairs, num_examples,
-                                       seed, batch_size)
+        curve[seq_len] = mqar_hits(model, vocab_size, seq_len, pairs, pairs, num_examples, seed, batch_size)
     return curve

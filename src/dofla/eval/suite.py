@@ -196,8 +196,11 @@ def finetune_protocol(teacher, student, tokenizer, plan: TaskPlan, cfg, director
     return {**result.flat(), **steps}
 
 
-def mqar(model, who: str, ev: EvalConfig, seed: int) -> dict[str, float]:
-    """``mqar/<who>/T<len>``: recall accuracy at each length (lengths past the context are dropped)."""
+def mqar(model, who: str, ev: EvalConfig, seed: int) -> dict:
+    """``mqar/<who>/T<len>``: recall accuracy at each length (lengths past the context are dropped), and
+    each example's share under ``seq/`` (an interval over the examples; the same examples for every
+    model of a seed)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     curve = mqar_curve(model, vocab, tuple(ev.mqar_seq_lens), ev.mqar_examples, seed)
-    return {f"mqar/{who}/T{length}": acc for length, acc in curve.items()}
+    return {**{f"mqar/{who}/T{length}": hits.mean().item() for length, hits in curve.items()},
+            **{f"seq/mqar/{who}/T{length}": hits.tolist() for length, hits in curve.items()}}
