@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
+from dofla.report import RunRecord, crossed_interval, frontier_plot, frontier_points, frontier_table, load_records
 from studies.dof_tables import dof_allocation
-from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed, values
+from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share, signed, values
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -117,11 +117,34 @@ def headline_rerun(reruns: list[RunRecord], recorded: list[RunRecord]) -> dict[t
     return {("headline_rerun", "table"): markdown(header, rows) if rows else ""}
 
 
+MQAR = (("pure linear: gated delta rule", "linear_delta_kl"), ("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"))
+
+
+def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The headline page's MQAR block: each student's share of queries recalled at each length (mean ±
+    95 % over runs and the probe's examples), the teacher's, and the gated delta student against the
+    additive one, paired by data order and example."""
+    lengths = sorted({int(k.rsplit("T", 1)[1]) for r in records for k in r.sequences if k.startswith("mqar/student/")})
+    if not lengths:
+        return {("headline", "table"): ""}
+    arms = [(label, preset, arm(records, preset)) for label, preset in MQAR]
+    arms = [(label, preset, runs) for label, preset, runs in arms if runs]
+    first = arms[0][2][:1]
+    rows = [["teacher (SmolLM2-135M-Instruct)", "–", *[f"{values(first, f'mqar/teacher/T{t}').mean():.2f}" for t in lengths]]]
+    rows += [[label, str(len(runs)), *[share(crossed_interval(values(runs, f"mqar/student/T{t}"))) for t in lengths]]
+             for label, _, runs in arms]
+    if len(arms) == 2:
+        (_, _, a), (_, _, b) = arms
+        rows.append(["gated delta − additive (paired)", ", ".join(map(str, common_orders(a, b))),
+                     *[paired(a, b, f"mqar/student/T{t}") for t in lengths]])
+    return {("headline", "table"): markdown(["student", "runs", *[f"T = {t} ({t // 4} pairs)" for t in lengths]], rows)}
+
+
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
-PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun}
+PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar}
 SOURCES = {"dof_allocation": ("dof_allocation", "headline", "algorithm1"), "headline_rerun": ("headline_rerun", "headline")}
-PAGE_FILES = {"headline_rerun": "headline"}
+PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline"}
 # A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
 FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
 

@@ -189,6 +189,25 @@ def test_the_papers_algorithm1_is_kept_as_its_allocation_beside_the_projects_est
                     "| the paper's, as written | 0 | `J` | 0.0625 | 2048 | 1 | `max` | 1888.5 | 2040.0–2048.0 | 59 | 64–65 |"]
 
 
+def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_example(tmp_path):
+    teacher = [1.0, 1.0, 0.75, 1.0]
+    shares = {"linear_delta_kl": [0.5, 0.25, 0.25, 0.0], "linear_hedgehog_kl": [0.0, 0.25, 0.0, 0.0]}
+    for preset, hits in shares.items():
+        run = fake_run(tmp_path / "runs", f"{preset}_mqar_s0", preset, 0, 1.0)
+        Measurements(run / MEASUREMENTS, main=True).get("mqar", {}, lambda hits=hits: {
+            "m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": hits})
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar")])
+    table = results.PAGES["mqar"](load_records(tmp_path / "mqar"))[("headline", "table")].splitlines()
+    assert table[0] == "| student | runs | T = 64 (16 pairs) |"
+    assert table[2] == "| teacher (SmolLM2-135M-Instruct) | – | 0.94 |"
+    delta = torch.tensor([shares["linear_delta_kl"]], dtype=torch.float64)
+    additive = torch.tensor([shares["linear_hedgehog_kl"]], dtype=torch.float64)
+    assert table[3].startswith("| pure linear: gated delta rule | 1 | 0.25 ± ")
+    versus = paired_interval(delta, additive)
+    assert table[5] == f"| gated delta − additive (paired) | 0 | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only) |"
+    assert results.PAGES["mqar"]([]) == {("headline", "table"): ""}
+
+
 @pytest.mark.parametrize("page", sorted(results.PAGES))
 def test_the_committed_pages_are_what_the_committed_records_give(page):
     """README's and each results page's generated blocks equal what studies.results builds from the
