@@ -80,9 +80,10 @@ def teacher_row(records: list[RunRecord]) -> list[str]:
             rates[1024], rates[2048]]
 
 
-def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
+def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
     """The headline page's blocks (and README's), from the records of the headline presets; empty
-    blocks while no run is recorded."""
+    blocks while no run is recorded. ``policies``: the DoF page's records (a preset under another
+    allocation policy), which join the frontier as points of their own."""
     if not records:
         return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "frontier"): "",
                 ("README", "table"): ""}
@@ -95,7 +96,7 @@ def headline(records: list[RunRecord]) -> dict[tuple[str, str], str]:
             for what, a, b, name, other in COMPARISONS if a in found and b in found]
     readme = markdown(["student", "preset", "runs", "held-out ppl", "× teacher", "passkey @ 1K"],
                       [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in table])
-    usable = [r for r in records if "heldout/student" in r.sequences]
+    usable = [r for r in [*records, *policies] if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
             ("headline", "frontier"): frontier, ("README", "table"): readme}
@@ -143,7 +144,8 @@ def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
 PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar}
-SOURCES = {"dof_allocation": ("dof_allocation", "headline", "algorithm1"), "headline_rerun": ("headline_rerun", "headline")}
+SOURCES = {"headline": ("headline", "dof_allocation"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
+           "headline_rerun": ("headline_rerun", "headline")}
 PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline"}
 # A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
 FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
@@ -200,7 +202,7 @@ def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
         if not check and changed:
             path.write_text(text)
     if not check and page in FIGURES and (differ or not FIGURES[page].exists()):
-        frontier_figure(sources[0], FIGURES[page])
+        frontier_figure([r for source in sources for r in source], FIGURES[page])
     return differ
 
 

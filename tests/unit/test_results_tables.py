@@ -86,6 +86,22 @@ def test_the_frontier_figure_is_drawn_from_the_records_that_measured_decode_memo
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
 
 
+def test_a_preset_under_another_allocation_policy_is_a_point_of_its_own_on_the_frontier(tmp_path):
+    for seed in range(2):
+        fake_run(tmp_path / "runs", f"d_s{seed}", "linear_delta_kl", seed, 1.2, memory={8192: 4.2})
+        fake_run(tmp_path / "runs", f"d_dof_s{seed}", "linear_delta_kl", seed, 1.1, memory={8192: 4.2}, policy="dof")
+    fake_run(tmp_path / "runs", "d_fix_max_s0", "linear_delta_kl", 0, 1.0, memory={8192: 14.6}, policy="fix_max")
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
+    points = results.frontier_points(load_records(tmp_path / "records"))
+    assert points[0]["name"] == "teacher" and points[-1]["name"] == "linear_delta_kl fix_max"  # by memory
+    assert {p["name"]: p["runs"] for p in points[1:]} == {"linear_delta_kl": 2, "linear_delta_kl dof": 2,
+                                                          "linear_delta_kl fix_max": 1}
+    blocks = results.headline([r for r in load_records(tmp_path / "records") if r.config["allocation"]["policy"] == "fix"],
+                              [r for r in load_records(tmp_path / "records") if r.config["allocation"]["policy"] != "fix"])
+    assert "| linear_delta_kl fix_max | 1 |" in blocks[("headline", "frontier")]
+    assert "fix_max" not in blocks[("headline", "main")]  # the main table holds the presets as they are
+
+
 def test_the_teachers_scores_come_from_whichever_run_measured_them(tmp_path):
     """Only some presets measure passkey at 2K; the teacher's row and point show it whatever the
     records' order (here the run that measured it sorts last)."""

@@ -1,7 +1,7 @@
 """``dofla-report --table frontier DIR...``: quality against decode memory, one point per student.
 
-Each student is a group of finished runs (run directories or run records) of one preset
-(``experiment``; else one attention form and allocation). Its point: the held-out loss over its runs
+Each student is a group of finished runs (run directories or run records) of one preset and
+allocation policy (``experiment``; else one attention form and allocation). Its point: the held-out loss over its runs
 and held-out sequences (mean and 95 % interval over both, :func:`dofla.report.crossed_interval`),
 passkey recall at each measured length, and the decode memory of one sequence at each context the
 runs measured (``eval.memory_contexts``: a layer kept exact grows with the context, a state does not).
@@ -25,10 +25,12 @@ MEMORY = re.compile(r"^memory/(teacher|student)/decode_mib/T(\d+)$")
 
 
 def student_label(record: RunRecord) -> str:
-    """A group's name: the preset, or the attention form, window, exact layers and allocation."""
-    if record.experiment:
-        return record.experiment
+    """A group's name: the preset (with its allocation policy unless ``fix``: ``allocation=dof`` on a
+    preset is another student), or the attention form, window, exact layers and allocation."""
     c = record.config
+    if record.experiment:
+        policy = c.get("allocation", {}).get("policy", "fix")
+        return record.experiment if policy == "fix" else f"{record.experiment} {policy}"
     a, k = c["attention"], c["allocation"].get("softmax_layers", 0)
     window = f" w{a['window']}+{a['sinks']}" if a.get("window") else ""
     return f"{a['name']}{window}{f' {k} exact' if k else ''} {c['allocation']['policy']}"
