@@ -15,7 +15,7 @@ from dofla.report import RunRecord
 from studies.tables import common_orders, markdown, paired, quality, signed
 
 PRESETS = {"linear_hedgehog_kl": "", "linear_delta_kl": "delta_"}  # preset -> its blocks' name prefix
-POLICIES = ("fix", "dof", "dof_clip", "fix_max", "measured")
+POLICIES = ("fix", "dof", "dof_clip", "fix_max", "measured", "given")
 MAIN_HEADER = ["policy", "command", "runs", "held-out ppl", "loss − teacher (nats)", "at positions 1,024–2,047",
                "layer 0's features", "other layers' features", "decode MiB @ 8K"]
 

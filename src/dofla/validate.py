@@ -147,6 +147,10 @@ def _validate_scale(cfg: RunConfig) -> None:
                  f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
     require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
     require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
+    if a.policy == "given":
+        require(a.dims is not None and len(a.dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.dims),
+                f"allocation.policy=given takes its dims from allocation.dims, one positive feature count per "
+                f"layer (e.g. 'allocation.dims=[128,64,64]'); it is {None if a.dims is None else list(a.dims)}")
     if a.policy == "measured":
         require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
                  f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
@@ -218,6 +222,10 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
             f"allocation.policy=dof_clip caps every layer at the head size {head_dim}, so a budget of "
             f"{budget:g} > {head_dim} cannot be met; use policy dof or a budget ≤ {head_dim}",
         )
+    if cfg.allocation.policy == "given":
+        require(len(cfg.allocation.dims) == num_layers,
+                f"allocation.dims has {len(cfg.allocation.dims)} dims, the model {num_layers} layers: give one per "
+                "layer (a layer without features ignores its own)")
     require(cfg.allocation.softmax_layers < num_layers,
             f"allocation.softmax_layers={cfg.allocation.softmax_layers} would keep every layer of the {num_layers} "
             "exact; choose fewer (or feature_map=softmax for the teacher's own attention)")

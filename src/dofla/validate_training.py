@@ -89,7 +89,7 @@ def _validate_delta(cfg: RunConfig) -> None:
             "layer has no normalised kernel to compare (its read is a decayed, overwritten state); use loss=output "
             "(its attention output against the teacher's) or loss=direct")
     require(cfg.allocation.policy != "dof_head", "allocation.policy=dof_head gives heads their own feature dims, "
-            "and a gated-delta layer runs its heads batched with one dim; use dof, dof_clip, fix, fix_max or measured")
+            "and a gated-delta layer runs its heads batched with one dim; use dof, dof_clip, fix, fix_max, measured or given")
     require(a.linear_scale == "fixed", f"attention.linear_scale={a.linear_scale} weighs an additive linear part; "
             "a gated-delta layer weighs its older tokens by their kernel mass, set attention.linear_scale=fixed")
     require(not cfg.train.compile, "train.compile compiles the additive kernels' losses and has not been made "

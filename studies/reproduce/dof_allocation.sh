@@ -8,7 +8,8 @@
 # resumed, not repeated, and its record stays with the headline's); the other arms skip passkey (no pure
 # linear student recalls one). Then Algorithm 1 exactly as the paper writes it (G/J, its two λ, J = 2048,
 # one sample, the max over heads), the allocation alone, and the page's tables.
-# 12 runs, about 20 min each on 2 CPU cores. SEEDS, PRESETS, POLICIES: a subset (e.g. SEEDS=0).
+# 13 runs, about 20 min each on 2 CPU cores (POLICIES=fix_max: one more each, 3.5x the state). SEEDS, PRESETS,
+# POLICIES: a subset (e.g. SEEDS=0) or more (POLICIES="dof fix_max").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/headline}
@@ -26,6 +27,14 @@ for seed in $SEEDS; do
     done
   done
 done
+# Why `dof` helps the gated delta student: layer 0 alone at the largest dim `dof` gives it (222 on order 0),
+# every other layer at the budget (64), so the state grows by 8 % instead of `fix_max`'s 3.5×.
+if [[ " $PRESETS " == *" linear_delta_kl "* ]]; then
+  dims="[222$(printf ',64%.0s' $(seq 29))]"
+  dofla experiment=linear_delta_kl allocation=given "allocation.dims=$dims" seed=0 train.layer_dir=$OUT/layers \
+    'eval.passkey_lengths=[]' hydra.run.dir=$OUT/linear_delta_kl_given_s0
+  python -m studies.records $OUT/linear_delta_kl_given_s0 --into docs/results/runs/dof_allocation
+fi
 # The paper's estimator as written: its allocation (the cache and allocate stages; the student's other
 # settings do not enter Algorithm 1). λ = 2⁻⁴ is the paper's for GPT-2, 2⁻⁸ for Pythia-1B.
 for lam in 0.0625 0.00390625; do

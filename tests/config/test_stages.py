@@ -49,6 +49,17 @@ def test_fix_skips_algorithm1_unless_listed(tmp_path):
     assert allocation["dims"] == [16, 16] and allocation["layer_dof"] == dof["layer_dof"]
 
 
+def test_given_dims_are_the_allocation_and_train_the_student_they_name(tmp_path):
+    """allocation=given: the user's dims, Algorithm 1 skipped; the layers trained have those dims."""
+    run(_cfg(tmp_path, "allocation=given", "allocation.dims=[24,8]", "stages=[cache,allocate,train,assemble]"),
+        tmp_path / "given")
+    allocation = json.loads((tmp_path / "given" / "allocation.json").read_text())
+    assert allocation["dims"] == [24, 8] and allocation["mean_dim"] == 16 and allocation["layer_dof"] is None
+    assert not (tmp_path / "given" / "dof.json").exists()
+    student = json.loads((tmp_path / "given" / "student" / "config.json").read_text())
+    assert student["dofla"]["dims"] == [24, 8]
+
+
 def test_dof_policy_computes_the_stages_allocate_needs(tmp_path):
     run(_cfg(tmp_path, "allocation=dof", "stages=[allocate]"), tmp_path / "dof")
     allocation = json.loads((tmp_path / "dof" / "allocation.json").read_text())

@@ -96,6 +96,8 @@ BAD_BEFORE_MODEL = [
     ({"distill__name": "kl", "distill__copy_share": 0.8}, "distill.copy_share"),
     ({"distill__name": "kl", "distill__copy_distance": 0}, "distill.copy_distance"),
     ({"distill__name": "kl", "distill__copy_share": 0.1, "distill__seq_len": 128}, "distill.copy_share"),  # too short
+    ({"allocation__policy": "given"}, "allocation.dims"),  # no dims
+    ({"allocation__policy": "given", "allocation__dims": [64, 0]}, "allocation.dims"),
 ]
 
 
@@ -115,6 +117,7 @@ BAD_FOR_MODEL = [
     ({"data__seq_len": 4096}, "data.seq_len"),
     ({"distill__name": "kl", "distill__seq_len": 4096, "distill__tokens": 16384}, "distill.seq_len"),
     ({"allocation__softmax_layers": 30}, "allocation.softmax_layers"),
+    ({"allocation__policy": "given", "allocation__dims": [64] * 29}, "allocation.dims has 29 dims, the model 30 layers"),
 ]
 
 
@@ -244,6 +247,7 @@ def test_stage_plan_runs_dof_only_when_the_policy_needs_it_or_it_is_listed():
     for policy in ("dof_clip", "dof_head", "fix_max"):
         assert "dof" in _stages(configured, allocation__policy=policy)
     assert _stages(configured, allocation__policy="fix") == on
+    assert _stages(configured, allocation__policy="given", allocation__dims=[64] * 30) == on
     assert _stages(["cache", "dof", "allocate"], allocation__policy="fix") == ["cache", "dof", "allocate"]
     assert _stages(["allocate"], allocation__policy="fix") == ["allocate"]
     assert _stages(["allocate"]) == ["cache", "dof", "allocate"]

@@ -200,7 +200,7 @@ def test_invalid_head_allocation_inputs_raise(args):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, dof_head, fix, fix_max, measured"):
+    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, dof_head, fix, fix_max, given, measured"):
         allocate_dims([1.0], 64, "dof_clp", 64)
 
 
@@ -217,7 +217,11 @@ def test_every_policy_is_chosen_through_the_registry():
     assert choose_dims("dof_head", request) == ([[8, 8], [24, 24]], {})
     assert choose_dims("measured", request) == ([4, 28], {"dims": [4, 28], "sensitivity": [0.1, 0.9]})
     assert choose_dims("dof", AllocationRequest(budget=16, head_dim=16, num_layers=0)) == ([], {})
-    assert [p for p in ("fix", "dof", "dof_clip", "dof_head", "fix_max", "measured") if not reads_dof(p)] == ["fix"]
+    assert choose_dims("given", AllocationRequest(budget=16, head_dim=16, num_layers=2, given=[96, 8])) == ([96, 8], {})
+    with pytest.raises(ValueError, match="one dim per layer that gets features \\(2\\); allocation.dims gives 3"):
+        choose_dims("given", AllocationRequest(budget=16, head_dim=16, num_layers=2, given=[96, 8, 8]))
+    policies = ("fix", "dof", "dof_clip", "dof_head", "fix_max", "measured", "given")
+    assert [p for p in policies if not reads_dof(p)] == ["fix", "given"]
     with pytest.raises(ValueError, match="per-head DoF"):
         choose_dims("dof_head", AllocationRequest(budget=16, head_dim=16, num_layers=2, layer_dof=[1.0, 3.0]))
     with pytest.raises(ValueError, match="no per-layer form"):

@@ -30,6 +30,7 @@ class AllocationRequest:
     head_quantum: int = 8
     head_blocks: int = 2
     measure: Callable[[float, list[float] | None], dict] | None = None
+    given: list[int] | None = None  # ``given``: the dims of the layers that share the budget, as the user set them
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,17 @@ def choose_dims(policy: str, request: AllocationRequest) -> tuple[list, dict]:
 def reads_dof(policy: str) -> bool:
     """Whether ``policy`` needs Algorithm 1's result (an unknown name: assume it does)."""
     return ALLOCATION_POLICIES.get(policy).reads_dof if policy in ALLOCATION_POLICIES else True
+
+
+def choose_given(request: AllocationRequest) -> tuple[list, dict]:
+    """``given``: the user's dims (``allocation.dims``), as they are; the budget does not enter."""
+    if request.given is None or len(request.given) != request.num_layers:
+        raise ValueError(f"allocation.policy=given needs one dim per layer that gets features ({request.num_layers}); "
+                         f"allocation.dims gives {0 if request.given is None else len(request.given)}")
+    return [int(m) for m in request.given], {}
+
+
+ALLOCATION_POLICIES.register("given")(AllocationPolicy("given", choose_given, reads_dof=False))
 
 
 @register_per_layer("fix", reads_dof=False)

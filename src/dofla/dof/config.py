@@ -11,7 +11,7 @@ from dofla.section_keys import Keys
 
 @dataclass
 class AllocationConfig:
-    policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured
+    policy: str = "dof"  # fix | dof | dof_clip | dof_head | fix_max | measured | given
     lam: float = 1e-2
     num_samples: int = 512  # J, vectors per head for Algorithm 1 (the paper does not state its J)
     gram_norm: str = "trace"  # none | J | trace (docs/method.md §4)
@@ -23,6 +23,7 @@ class AllocationConfig:
     measured_steps: int = 60  # measured: training steps per (layer, M) point
     head_quantum: int = 8  # dof_head: per-head dims are multiples of this (heads of equal dim share a block)
     head_blocks: int = 2  # dof_head: at most this many blocks (distinct dims) per layer; 0 = no limit
+    dims: Optional[List[int]] = None  # given: one feature dimension per layer of the model (an ablation's own)
     # k > 0: keep exact (softmax, with a KV cache) the k layers whose restoration lowers the model's KL
     # most, measured on the first softmax_probe_seqs training sequences (docs/guide/softmax_layers.md)
     softmax_layers: int = 0

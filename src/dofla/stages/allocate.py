@@ -42,7 +42,7 @@ def allocate(cfg: RunConfig, dof: DofResult | None, geometry, out_dir: Path, cac
     chosen, record = choose_dims(a.policy, AllocationRequest(
         budget=budget, head_dim=head_dim, num_layers=len(layers), layer_dof=pick(dof and dof.layer_dof),
         per_head_dof=pick(dof and dof.per_head), head_quantum=a.head_quantum, head_blocks=a.head_blocks,
-        measure=measure))
+        measure=measure, given=pick(a.dims)))
     dims: list = [0] * geometry.num_layers
     for i, m in zip(layers, chosen):
         dims[i] = m
