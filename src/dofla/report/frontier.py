@@ -91,12 +91,14 @@ def frontier_plot(points: list[dict], path: Path) -> Path:
         raise SystemExit("the runs measured no decode memory: evaluate them with eval.memory_contexts=[2048,8192]")
     lengths = sorted({n for p in points for n in p["passkey"]})
     fig, axes = plt.subplots(2, len(contexts), figsize=(5.2 * len(contexts), 7), squeeze=False)
+    # one colour per student, the same in both panels: matplotlib's ten while they suffice, else tab20's twenty
+    palette = [f"C{i}" for i in range(10)] if len(points) <= 10 else [plt.get_cmap("tab20")(i) for i in range(20)]
     for col, context in enumerate(contexts):
         top, bottom = axes[0][col], axes[1][col]
         for i, p in enumerate(points):
             if context not in p["memory"]:
                 continue
-            x, loss, color = p["memory"][context], p["loss"], f"C{i % 10}"  # one colour per student, both panels
+            x, loss, color = p["memory"][context], p["loss"], palette[i % len(palette)]
             top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, color=color,
                          label=p["name"])
             for length, share in sorted(p["passkey"].items()):
