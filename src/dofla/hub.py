@@ -13,9 +13,14 @@ from huggingface_hub import constants
 
 
 def hub_offline() -> bool:
-    """The user asked for offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
-    return any(os.environ.get(name, "0").lower() not in ("0", "", "false")
-               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    """The user asked for offline mode, as the hub libraries read it: ``huggingface_hub``'s own flag
+    (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, read when it was imported, or set since), or one of those
+    variables or ``datasets``' HF_DATASETS_OFFLINE as the environment holds it now, each read with the
+    hub's truth values (1/ON/YES/TRUE; so ``no``, ``off``, ``0`` and ``false`` mean online)."""
+    if constants.HF_HUB_OFFLINE:
+        return True
+    return any(os.environ.get(name, "").upper() in constants.ENV_VARS_TRUE_VALUES
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
