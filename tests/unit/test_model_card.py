@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from huggingface_hub import ModelCard
+from huggingface_hub import constants as hub_constants
+
 from dofla.eval.store import Measurements, MEASUREMENTS
-from dofla.models.card import lm_eval_settings, write_model_card
+from dofla.models.card import lm_eval_settings, teacher_license, write_model_card
 
 CONFIG = {"model_type": "dofla_student", "teacher_model_type": "llama", "_name_or_path": "/home/trainer/teacher",
           "dofla": {"attention": "linear", "feature_map": "hedgehog", "dims": [64, 64]},
@@ -71,3 +74,63 @@ def test_lm_eval_settings_are_read_from_the_measurement_behind_the_runs_scores(t
     assert lm_eval_settings(run, METRICS) == SETTINGS
     assert lm_eval_settings(tmp_path / "elsewhere", METRICS) is None
     assert lm_eval_settings(run, {"eval/student_ppl": 52.3}) is None
+
+
+def test_the_scores_are_the_hubs_model_index(tmp_path):
+    card = ModelCard.load(write_model_card(student_dir(tmp_path), METRICS, name="you/smollm2-linear", lm_eval=SETTINGS))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.library_name == "transformers"
+    assert card.data.model_name == "smollm2-linear"
+    found = {(r.dataset_type, r.metric_type): r for r in card.data.eval_results}
+    assert {k: r.metric_value for k, r in found.items()} == {
+        ("held-out", "perplexity"): 52.3, ("mmlu_dev_offline", "acc"): 0.214, ("mmlu_dev_offline", "acc_norm"): 0.296}
+    assert found["mmlu_dev_offline", "acc"].dataset_args == {"num_fewshot": 0}
+    assert found["mmlu_dev_offline", "acc"].metric_name == "acc (lm-eval 0.4.13)"
+    assert "# Linear-attention student of HuggingFaceTB/SmolLM2-135M-Instruct" in card.text  # the body stays
+
+
+def test_a_card_without_scores_has_no_model_index(tmp_path):
+    card = ModelCard.load(write_model_card(student_dir(tmp_path)))
+    assert card.data.eval_results is None and "model-index" not in card.content
+
+
+def _teacher_card(directory: Path, licence: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "README.md").write_text(f"---\nlicense: {licence}\n---\n# a teacher\n")
+
+
+def test_the_licence_is_the_teachers_from_its_local_card(tmp_path):
+    teacher = tmp_path / "teacher"
+    _teacher_card(teacher, "llama3.2")
+    directory = student_dir(tmp_path)
+    config = {**CONFIG, "dofla_run": {**CONFIG["dofla_run"], "teacher": str(teacher)}}
+    (directory / "config.json").write_text(json.dumps(config))
+    card = ModelCard.load(write_model_card(directory, METRICS))
+    assert card.data.license == "llama3.2" and "| licence | llama3.2 (the teacher's) |" in card.text
+    assert card.data.base_model is None  # a local path is no hub repository
+
+
+def test_the_licence_of_a_hub_teacher_is_read_from_the_local_hub_cache(tmp_path, monkeypatch):
+    repo = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    _teacher_card(repo / "snapshots" / "abc123", "apache-2.0")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert teacher_license("HuggingFaceTB/SmolLM2-135M-Instruct") == "apache-2.0"
+    assert teacher_license("HuggingFaceTB/SmolLM2-135M-Instruct", revision="abc123") == "apache-2.0"
+    directory = student_dir(tmp_path)
+    card = ModelCard.load(write_model_card(directory, METRICS))
+    assert card.data.license == "apache-2.0"
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    card = ModelCard.load(write_model_card(directory, METRICS))
+    assert card.data.license is None and "| licence | not found: see the teacher's own card |" in card.text
+
+
+def test_the_card_imports_nothing_above_the_models_layer():
+    import ast
+
+    import dofla.models.card as card_module
+
+    tree = ast.parse(Path(card_module.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not [m for m in imported if m and m.startswith(("dofla.eval", "dofla.stages", "dofla.pipeline"))]

@@ -6,14 +6,19 @@ again by the pipeline after evaluation with the run's metrics (distillation toke
 perplexity, attention error, task scores) and how its lm-eval scores were made (lm-eval version,
 task versions, shots, batch size, limit, the metrics' definitions: :func:`lm_eval_settings`).
 The usage snippet names a hub repository or a placeholder path, never the training machine's path.
+The front matter is ``huggingface_hub``'s own ``ModelCardData``: the student's scores are its
+``model-index`` (``EvalResult``s, which the hub shows as the model's metrics) and its licence is the
+teacher's (every weight but the features is the teacher's), read from the teacher's own card.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from dofla.eval.store import MEASUREMENTS
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
+
 from dofla.record import read_json
+from dofla.run_files import MEASUREMENTS
 
 CARD_METRICS = (  # (metrics.json key, label), in the card's order
     ("train/tokens", "distillation tokens"),
@@ -43,9 +48,15 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
     config = json.loads((directory / "config.json").read_text())
     spec, run = config["dofla"], config.get("dofla_run") or {}
     teacher = run.get("teacher") or config.get("_name_or_path") or "unknown"
+    licence = teacher_license(teacher, run.get("revision"))
+    data = ModelCardData(
+        library_name="transformers", tags=["dofla", "linear-attention", "distillation"],
+        base_model=teacher if _is_hub_id(teacher) else None, license=licence,
+        model_name=_usage_path(name, directory).rpartition("/")[2],
+        eval_results=eval_results(metrics, lm_eval) or None)
+    licence_cell = f"{licence} (the teacher's)" if licence else "not found: see the teacher's own card"
     lines = [
-        "---", "library_name: transformers", "tags: [dofla, linear-attention, distillation]",
-        *([f"base_model: {teacher}"] if _is_hub_id(teacher) else []), "---", "",
+        "---", data.to_yaml(), "---", "",
         f"# Linear-attention student of {teacher}", "",
         "Made with dofla: the teacher's softmax attention replaced by linear attention whose features were "
         "distilled from the teacher (Nishikawa, Higuchi & Suzuki, NeurIPS 2025), every other weight the "
@@ -55,6 +66,7 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
         f"| attention | {_attention(spec)} |",
         f"| feature map | {spec.get('feature_map')} |",
         f"| feature dims per layer | {_dims(spec['dims'])} |",
+        f"| licence | {licence_cell} |",
         *[f"| {label} | {run[key]} |" for key, label in (("loss", "distillation loss"),
                                                           ("allocation", "dims allocation"),
                                                           ("seed", "seed")) if key in run],
@@ -167,3 +179,40 @@ def _fmt(value) -> str:
 
 def _is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def teacher_license(teacher: str, revision: str | None = None) -> str | None:
+    """The licence in the teacher's own model card: a local directory's README.md, or a hub
+    repository's as the local Hugging Face cache holds it (no download: cards are written offline too)."""
+    local = Path(teacher).expanduser() / "README.md"
+    if local.is_file():
+        path = local
+    elif _is_hub_id(teacher):
+        path = try_to_load_from_cache(teacher, "README.md", revision=revision)
+        if not isinstance(path, str):  # None (never fetched) or a marker of a file the repo lacks
+            return None
+    else:
+        return None
+    try:
+        return ModelCard.load(path, ignore_metadata_errors=True).data.license
+    except Exception:  # a card whose front matter does not parse states no licence
+        return None
+
+
+def eval_results(metrics: dict, lm_eval: dict | None) -> list[EvalResult]:
+    """The student's measured scores as the hub's ``model-index``: its held-out perplexity and each
+    lm-eval task's acc / acc_norm (zero-shot, as :func:`_lm_eval_section` states)."""
+    results = []
+    if "eval/student_ppl" in metrics:
+        results.append(EvalResult(task_type="text-generation", dataset_type="held-out",
+                                  dataset_name="held-out text of the distillation data",
+                                  metric_type="perplexity", metric_value=metrics["eval/student_ppl"]))
+    version = (lm_eval or {}).get("lm_eval")
+    for task, scores in sorted(_task_scores(metrics, "student").items()):
+        for metric, _ in METRIC_MEANINGS:
+            if metric in scores:
+                results.append(EvalResult(
+                    task_type="text-generation", dataset_type=task, dataset_name=task,
+                    dataset_args={"num_fewshot": 0}, metric_type=metric, metric_value=scores[metric],
+                    metric_name=f"{metric} (lm-eval {version})" if version else metric))
+    return results
