@@ -10,7 +10,9 @@
   ``trust_remote_code`` transformers refuses (the type is unknown to it); without dofla installed
   the remote file fails with one sentence saying what to install.
 - ``README.md``: a model card (teacher, attention form, feature map, dims per layer, and, once the
-  run is evaluated, its distillation tokens and held-out metrics).
+  run is evaluated, its distillation tokens and held-out metrics), its front matter
+  ``huggingface_hub.ModelCardData``: the scores as ``model-index`` entries, the teacher's licence
+  (:mod:`dofla.models.card`).
 
 :func:`student_config` reads either form (directories saved before this kept the teacher's type
 and a ``dofla`` entry), from a local directory or a hub repository.
