@@ -16,6 +16,11 @@ GPUs, gloo on CPUs). Then:
 - everything else (Algorithm 1, allocation, assembly, lm-eval tasks, reports) runs on rank 0 while
   the others wait, and every file is written by rank 0 alone.
 
+A sweep cell that the submitit SLURM launcher starts as several tasks (``hydra/launcher=slurm_gpu
+hydra.launcher.gpus_per_node=N``: one task per GPU) joins the same way: submitit's own
+``TorchDistributedEnvironment`` turns the task's SLURM variables into torch's (RANK, WORLD_SIZE,
+MASTER_ADDR, ...) before the process group starts.
+
 A single process (no torchrun) takes none of these paths: every helper here is then a no-op.
 """
 from __future__ import annotations
@@ -35,16 +40,31 @@ T = TypeVar("T")
 
 
 def init() -> None:
-    """Join the process group when started by torchrun (WORLD_SIZE > 1); otherwise do nothing."""
+    """Join the process group when started by torchrun (WORLD_SIZE > 1) or as one of several tasks of
+    a submitit SLURM job; otherwise do nothing."""
+    if submitit_tasks() > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        from submitit.helpers import TorchDistributedEnvironment  # lazy: the launchers extra
+
+        # every task sees the node's GPUs (set_device below picks its own), and SLURM's values win
+        # over any RANK / MASTER_* inherited from the submitting shell
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     # Ranks wait for each other while one trains its layers: allow hours, not the default 30 min.
     timeout = timedelta(minutes=float(os.environ.get("DOFLA_DIST_TIMEOUT_MIN", "720")))
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # modulo: a SLURM job that binds one GPU to each task shows every task a single device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def submitit_tasks() -> int:
+    """How many tasks this process's submitit SLURM job has (0 outside one)."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return 0
+    return int(os.environ.get("SLURM_NTASKS", "1"))
 
 
 def device(spec: str = "auto") -> torch.device:
