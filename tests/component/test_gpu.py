@@ -45,3 +45,26 @@ def test_a_layer_loss_step_synchronises_with_the_host_once_on_cuda():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_the_fla_kernel_matches_the_pytorch_chunked_form_in_each_precision(dtype, tol):
+    """fla's kernel itself (it takes fp32 inputs since 0.4), fed this precision, against the PyTorch
+    chunked form in fp64 on the same rounded inputs: outputs and the final state."""
+    pytest.importorskip("fla")
+    from dofla.attention.delta import DeltaState, delta_rule_chunked
+    from dofla.attention.delta_backend import fla_kernel
+    from tests.unit.test_delta_rule import inputs
+
+    q, k, v, log_alpha, beta = (t.cuda() for t in inputs(b=2, h=4, t=300, m=64, dv=64, alpha=(0.0, 0.1)))
+    start = 0.1 * torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float64)
+    time_major = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  (B, H, T, ·) -> (B, T, H, ·)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    out, state = fla_kernel()(time_major(q), time_major(k), time_major(v), time_major(log_alpha.float()),
+                              time_major(beta.to(dtype)), scale=1.0, initial_state=start.float(),
+                              output_final_state=True)
+    assert out.dtype == dtype
+    ref, ref_state = delta_rule_chunked(q.double(), k.double(), v.double(), log_alpha, beta.to(dtype).double(),
+                                        state=DeltaState(start, 0))
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(state.double(), ref_state.S, rtol=tol, atol=tol)

@@ -193,3 +193,42 @@ def test_fla_kernel_matches_the_pytorch_chunked_form():
     ref, ref_state = delta_rule_chunked(*[t.bfloat16().float() for t in x[:3]], x[3], x[4], state=start)
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(state.S.float(), ref_state.S, rtol=3e-2, atol=3e-2)
+
+
+def _qwen3_next(name: str):
+    """transformers' PyTorch reference of fla's gated delta rule API (the Qwen3-Next modelling file),
+    unwrapped from the decorator that swaps in fla or a hub kernel where one is installed."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    except ImportError:
+        pytest.skip("this transformers has no Qwen3-Next modelling file")
+    fn = getattr(module, name, None)
+    if fn is None:
+        pytest.skip(f"transformers no longer has the private {name}")
+    return inspect.unwrap(fn)
+
+
+@pytest.mark.parametrize("reference", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
+@pytest.mark.parametrize("t", [1, 37, 130])
+def test_the_forms_equal_transformers_qwen3_next_reference(reference, t):
+    """Their conventions: (B, T, H, ·) layouts, q and k l2-normalised in the kernel, g the log decay,
+    β the write strength, q scaled by 1/√d_k; ours take the unit q̂, k̂ as given and no scale."""
+    b, h, m, dv = 2, 3, 16, 8
+    gen = torch.Generator().manual_seed(t)
+    q, k = (torch.randn(b, t, h, m, generator=gen) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=gen)
+    g = -0.5 * torch.rand(b, t, h, generator=gen)
+    beta = torch.rand(b, t, h, generator=gen)
+    start = 0.1 * torch.randn(b, h, m, dv, generator=gen)
+    theirs, their_state = _qwen3_next(reference)(q, k, v, g, beta, initial_state=start.clone(),
+                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+    heads_first = lambda x: x.transpose(1, 2).double()  # noqa: E731  (B, T, H, ·) -> (B, H, T, ·)
+    unit = lambda x: torch.nn.functional.normalize(heads_first(x), dim=-1)  # noqa: E731
+    args = (unit(q) / m ** 0.5, unit(k), heads_first(v), heads_first(g), heads_first(beta))
+    for form in (delta_rule_naive, delta_rule_chunked):
+        out, state = form(*args, state=DeltaState(start.double(), 0))
+        torch.testing.assert_close(out.transpose(1, 2).float(), theirs.float(), rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(state.S.float(), their_state.float(), rtol=1e-4, atol=2e-5)
