@@ -62,3 +62,14 @@ def test_the_floors_the_code_needs():
     # lm_eval.tasks._index and _yaml_loader (dofla.eval.downstream) first exist in 0.4.12;
     # wandb.init(reinit="finish_previous") (dofla.tracking) in 0.19.10
     assert ">=0.4.12" in requirements["lm-eval"] and ">=0.19.10" in requirements["wandb"]
+
+
+def test_the_lock_pins_every_declared_package_the_default_install_uses():
+    """make install: the core and the Makefile's extras at the lock's versions (torch is installed first,
+    outside the lock; the fla extra is CUDA only)."""
+    extras = re.search(r"^EXTRAS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split(",")
+    wanted = {_name(r) for r in PYPROJECT["dependencies"]}
+    wanted |= {_name(r) for extra in extras for r in PYPROJECT["optional-dependencies"][extra]}
+    lines = (ROOT / "requirements.lock").read_text().splitlines()
+    locked = {_name(line) for line in lines if line.strip() and not line.startswith("#")}
+    assert wanted - {"torch"} <= locked, f"declared but not in requirements.lock: {sorted(wanted - {'torch'} - locked)}"
