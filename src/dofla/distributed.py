@@ -36,6 +36,11 @@ import torch.distributed as dist
 
 from dofla.errors import require
 
+try:  # the launchers extra; a submitit job always has it (~50 ms to import)
+    from submitit.helpers import TorchDistributedEnvironment
+except ImportError:
+    TorchDistributedEnvironment = None
+
 T = TypeVar("T")
 
 
@@ -43,8 +48,6 @@ def init() -> None:
     """Join the process group when started by torchrun (WORLD_SIZE > 1) or as one of several tasks of
     a submitit SLURM job; otherwise do nothing."""
     if submitit_tasks() > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        from submitit.helpers import TorchDistributedEnvironment  # lazy: the launchers extra
-
         # every task sees the node's GPUs (set_device below picks its own), and SLURM's values win
         # over any RANK / MASTER_* inherited from the submitting shell
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
@@ -62,7 +65,7 @@ def init() -> None:
 
 def submitit_tasks() -> int:
     """How many tasks this process's submitit SLURM job has (0 outside one)."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or TorchDistributedEnvironment is None:
         return 0
     return int(os.environ.get("SLURM_NTASKS", "1"))
 
