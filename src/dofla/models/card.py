@@ -49,11 +49,12 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
     spec, run = config["dofla"], config.get("dofla_run") or {}
     teacher = run.get("teacher") or config.get("_name_or_path") or "unknown"
     licence = teacher_license(teacher, run.get("revision"))
-    data = ModelCardData(
+    results = eval_results(metrics, lm_eval)
+    data = ModelCardData(  # model_name names the model-index entry, needed only with results
         library_name="transformers", tags=["dofla", "linear-attention", "distillation"],
         base_model=teacher if _is_hub_id(teacher) else None, license=licence,
-        model_name=_usage_path(name, directory).rpartition("/")[2],
-        eval_results=eval_results(metrics, lm_eval) or None)
+        model_name=_usage_path(name, directory).rpartition("/")[2] if results else None,
+        eval_results=results or None)
     licence_cell = f"{licence} (the teacher's)" if licence else "not found: see the teacher's own card"
     lines = [
         "---", data.to_yaml(), "---", "",
