@@ -57,7 +57,6 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
         eval_results=results or None)
     licence_cell = f"{licence} (the teacher's)" if licence else "not found: see the teacher's own card"
     lines = [
-        "---", data.to_yaml(), "---", "",
         f"# Linear-attention student of {teacher}", "",
         "Made with dofla: the teacher's softmax attention replaced by linear attention whose features were "
         "distilled from the teacher (Nishikawa, Higuchi & Suzuki, NeurIPS 2025), every other weight the "
@@ -87,7 +86,8 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
         "",
     ]
     path = directory / "README.md"
-    path.write_text("\n".join(lines))
+    # ModelCard parses what it is given: a front matter the hub could not read fails here, not on the hub
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)).save(path)
     return path
 
 
