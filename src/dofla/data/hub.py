@@ -28,7 +28,7 @@ def load_hub_dataset(path: str, name: str | None, split: str, streaming: bool = 
             return datasets.load_dataset(path, name, split=split, streaming=streaming)
     except Exception as err:  # datasets raises many types; all mean "not available"
         if not reachable:
-            why = ("offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if hub_offline()
+            why = ("offline mode is set (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE or HF_DATASETS_OFFLINE)" if hub_offline()
                    else "no network or hub access")
             raise DataError(
                 f"could not download {label}: {why} and it is not in the local HF cache; "
