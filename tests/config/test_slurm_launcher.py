@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hydra.utils import instantiate
 
 from dofla.cli import CONF_DIR
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 
 @pytest.mark.parametrize("gpus", [1, 4])
@@ -14,5 +16,6 @@ def test_a_cell_gets_one_task_per_gpu(gpus):
         cfg = compose(config_name="config", overrides=["hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu",
                                                        f"hydra.launcher.gpus_per_node={gpus}"],
                       return_hydra_config=True)
-    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-    assert (launcher["gpus_per_node"], launcher["tasks_per_node"]) == (gpus, gpus)
+    launcher = instantiate(cfg.hydra.launcher)  # the submitit plugin's launcher, as Hydra builds it
+    assert type(launcher).__name__ == "SlurmLauncher"
+    assert (launcher.params["gpus_per_node"], launcher.params["tasks_per_node"]) == (gpus, gpus)
