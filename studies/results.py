@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from dofla.report import RunRecord, crossed_interval, frontier_plot, frontier_points, frontier_table, load_records
+from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
 from studies.dof_tables import dof_allocation
-from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share, signed, values
+from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share_cell, signed, values
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -67,6 +67,7 @@ COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the 
     ("delta hybrid − window + sinks, loss at positions 1,024–2,047", "hybrid_delta", "window_sinks_kl",
      "position/student/1024-2048", None),
 )
+TEACHER = "teacher (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to fp32)"
 MAIN_HEADER = ["student", "preset", "runs", "held-out ppl", "× teacher", "loss − teacher (nats)",
                "at positions 1,024–2,047", "passkey @ 1K", "passkey @ 2K"]
 
@@ -75,9 +76,11 @@ def teacher_row(records: list[RunRecord]) -> list[str]:
     """The teacher's row: its scores are the same in every run (the same text and prompts), so each comes
     from the first run that measured it (only some presets measure passkey at 2K): the frontier's teacher point."""
     point = frontier_points([r for r in records if "heldout/student" in r.sequences])[0]
-    rates = {length: f"{point['passkey'][length]:.2f}" if length in point["passkey"] else "–" for length in (1024, 2048)}
-    return ["teacher (SmolLM2-135M-Instruct)", "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–",
-            rates[1024], rates[2048]]
+    rates = {}
+    for length in (1024, 2048):
+        name = f"passkey/teacher/T{length}"
+        rates[length] = share_cell([r for r in records if name in r.sequences][:1], name)
+    return [TEACHER, "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–", rates[1024], rates[2048]]
 
 
 def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
@@ -131,9 +134,8 @@ def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
     arms = [(label, preset, arm(records, preset)) for label, preset in MQAR]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
     first = arms[0][2][:1]
-    rows = [["teacher (SmolLM2-135M-Instruct)", "–", *[f"{values(first, f'mqar/teacher/T{t}').mean():.2f}" for t in lengths]]]
-    rows += [[label, str(len(runs)), *[share(crossed_interval(values(runs, f"mqar/student/T{t}"))) for t in lengths]]
-             for label, _, runs in arms]
+    rows = [[TEACHER, "–", *[share_cell(first, f"mqar/teacher/T{t}") for t in lengths]]]
+    rows += [[label, str(len(runs)), *[share_cell(runs, f"mqar/student/T{t}") for t in lengths]] for label, _, runs in arms]
     if len(arms) == 2:
         (_, _, a), (_, _, b) = arms
         rows.append(["gated delta − additive (paired)", ", ".join(map(str, common_orders(a, b))),

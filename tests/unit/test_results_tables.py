@@ -10,6 +10,7 @@ import torch
 
 from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.report import load_records, paired_interval
+from dofla.report.shares import paired_share_interval, share_interval
 from studies import records, results
 
 SEQS, PROMPTS = 6, 4
@@ -112,7 +113,8 @@ def test_the_teachers_scores_come_from_whichever_run_measured_them(tmp_path):
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
     loaded = load_records(tmp_path / "records")
     assert [r.name for r in loaded][0] == "a_s0"
-    assert results.teacher_row(loaded)[-2:] == ["0.75", "0.50"]
+    assert results.teacher_row(loaded)[-2:] == [f"{share_interval([[1.0, 1.0, 1.0, 0.0]])} (3/4)",
+                                                f"{share_interval([[1.0, 1.0, 0.0, 0.0]])} (2/4)"]
     teacher = results.frontier_points(loaded)[0]
     assert teacher["name"] == "teacher" and teacher["passkey"] == {1024: 0.75, 2048: 0.5}
     assert teacher["memory"] == {}  # the fakes measured the students' decode memory only
@@ -215,12 +217,21 @@ def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_exa
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar")])
     table = results.PAGES["mqar"](load_records(tmp_path / "mqar"))[("headline", "table")].splitlines()
     assert table[0] == "| student | runs | T = 64 (16 pairs) |"
-    assert table[2] == "| teacher (SmolLM2-135M-Instruct) | – | 0.94 |"
+    assert table[2] == f"| {results.TEACHER} | – | {share_interval([teacher], per_value=16)} (60/64) |"
     delta = torch.tensor([shares["linear_delta_kl"]], dtype=torch.float64)
     additive = torch.tensor([shares["linear_hedgehog_kl"]], dtype=torch.float64)
-    assert table[3].startswith("| pure linear: gated delta rule | 1 | 0.25 ± ")
+    assert table[3] == f"| pure linear: gated delta rule | 1 | {share_interval(delta, per_value=16)} (16/64) |"
+    # both recall some of example 2's 16 queries: which ones is not recorded, so the pairs are per example
     versus = paired_interval(delta, additive)
-    assert table[5] == f"| gated delta − additive (paired) | 0 | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only) |"
+    assert table[5] == (f"| gated delta − additive (paired) | 0 | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only)"
+                        " (per example) |")
+    Measurements(tmp_path / "runs" / "linear_hedgehog_kl_mqar_s0" / MEASUREMENTS, main=True).get(
+        "mqar", {"again": 1}, lambda: {"m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": [0.0] * 4})
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar_again")])
+    table = results.PAGES["mqar"](load_records(tmp_path / "mqar_again"))[("headline", "table")].splitlines()
+    known = paired_share_interval(delta, torch.zeros(1, 4, dtype=torch.float64), per_value=16)
+    assert (known.only_a, known.only_b) == (16, 0)  # the additive student recalls none: every pair is known
+    assert table[5] == f"| gated delta − additive (paired) | 0 | {known} (McNemar p = {known.p_value:.2g}) |"
     assert results.PAGES["mqar"]([]) == {("headline", "table"): ""}
 
 
