@@ -14,8 +14,8 @@ same data orders and scored on the same text, is the same computation on the dif
 run the interval is over the text alone, and with one sequence (a number per run) over runs alone;
 :class:`Interval` says which.
 
-Shares (passkey prompts recalled, MQAR queries) are counts, not means of a roughly normal quantity: their
-intervals are binomial, in :mod:`dofla.report.shares`.
+Shares (passkey prompts recalled, MQAR queries) are counts, not means of a roughly normal quantity, and do
+not belong here: the results pages give them binomial intervals (``studies/shares.py``).
 """
 from __future__ import annotations
 
