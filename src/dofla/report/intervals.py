@@ -9,8 +9,9 @@ fixed. With ``x[r, s]`` the value of run r on sequence s, the crossed random-eff
 
 gives the grand mean the variance σ²_run/R + σ²_text/S + σ²_e/(RS). The components are estimated from
 the two-way ANOVA mean squares (a negative estimate is set to 0), and the interval is Student's t with
-Satterthwaite's degrees of freedom, fractional as the approximation gives them (``scipy.stats.t``). A paired comparison, two students trained on the
-same data orders and scored on the same text, is the same computation on the differences. With one
+Satterthwaite's degrees of freedom, fractional as the approximation gives them (``scipy.stats.t``). A
+paired comparison, two students trained on the same data orders and scored on the same text, is the same
+computation on the differences. With one
 run the interval is over the text alone, and with one sequence (a number per run) over runs alone;
 :class:`Interval` says which.
 
