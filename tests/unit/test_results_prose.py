@@ -53,10 +53,14 @@ def answers(path) -> str:
     return re.sub(r"`[^`]*`|\]\([^)]*\)", "", "\n\n".join(kept))
 
 
+def built() -> list[str]:
+    """Every block studies.results builds from the committed records."""
+    return [block for name, build in results.PAGES.items() for block in build(*results.sources_of(name)).values()]
+
+
 def computed() -> str:
     """Every block studies.results builds from the committed records, as one text."""
-    text = "".join("".join(build(*results.sources_of(name)).values()) for name, build in results.PAGES.items())
-    return text.replace("−", "-")
+    return "".join(built()).replace("−", "-")
 
 
 def unsigned(number: str) -> str:
@@ -101,3 +105,20 @@ def test_a_number_no_record_gives_is_caught(tmp_path, blocks):
 def test_numbers_inside_names_and_settings_are_not_read_as_results():
     text = "fp32, Q4_1, SmolLM2-135M, passkey @ 1K, `seed=0,1,2`, 3.58× and 1,024–2,047 and −0.036"
     assert [unsigned(n) for n in NUMBER.findall(re.sub(r"`[^`]*`", "", text))] == ["3.58", "1,024", "2,047", "0.036"]
+
+
+def test_no_share_on_a_page_has_a_normal_interval_or_a_bound_outside_0_and_1():
+    """Passkey and MQAR cells are shares: a Wilson interval inside [0, 1] with its count, never "± ", and
+    a difference of two shares stays inside [−1, 1]."""
+    shares = 0
+    for table in built():
+        lines = [line.split(" | ") for line in table.replace("−", "-").strip().splitlines() if line.startswith("|")]
+        columns = [i for i, name in enumerate(lines[0] if lines else []) if "passkey" in name or name.startswith("T = ")]
+        for row in lines[2:]:
+            for cell in (row[i] for i in columns):
+                assert "±" not in cell or "per example" in cell, f"a share with a normal interval: {cell}"
+                for low, high in re.findall(r"\[([+-]?[\d.]+), ([+-]?[\d.]+)\]", cell):
+                    bound = -1.0 if cell.startswith(("+", "-")) else 0.0
+                    assert bound <= float(low) <= float(high) <= 1.0, cell
+                    shares += 1
+    assert shares >= 20  # the headline's passkey cells, its comparisons and the MQAR table were read
