@@ -8,9 +8,11 @@ in ``docs/results/runs/<PAGE>/`` (``dofla.report.collect_record``; ``SOURCES`` n
 directories of a page that reads more than its own); ``--check`` rewrites nothing and
 exits 1 naming every block that differs (a test runs it). No number in those blocks is typed by hand.
 
-Intervals are 95 % over training runs and held-out text together (``dofla.report.crossed_interval``):
+Loss intervals are 95 % over training runs and held-out text together (``dofla.report.crossed_interval``):
 each arm's runs are its data orders (``seed``), every run is scored on the same held-out sequences and
-passkey prompts, and a comparison pairs two arms by data order and by sequence.
+passkey prompts, and a comparison pairs two arms by data order and by sequence. Shares (passkey prompts,
+MQAR queries) get Wilson's interval over the pooled trials, and two arms' shares Newcombe's paired interval
+with McNemar's exact p (``studies.shares``).
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import re
 import sys
 from pathlib import Path
 
-from dofla.report import RunRecord, crossed_interval, frontier_plot, frontier_points, frontier_table, load_records
+from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
 from studies.dof_tables import dof_allocation
-from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share, signed, values
+from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share_cell, signed, values
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -67,6 +69,7 @@ COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the 
     ("delta hybrid − window + sinks, loss at positions 1,024–2,047", "hybrid_delta", "window_sinks_kl",
      "position/student/1024-2048", None),
 )
+TEACHER = "teacher (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to fp32)"
 MAIN_HEADER = ["student", "preset", "runs", "held-out ppl", "× teacher", "loss − teacher (nats)",
                "at positions 1,024–2,047", "passkey @ 1K", "passkey @ 2K"]
 
@@ -75,9 +78,11 @@ def teacher_row(records: list[RunRecord]) -> list[str]:
     """The teacher's row: its scores are the same in every run (the same text and prompts), so each comes
     from the first run that measured it (only some presets measure passkey at 2K): the frontier's teacher point."""
     point = frontier_points([r for r in records if "heldout/student" in r.sequences])[0]
-    rates = {length: f"{point['passkey'][length]:.2f}" if length in point["passkey"] else "–" for length in (1024, 2048)}
-    return ["teacher (SmolLM2-135M-Instruct)", "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–",
-            rates[1024], rates[2048]]
+    rates = {}
+    for length in (1024, 2048):
+        name = f"passkey/teacher/T{length}"
+        rates[length] = share_cell([r for r in records if name in r.sequences][:1], name)
+    return [TEACHER, "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–", rates[1024], rates[2048]]
 
 
 def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
@@ -85,8 +90,8 @@ def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[t
     blocks while no run is recorded. ``policies``: the DoF page's records (a preset under another
     allocation policy), which join the frontier as points of their own."""
     if not records:
-        return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "frontier"): "",
-                ("README", "table"): ""}
+        return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "orders"): "",
+                ("headline", "frontier"): "", ("README", "table"): ""}
     arms = [(label, preset, arm(records, preset)) for label, preset in HEADLINE]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
     table = [teacher_row(records)] + [arm_row(*a) for a in arms]
@@ -99,7 +104,20 @@ def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[t
     usable = [r for r in [*records, *policies] if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
-            ("headline", "frontier"): frontier, ("README", "table"): readme}
+            ("headline", "orders"): orders_table(arms), ("headline", "frontier"): frontier, ("README", "table"): readme}
+
+
+def orders_table(arms: list[tuple[str, str, list[RunRecord]]]) -> str:
+    """Each run of a student with several: its held-out perplexity and its mean loss at positions 1,024–2,047
+    (the teacher's on the same text beside it), so a pooled interval's spread can be read order by order."""
+    rows = []
+    for label, preset, runs in arms:
+        for run in runs if len(runs) > 1 else []:
+            far = [values([run], f"position/{who}/1024-2048") for who in ("student", "teacher")]
+            cells = [f"{t.mean().item():.2f}" if t is not None else "–" for t in far]
+            rows.append([label, str(run.seed), f"{math.exp(values([run], 'heldout/student').mean().item()):.2f}", *cells])
+    header = ["student", "data order", "held-out ppl", "loss at positions 1,024–2,047 (nats)", "teacher's there"]
+    return markdown(header, rows) if rows else ""
 
 
 def headline_rerun(reruns: list[RunRecord], recorded: list[RunRecord]) -> dict[tuple[str, str], str]:
@@ -122,23 +140,29 @@ MQAR = (("pure linear: gated delta rule", "linear_delta_kl"), ("pure linear: Hed
 
 
 def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
-    """The headline page's MQAR block: each student's share of queries recalled at each length (mean ±
-    95 % over runs and the probe's examples), the teacher's, and the gated delta student against the
-    additive one, paired by data order and example."""
+    """The headline page's MQAR block: each student's held-out perplexity and share of queries recalled at
+    each length (pooled over its runs and the probe's examples, Wilson's interval), the teacher's, and the
+    gated delta student against the additive one, paired by data order and query."""
     lengths = sorted({int(k.rsplit("T", 1)[1]) for r in records for k in r.sequences if k.startswith("mqar/student/")})
     if not lengths:
         return {("headline", "table"): ""}
     arms = [(label, preset, arm(records, preset)) for label, preset in MQAR]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
     first = arms[0][2][:1]
-    rows = [["teacher (SmolLM2-135M-Instruct)", "–", *[f"{values(first, f'mqar/teacher/T{t}').mean():.2f}" for t in lengths]]]
-    rows += [[label, str(len(runs)), *[share(crossed_interval(values(runs, f"mqar/student/T{t}"))) for t in lengths]]
+
+    def ppl(runs: list[RunRecord], who: str) -> str:
+        loss = values(runs, f"heldout/{who}")
+        return "–" if loss is None else f"{math.exp(loss.mean().item()):.2f}"
+
+    rows = [[TEACHER, "–", ppl(first, "teacher"), *[share_cell(first, f"mqar/teacher/T{t}") for t in lengths]]]
+    rows += [[label, str(len(runs)), ppl(runs, "student"), *[share_cell(runs, f"mqar/student/T{t}") for t in lengths]]
              for label, _, runs in arms]
     if len(arms) == 2:
         (_, _, a), (_, _, b) = arms
-        rows.append(["gated delta − additive (paired)", ", ".join(map(str, common_orders(a, b))),
+        rows.append(["gated delta − additive (paired)", ", ".join(map(str, common_orders(a, b))), "–",
                      *[paired(a, b, f"mqar/student/T{t}") for t in lengths]])
-    return {("headline", "table"): markdown(["student", "runs", *[f"T = {t} ({t // 4} pairs)" for t in lengths]], rows)}
+    header = ["student", "runs", "held-out ppl", *[f"T = {t} ({t // 4} pairs)" for t in lengths]]
+    return {("headline", "table"): markdown(header, rows)}
 
 
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/

@@ -1,13 +1,14 @@
 """Table helpers shared by the results pages (:mod:`studies.results`): per-sequence values of a run
-record, the 95 % intervals over runs and held-out text (``dofla.report.crossed_interval``) as table cells,
-and markdown tables."""
+record, the 95 % intervals over runs and held-out text (``dofla.report.crossed_interval``) and the binomial
+intervals of shares (``studies.shares``) as table cells, and markdown tables."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from dofla.report import Interval, RunRecord, crossed_interval, paired_interval
+from dofla.report import Interval, RunRecord, paired_interval
+from studies.shares import paired_share_interval, share_interval
 
 
 def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:
@@ -54,10 +55,35 @@ def signed(interval) -> str:
     return _counted(interval, f"{interval.mean:+.3f} ± {interval.half_width:.3f}")
 
 
-def share(interval) -> str:
-    if interval.half_width is None:
-        return f"{interval.mean:.2f}"
-    return _counted(interval, f"{interval.mean:.2f} ± {interval.half_width:.2f}")
+def trials_per_value(name: str) -> int | None:
+    """How many trials each per-sequence value of ``name`` counts when it is a share: a passkey prompt is one
+    (0 or 1), an MQAR example at length T is T/4 queries; None for a loss."""
+    if name.startswith("passkey/"):
+        return 1
+    if name.startswith("mqar/"):
+        return int(name.rsplit("T", 1)[1]) // 4
+    return None
+
+
+def share(table: torch.Tensor, name: str) -> str:
+    """The share of hits in ``table`` (runs × prompts or examples of ``name``), its Wilson interval and the count."""
+    got = share_interval(table, trials_per_value(name))
+    return f"{got} ({got.hits}/{got.trials})"
+
+
+def share_cell(runs: list[RunRecord], name: str) -> str:
+    """The runs' share of ``name`` pooled over runs and trials, or – when not measured."""
+    hits = values(runs, name)
+    return "–" if hits is None else share(hits, name)
+
+
+def paired_share(a: torch.Tensor, b: torch.Tensor, name: str) -> str:
+    """A − B on the same trials: Newcombe's interval and McNemar's exact p; where the paired cells cannot be
+    told from per-example shares, the crossed interval of the per-example differences, marked."""
+    got = paired_share_interval(a, b, trials_per_value(name))
+    if got is None:
+        return f"{signed(paired_interval(a, b))} (per example)"
+    return f"{got} (McNemar p = {got.p_value:.2g})"
 
 
 def gap(runs: list[RunRecord], student: str, reference: str) -> str:
@@ -67,8 +93,7 @@ def gap(runs: list[RunRecord], student: str, reference: str) -> str:
 
 
 def passkey(runs: list[RunRecord], length: int) -> str:
-    hits = values(runs, f"passkey/student/T{length}")
-    return "–" if hits is None else share(crossed_interval(hits))
+    return share_cell(runs, f"passkey/student/T{length}")
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -87,7 +112,9 @@ def paired(a: list[RunRecord], b: list[RunRecord], name: str, b_name: str | None
     orders = common_orders(a, b)
     a, b = [r for r in a if r.seed in orders], [r for r in b if r.seed in orders]
     x, y = values(a, name), values(b, b_name or name)
-    return "–" if not orders or x is None or y is None else signed(paired_interval(x, y))
+    if not orders or x is None or y is None:
+        return "–"
+    return paired_share(x, y, name) if trials_per_value(name) else signed(paired_interval(x, y))
 
 
 def quality(runs: list[RunRecord]) -> tuple[float, Interval, str]:

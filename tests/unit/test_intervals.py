@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
+from scipy import stats
 
 from dofla.report.intervals import crossed_interval, paired_interval
-from dofla.report.stats import mean_ci, t_quantile
+from dofla.report.stats import mean_ci
 
 
 def test_the_variance_is_the_one_the_mean_squares_give_by_hand():
@@ -24,8 +25,19 @@ def test_the_variance_is_the_one_the_mean_squares_give_by_hand():
     var = (ms_r + ms_s - ms_e) / (r * s)
     df = (ms_r + ms_s - ms_e) ** 2 / (ms_r ** 2 / (r - 1) + ms_s ** 2 / (s - 1) + ms_e ** 2 / ((r - 1) * (s - 1)))
     got = crossed_interval(x)
-    assert got.mean == pytest.approx(grand) and got.df == math.floor(df) and got.counts == "runs and text"
-    assert got.half_width == pytest.approx(t_quantile(0.975, math.floor(df)) * math.sqrt(var))
+    assert df != math.floor(df)  # Satterthwaite's degrees of freedom are used as they are, not rounded down
+    assert got.mean == pytest.approx(grand) and got.df == pytest.approx(df) and got.counts == "runs and text"
+    assert got.half_width == pytest.approx(stats.t.ppf(0.975, df) * math.sqrt(var))
+    assert got.half_width < stats.t.ppf(0.975, math.floor(df)) * math.sqrt(var)
+
+
+@pytest.mark.parametrize("df, quantile", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (30, 2.0423)])
+def test_the_t_quantile_is_the_tabled_one(df, quantile):
+    """Student's t 0.975 quantiles from the printed table, through a one-run interval of df + 1 sequences."""
+    seqs = [float(i % 3) for i in range(df + 1)]
+    got = crossed_interval([seqs])
+    sd = torch.tensor(seqs, dtype=torch.float64).std().item()
+    assert got.df == df and got.half_width == pytest.approx(quantile * sd / math.sqrt(df + 1), rel=2e-5)
 
 
 def test_one_run_is_an_interval_over_the_text_and_one_sequence_over_the_runs():

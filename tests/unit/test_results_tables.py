@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.report import load_records, paired_interval
+from studies.shares import paired_share_interval, share_interval
 from studies import records, results
 
 SEQS, PROMPTS = 6, 4
@@ -112,7 +112,8 @@ def test_the_teachers_scores_come_from_whichever_run_measured_them(tmp_path):
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
     loaded = load_records(tmp_path / "records")
     assert [r.name for r in loaded][0] == "a_s0"
-    assert results.teacher_row(loaded)[-2:] == ["0.75", "0.50"]
+    assert results.teacher_row(loaded)[-2:] == [f"{share_interval([[1.0, 1.0, 1.0, 0.0]])} (3/4)",
+                                                f"{share_interval([[1.0, 1.0, 0.0, 0.0]])} (2/4)"]
     teacher = results.frontier_points(loaded)[0]
     assert teacher["name"] == "teacher" and teacher["passkey"] == {1024: 0.75, 2048: 0.5}
     assert teacher["memory"] == {}  # the fakes measured the students' decode memory only
@@ -201,8 +202,8 @@ def test_the_papers_algorithm1_is_kept_as_its_allocation_beside_the_projects_est
     assert sorted(p.name for p in (tmp_path / "records" / "algorithm1" / "paper_s0").iterdir()) == ["allocation.json", "run.json"]
     table = results.PAGES["dof_allocation"](load_records(tmp_path / "records" / "dof_allocation"), [], [kept])
     rows = table[("dof_allocation", "algorithm1")].splitlines()[2:]
-    assert rows == ["| the project's (`allocation=dof`) | 0 | `trace` | 0.01 | – | – | `–` | 15.0 | 1.2–3.0 | 150 | 12–30 |",
-                    "| the paper's, as written | 0 | `J` | 0.0625 | 2048 | 1 | `max` | 1888.5 | 2040.0–2048.0 | 59 | 64–65 |"]
+    assert rows == ["| the project's variant (`allocation=dof`) | 0 | `trace` | 0.01 | – | – | `–` | 15.0 | 1.2–3.0 | 150 | 12–30 |",
+                    "| the paper's form | 0 | `J` | 0.0625 | 2048 | 1 | `max` | 1888.5 | 2040.0–2048.0 | 59 | 64–65 |"]
 
 
 def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_example(tmp_path):
@@ -214,13 +215,26 @@ def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_exa
             "m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": hits})
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar")])
     table = results.PAGES["mqar"](load_records(tmp_path / "mqar"))[("headline", "table")].splitlines()
-    assert table[0] == "| student | runs | T = 64 (16 pairs) |"
-    assert table[2] == "| teacher (SmolLM2-135M-Instruct) | – | 0.94 |"
+    assert table[0] == "| student | runs | held-out ppl | T = 64 (16 pairs) |"
+    loaded = load_records(tmp_path / "mqar")
+    ppl = {r.experiment: f"{math.exp(sum(r.sequences['heldout/student']) / SEQS):.2f}" for r in loaded}
+    teacher_ppl = f"{math.exp(sum(loaded[0].sequences['heldout/teacher']) / SEQS):.2f}"
+    assert table[2] == f"| {results.TEACHER} | – | {teacher_ppl} | {share_interval([teacher], per_value=16)} (60/64) |"
     delta = torch.tensor([shares["linear_delta_kl"]], dtype=torch.float64)
     additive = torch.tensor([shares["linear_hedgehog_kl"]], dtype=torch.float64)
-    assert table[3].startswith("| pure linear: gated delta rule | 1 | 0.25 ± ")
+    assert table[3] == (f"| pure linear: gated delta rule | 1 | {ppl['linear_delta_kl']} | "
+                        f"{share_interval(delta, per_value=16)} (16/64) |")
+    # both recall some of example 2's 16 queries: which ones is not recorded, so the pairs are per example
     versus = paired_interval(delta, additive)
-    assert table[5] == f"| gated delta − additive (paired) | 0 | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only) |"
+    assert table[5] == (f"| gated delta − additive (paired) | 0 | – | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only)"
+                        " (per example) |")
+    Measurements(tmp_path / "runs" / "linear_hedgehog_kl_mqar_s0" / MEASUREMENTS, main=True).get(
+        "mqar", {"again": 1}, lambda: {"m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": [0.0] * 4})
+    records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar_again")])
+    table = results.PAGES["mqar"](load_records(tmp_path / "mqar_again"))[("headline", "table")].splitlines()
+    known = paired_share_interval(delta, torch.zeros(1, 4, dtype=torch.float64), per_value=16)
+    assert (known.only_a, known.only_b) == (16, 0)  # the additive student recalls none: every pair is known
+    assert table[5] == f"| gated delta − additive (paired) | 0 | – | {known} (McNemar p = {known.p_value:.2g}) |"
     assert results.PAGES["mqar"]([]) == {("headline", "table"): ""}
 
 
@@ -247,28 +261,3 @@ def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_orde
     recorded = math.exp(sum(sources[1][1].sequences["heldout/student"]) / SEQS)
     assert f"| `window_sinks_kl` | 1 | {recorded:.2f} | {recorded * math.exp(1e-3):.2f} | +0.0010 | 0.0010 |" in table
     assert "hybrid_text" not in table and "| 0 |" not in table
-
-
-INTERVAL = re.compile(r"[+−-]?\d+\.\d+ ± \d+\.\d+")
-
-
-def measured_text(path) -> str:
-    """A page's prose measured under the records' protocol, its generated blocks taken out: README's
-    results section, a results page above its earlier-protocol section."""
-    text = path.read_text()
-    if path.name == "README.md":
-        text = text.split("## Results", 1)[1].split("\n## ", 1)[0]
-    text = text.split("## Earlier protocol", 1)[0]
-    return results.BLOCK.sub("", text)
-
-
-@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation"])
-def test_every_interval_the_prose_quotes_is_one_the_records_give(page):
-    """An interval typed in a page's answer (README's results, the pages' answers) is one of the cells
-    studies.results computes from the committed records, so prose cannot drift from the records."""
-    computed = ""
-    for name in results.PAGES:
-        computed += "".join(results.PAGES[name](*results.sources_of(name)).values())
-    computed = computed.replace("−", "-")
-    for interval in INTERVAL.findall(measured_text(results.page_path(page))):
-        assert interval.replace("−", "-").lstrip("+") in computed, f"{page} quotes {interval}, which no record gives"

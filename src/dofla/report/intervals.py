@@ -9,10 +9,14 @@ fixed. With ``x[r, s]`` the value of run r on sequence s, the crossed random-eff
 
 gives the grand mean the variance σ²_run/R + σ²_text/S + σ²_e/(RS). The components are estimated from
 the two-way ANOVA mean squares (a negative estimate is set to 0), and the interval is Student's t with
-Satterthwaite's degrees of freedom (rounded down). A paired comparison, two students trained on the
-same data orders and scored on the same text, is the same computation on the differences. With one
+Satterthwaite's degrees of freedom, fractional as the approximation gives them (``scipy.stats.t``). A
+paired comparison, two students trained on the same data orders and scored on the same text, is the same
+computation on the differences. With one
 run the interval is over the text alone, and with one sequence (a number per run) over runs alone;
 :class:`Interval` says which.
+
+Shares (passkey prompts recalled, MQAR queries) are counts, not means of a roughly normal quantity, and do
+not belong here: the results pages give them binomial intervals (``studies/shares.py``).
 """
 from __future__ import annotations
 
@@ -20,8 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from dofla.report.stats import t_quantile
+from scipy import stats
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Interval:
 
     mean: float
     half_width: float | None  # None: nothing varies that could be counted (one run, one sequence)
-    df: int | None
+    df: float | None  # Satterthwaite's degrees of freedom, not rounded
     runs: int
     sequences: int
     counts: str  # "runs and text" | "text only" | "runs only" | "nothing"
@@ -39,6 +42,11 @@ class Interval:
         if self.half_width is None:
             return f"{self.mean:.3f}"
         return f"{self.mean:.3f} ± {self.half_width:.3f}"
+
+
+def _t(level: float, df: float) -> float:
+    """The two-sided ``level`` quantile of Student's t with ``df`` (possibly fractional) degrees of freedom."""
+    return float(stats.t.ppf(0.5 + level / 2, df))
 
 
 def _mean_squares(x: torch.Tensor) -> tuple[float, float, float]:
@@ -64,7 +72,7 @@ def crossed_interval(values, level: float = 0.95) -> Interval:
         if line.numel() == 1:
             return Interval(mean, None, None, runs, seqs, "nothing")
         n = line.numel()
-        half = t_quantile(0.5 + level / 2, n - 1) * math.sqrt(line.var().item() / n)
+        half = _t(level, n - 1) * math.sqrt(line.var().item() / n)
         return Interval(mean, half, n - 1, runs, seqs, counts)
     ms_run, ms_text, ms_error = _mean_squares(x)
     with_run, with_text = ms_run > ms_error, ms_text > ms_error
@@ -75,9 +83,8 @@ def crossed_interval(values, level: float = 0.95) -> Interval:
     if total <= 0:
         return Interval(mean, 0.0, runs * seqs - 1, runs, seqs, "runs and text")
     df = total ** 2 / sum((c * ms) ** 2 / d for c, ms, d in terms if c)
-    whole = max(1, math.floor(df + 1e-9))
-    half = t_quantile(0.5 + level / 2, whole) * math.sqrt(total / (runs * seqs))
-    return Interval(mean, half, whole, runs, seqs, "runs and text")
+    half = _t(level, df) * math.sqrt(total / (runs * seqs))
+    return Interval(mean, half, df, runs, seqs, "runs and text")
 
 
 def paired_interval(a, b, level: float = 0.95) -> Interval:
