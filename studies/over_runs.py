@@ -9,8 +9,8 @@ recomputed rather than trusted: the interval is t(1 − α/2, n − 1) · s / �
 
 ``--minus`` compares two arms whose runs are not matched one to one (say, three layerwise-only
 students against three KL students trained on other text): the difference of the two means with
-Welch's interval (each arm its own variance, the Welch–Satterthwaite degrees of freedom rounded
-down). Runs that are matched (the same data order, the same text) are compared more tightly by
+Welch's interval (each arm its own variance, the Welch–Satterthwaite degrees of freedom as they
+are, fractional). Runs that are matched (the same data order, the same text) are compared more tightly by
 giving their per-run differences without ``--minus``.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def minus(values: list[float], others: list[float], level: float = 0.95) -> str:
     """One line: mean(values) − mean(others) ± Welch's half-width, the level, the groups and the degrees of freedom."""
     diff, half, df = welch_ci(values, others, level)
     return (f"{diff:.4g} ± {half:.2g} (difference of means ± {level * 100:g} % Welch t, {len(values)} runs minus "
-            f"{len(others)} runs, {df} degrees of freedom)")
+            f"{len(others)} runs, {df:.3g} degrees of freedom)")
 
 
 def main(argv: list[str] | None = None) -> None:

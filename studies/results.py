@@ -12,7 +12,7 @@ Loss intervals are 95 % over training runs and held-out text together (``dofla.r
 each arm's runs are its data orders (``seed``), every run is scored on the same held-out sequences and
 passkey prompts, and a comparison pairs two arms by data order and by sequence. Shares (passkey prompts,
 MQAR queries) get Wilson's interval over the pooled trials, and two arms' shares Newcombe's paired interval
-with McNemar's exact p (``studies.shares``).
+with McNemar's exact p (``dofla.report.shares``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Table helpers shared by the results pages (:mod:`studies.results`): per-sequence values of a run
 record, the 95 % intervals over runs and held-out text (``dofla.report.crossed_interval``) and the binomial
-intervals of shares (``studies.shares``) as table cells, and markdown tables."""
+intervals of shares (``dofla.report.shares``) as table cells, and markdown tables."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import torch
 
 from dofla.report import Interval, RunRecord, paired_interval
-from studies.shares import paired_share_interval, share_interval
+from dofla.report import paired_share_interval, share_interval
 
 
 def arm(records: list[RunRecord], preset: str) -> list[RunRecord]:

@@ -11,7 +11,7 @@ from dofla.record import read_json, write_json
 from dofla.report import write_report
 from dofla.report.stats import gap_closed as gap_share
 from dofla.report.seeds import paired_vs_fix, seed_groups
-from dofla.report.stats import mean_ci, paired_differences, t_cdf, t_quantile
+from dofla.report.stats import mean_ci, paired_differences, t_quantile
 from dofla.report.tables import distinguishing_overrides, gap_closed, load_run, record_differences_within_seeds
 
 # Published two-sided 95 % Student-t critical values t(0.975, df) (any statistics table).
@@ -81,28 +81,14 @@ def test_t_quantile_tends_to_the_normal_and_other_levels_are_right():
     assert t_quantile(0.95, 5) == pytest.approx(2.015, abs=6e-4)  # one-sided 95 %, df 5
     assert t_quantile(0.995, 3) == pytest.approx(5.841, abs=6e-4)
     assert t_quantile(0.975, 100) == pytest.approx(1.984, abs=6e-4)
-    assert t_quantile(0.975, 5000) == pytest.approx(1.959964, abs=1e-6)  # normal beyond 1000 df
+    assert t_quantile(0.975, 5000) == pytest.approx(1.959964, abs=6e-4)  # the normal quantile, nearly
     assert t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-9)
-    with pytest.raises(ValueError, match="positive integer"):
-        t_cdf(1.0, 0)
+    # fractional degrees of freedom (Welch's) fall between the whole ones around them
+    assert T975[3] < t_quantile(0.975, 2.5) < T975[2]
+    with pytest.raises(ValueError, match="positive"):
+        t_quantile(0.9, 0)
     with pytest.raises(ValueError, match="in \\(0, 1\\)"):
         t_quantile(1.0, 3)
-
-
-@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 12])
-def test_t_cdf_closed_form_equals_integrated_density(df):
-    """The finite-sum CDF against a plain reference: Simpson's rule on the t density from 0."""
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def density(x):
-        return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
-
-    for t in (0.3, 1.0, 2.5, 6.0):
-        n, h = 2000, t / 2000
-        simpson = density(0) + density(t) + sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
-        assert t_cdf(t, df) == pytest.approx(0.5 + simpson * h / 3, abs=1e-9)
-        assert t_cdf(-t, df) == pytest.approx(1 - t_cdf(t, df), abs=1e-15)
-    assert t_cdf(1.3, 1) == pytest.approx(0.5 + math.atan(1.3) / math.pi, abs=1e-15)  # Cauchy
 
 
 def test_mean_ci_is_the_student_t_interval_and_covers_95_percent():

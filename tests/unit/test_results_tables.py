@@ -9,7 +9,7 @@ import torch
 
 from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.report import load_records, paired_interval
-from studies.shares import paired_share_interval, share_interval
+from dofla.report import paired_share_interval, share_interval
 from studies import records, results
 
 SEQS, PROMPTS = 6, 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from studies.shares import (counts, digits, mcnemar_exact, newcombe_paired, paired_counts, paired_share_interval,
+from dofla.report.shares import (counts, digits, mcnemar_exact, newcombe_paired, paired_counts, paired_share_interval,
                                  share_interval, wilson)
 
 Z = stats.norm.ppf(0.975)

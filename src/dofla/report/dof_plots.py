@@ -76,7 +76,7 @@ def plot_dof_profile(runs: list[dict], path: Path) -> Path | None:
                                                     [b - m for m, b in zip(means, hi)]],
                     marker="o", ms=3, capsize=2, label=label)
     ylabel = "layer DoF (mean over seeds)" + ("\nbars: min–max over seeds × J-samples" if bars else "")
-    ax.set(xlabel="layer", ylabel=ylabel, title="degrees of freedom per layer (Algorithm 1)")
+    ax.set(xlabel="layer", ylabel=ylabel, title="degrees of freedom per layer (Algorithm 1 or its variant: settings in the legend)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return _save(fig, ax, path)
 
@@ -110,7 +110,7 @@ def plot_dof_vs_sensitivity(groups: list[dict], path: Path) -> Path | None:
         titles.append(rho)
         _mean_interval(left, layers, [[a["layer_dof"][i] for i in layers] for a in alloc], label)
         _mean_interval(right, layers, [a["sensitivity"] for a in alloc], label)
-    left.set(xlabel="layer", ylabel="layer DoF", title="Algorithm 1 (mean ± 95 % t CI over seeds)")
+    left.set(xlabel="layer", ylabel="layer DoF", title="DoF as the run estimated it (mean ± 95 % t CI over seeds)")
     right.set(xlabel="layer", ylabel="loss(smallest M) − loss(largest M)", title="measured sensitivity")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     counts = sorted({len(runs) for _, runs in series})

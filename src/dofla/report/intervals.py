@@ -16,7 +16,7 @@ run the interval is over the text alone, and with one sequence (a number per run
 :class:`Interval` says which.
 
 Shares (passkey prompts recalled, MQAR queries) are counts, not means of a roughly normal quantity, and do
-not belong here: the results pages give them binomial intervals (``studies/shares.py``).
+not belong here: the results pages give them binomial intervals (``dofla.report.shares``).
 """
 from __future__ import annotations
 
