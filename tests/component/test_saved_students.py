@@ -1,0 +1,29 @@
+"""Students saved by an earlier release (tests/fixtures/students, one per attention form and per setting that
+changes a layer) load unchanged and give the logits and the greedy continuation they gave when saved."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dofla.models import load_student
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "students"
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.pt").exists())
+
+
+def test_every_form_has_a_fixture():
+    assert {"linear", "hybrid", "sliding_window", "gated_delta", "gated_delta_window", "softmax"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_student_loads_with_its_logits(name):
+    student = load_student(FIXTURES / name)
+    expected = torch.load(FIXTURES / name / "expected.pt")
+    with torch.no_grad():
+        logits = student(expected["ids"], use_cache=False).logits
+    torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=2e-5)
+    tokens = student.generate(expected["ids"][:1, :9], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=256)
+    assert torch.equal(tokens, expected["generated"])
