@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dofla.eval.memory import prefill_bytes
 from dofla.models import load_student
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "students"
@@ -27,3 +28,12 @@ def test_saved_student_loads_with_its_logits(name):
     tokens = student.generate(expected["ids"][:1, :9], max_new_tokens=8, min_new_tokens=8, do_sample=False,
                               pad_token_id=256)
     assert torch.equal(tokens, expected["generated"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [3, 9, 20])
+def test_each_form_predicts_the_decode_bytes_it_holds(name, tokens):
+    """The forms' state_bytes, summed over the layers, equal the bytes the cache holds after a prefill."""
+    student = load_student(FIXTURES / name)
+    predicted = sum(attn.state_bytes(tokens) for attn in student.student_attentions())
+    assert prefill_bytes(student, tokens) == predicted

@@ -25,7 +25,7 @@ def restorable_layers(model: PreTrainedModel) -> list[int]:
     (Gemma 2, Mistral: exact in every student already)."""
     geometry = get_adapter(model).geometry(model.config)
     windows = getattr(geometry, "layer_windows", None) or (None,) * geometry.num_layers
-    return [i for i, attn in enumerate(model.student_attentions()) if attn.mode != "softmax" and windows[i] is None]
+    return [i for i, attn in enumerate(model.student_attentions()) if attn.form.traits.state != "kv" and windows[i] is None]
 
 
 def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:

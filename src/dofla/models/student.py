@@ -31,8 +31,7 @@ import huggingface_hub
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
-from dofla.attention.gate import build_gate
+from dofla.attention.forms import get_form
 from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
@@ -73,7 +72,7 @@ class StudentMixin:
             student.cache_layer = None if cache is None else cache.layers[i]
             student.key_valid = key_valid
             if cache is not None:
-                cache.layers[i].keep_kv = student.mode == "softmax"
+                cache.layers[i].keep_kv = student.form.traits.state == "kv"
         try:
             return super().forward(*args, **kwargs)
         finally:
@@ -85,7 +84,7 @@ class StudentMixin:
         tokens; None when nothing is padded (or only the softmax reference, which uses HF's mask)."""
         given = kwargs if not args else _bind_forward(type(self), self, args, kwargs)
         mask = given.get("attention_mask")
-        if mask is None or all(s.mode == "softmax" for s in students):
+        if mask is None or all(s.form.traits.state == "kv" for s in students):
             return None
         if mask.ndim != 2:
             raise ValueError(f"a dofla student reads padding from a 2D (batch, tokens) attention_mask, got "
@@ -184,19 +183,14 @@ def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int
         return StudentAttention(*shape, None, spec.chunk_size, window=teacher_window, softcap=softcap)
     if i in spec.softmax_layers:
         return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
-    if spec.attention == "sliding_window":
-        return StudentAttention(*shape, None, spec.chunk_size, spec.window, spec.sinks, softcap)
-    feature_map = build_layer_feature_map(
+    form = get_form(spec.attention)
+    features = None if form.traits.state == "none" else build_layer_feature_map(
         spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
         seed=spec.seed + i, **spec.feature_map_options,
     )
-    if spec.attention == "gated_delta":  # the feature map and the gates, trained and saved together
-        feature_map = DeltaFeatureMap(feature_map, DeltaGates(geometry.num_heads, geometry.head_dim))
-        return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                                softcap if spec.window > 0 else None)
-    return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                            softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]),
-                            learned_scale=spec.linear_scale == "learned")
+    parts = form.build(spec, features, geometry.num_heads, geometry.head_dim)
+    return StudentAttention(*shape, chunk_size=spec.chunk_size, window=spec.window, sinks=spec.sinks,
+                            softcap=softcap if spec.window > 0 else None, state=form.traits.state, **parts)
 
 
 def convert(
