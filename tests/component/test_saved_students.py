@@ -2,13 +2,15 @@
 changes a layer) load unchanged and give the logits and the greedy continuation they gave when saved."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 from dofla.eval.memory import prefill_bytes
-from dofla.models import load_student
+from dofla.models import ConversionSpec, get_adapter, load_student
+from dofla.models.plan import expand
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "students"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.pt").exists())
@@ -37,3 +39,24 @@ def test_each_form_predicts_the_decode_bytes_it_holds(name, tokens):
     student = load_student(FIXTURES / name)
     predicted = sum(attn.state_bytes(tokens) for attn in student.student_attentions())
     assert prefill_bytes(student, tokens) == predicted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_plan_its_settings_expand_into_builds_the_same_student(name):
+    """A spec without a plan (saved before it) and the same spec with its expanded plan give the same logits,
+    and the plan predicts the bytes the student holds."""
+    student = load_student(FIXTURES / name)
+    geometry = get_adapter(student).geometry(student.config)
+    spec = ConversionSpec(**student.config.dofla)
+    assert spec.plan is None
+    plan = expand(spec, geometry)
+    config = copy.deepcopy(student.config)
+    config.dofla = {**student.config.dofla, "plan": plan.to_list()}
+    planned = type(student)(config).eval()
+    planned.load_state_dict(student.state_dict())
+    ids = torch.load(FIXTURES / name / "expected.pt")["ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(planned(ids, use_cache=False).logits, student(ids, use_cache=False).logits,
+                                   rtol=0, atol=0)
+    group = geometry.num_heads // geometry.num_kv_heads
+    assert plan.state_bytes(group, geometry.head_dim, 20) == prefill_bytes(student, 20)

@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
+from dofla.attention.exact import exact_attention
 from dofla.attention.gate import build_gate
 from dofla.attention.hybrid import hybrid_attention_chunked
 from dofla.attention.linear import linear_attention_chunked, linear_attention_recurrent
@@ -171,6 +170,8 @@ class Exact(AttentionForm):
     selectable = False  # chosen by feature_map=softmax or softmax_layers, not by attention.name
 
     def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        if layer.own_kv:  # beside heads of other forms: it keeps its own keys and values (unexpanded)
+            return exact_attention(q, k, v, state, key_valid, softcap)
         k, v = _expand(layer, k, v)
         if key_valid is None and softcap is None:
             return softmax_attention(q, k, v, causal=True), None

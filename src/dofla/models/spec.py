@@ -25,6 +25,9 @@ class ConversionSpec:
     softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
     gate: str = "none"  # none | scalar: a per-head decay of each linear or hybrid layer's linear state
     linear_scale: str = "fixed"  # fixed | learned: a per-head weight of each hybrid layer's linear part
+    # per layer, per KV head: a HeadPlan dict (dofla.models.plan); None (specs saved before it): the settings
+    # above are shorthands that expand into it
+    plan: list | None = None
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:

@@ -84,6 +84,7 @@ class StudentAttention(nn.Module):
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
         self.state_kind = state  # the linear state the feature map keeps (forms.STATES)
+        self.own_kv = False  # exact heads beside heads of other forms keep their own keys and values
         form = self.form
         if gate is not None and not form.traits.gate:
             raise ValueError("a scalar decay gate decays an additive linear state: it needs a linear or hybrid layer "
@@ -110,6 +111,11 @@ class StudentAttention(nn.Module):
         of either kind is "hybrid" (what the window dropout and the linear-part ablation act on)."""
         form = self.form
         return "hybrid" if self.window > 0 and form.traits.state in ("additive", "delta") else form.name
+
+    @property
+    def keeps_kv_cache(self) -> bool:
+        """Exact in every head: its keys and values live in the teacher's cache layer, its mask is the teacher's."""
+        return self.form.traits.state == "kv" and not self.own_kv
 
     @property
     def num_features(self) -> float:
@@ -173,7 +179,7 @@ def dofla_attention_forward(
     student: StudentAttention = module.dofla
     softcap = kwargs.pop("softcap", None)
     softcap = student.softcap if softcap is None else softcap
-    if student.form.traits.state == "kv":  # exact: the teacher's own mask and cache
+    if student.keeps_kv_cache:  # exact: the teacher's own mask and cache
         return softmax_reference_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
     factor = 1.0 if scaling is None else scaling * math.sqrt(query.shape[-1])
     if factor != 1.0:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d)); 1/sqrt(d) needs no pass
