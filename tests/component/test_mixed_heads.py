@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla.eval.memory import prefill_bytes
 from dofla.models import ConversionSpec, RecurrentStateCache, StudentAttention, convert, get_adapter, load_student
-from dofla.models.layers import _layer_attention
+from dofla.models.layers import _layer_attention, checked_plan_file
 from dofla.models.mixed_attention import MixedAttention
 from dofla.models.plan import ALL, HeadPlan, StudentPlan
 
@@ -26,11 +26,15 @@ PLAN = [
 ]
 
 
-def _teacher(seed: int = 0) -> LlamaForCausalLM:
+def _config() -> LlamaConfig:
     """A tiny Llama with four KV heads (two query heads each), so one layer can hold four forms."""
-    config = LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=D, intermediate_size=64, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
+    return LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=D, intermediate_size=64, max_position_embeddings=256,
+                       tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
+
+
+def _teacher(seed: int = 0) -> LlamaForCausalLM:
+    config = _config()
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -145,6 +149,15 @@ def test_a_plan_file_converts_as_the_same_plan(tmp_path):
 def test_a_wrong_plan_is_one_sentence(plan, sentence):
     with pytest.raises(ValueError, match=sentence):
         convert(_teacher(), plan=plan)
+
+
+def test_a_plan_file_is_checked_against_the_teachers_config_alone(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(PLAN))
+    assert checked_plan_file(path, _config()).to_list() == StudentPlan.from_list(PLAN).to_list()
+    path.write_text(json.dumps(PLAN[:1]))
+    with pytest.raises(ValueError, match="the plan has 1 layers but the model has 2"):
+        checked_plan_file(path, _config())
 
 
 def test_a_plan_with_the_settings_it_replaces_is_refused():

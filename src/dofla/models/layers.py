@@ -85,3 +85,11 @@ def given_plan(plan, geometry, **settings) -> StudentPlan:
         plan = StudentPlan.from_list(plan)
     check_plan(plan, geometry)
     return plan
+
+
+def checked_plan_file(path: str | Path, config) -> StudentPlan:
+    """The plan in ``path`` checked against a teacher's config alone (its layers and KV heads), so a run
+    refuses a wrong plan before any weight loads."""
+    plan = read_plan(path)
+    check_plan(plan, get_adapter(config).geometry(config))
+    return plan
