@@ -39,8 +39,7 @@ class MixedAttention(nn.Module):
     mode = "mixed"
     keeps_kv_cache = False
     softcap = None
-    gate = None
-    linear_log_scale = None
+    linear_log_scale = None  # the parts' learned scales are trained with their features (``feature_map``)
 
     @property
     def window(self) -> int:
@@ -53,8 +52,17 @@ class MixedAttention(nn.Module):
 
     @property
     def feature_map(self) -> nn.ModuleList:
-        """The parts' trained modules (feature maps with their gates), for the trainers' parameters."""
-        return nn.ModuleList(p.feature_map for p in self.parts if p.feature_map is not None)
+        """What the trainers train as the layer's features: the parts' feature maps (a delta part's with its
+        gates) and their learned linear scales."""
+        modules = [p.feature_map for p in self.parts if p.feature_map is not None]
+        scales = [p.linear_log_scale for p in self.parts if p.linear_log_scale is not None]
+        return nn.ModuleList(modules + ([nn.ParameterList(scales)] if scales else []))
+
+    @property
+    def gate(self) -> nn.ModuleList | None:
+        """The parts' decay gates (None: no part is gated)."""
+        gates = [p.gate for p in self.parts if p.gate is not None]
+        return nn.ModuleList(gates) if gates else None
 
     @property
     def num_features(self) -> float:
