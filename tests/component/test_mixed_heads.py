@@ -15,6 +15,8 @@ from dofla.models import ConversionSpec, RecurrentStateCache, StudentAttention, 
 from dofla.models.layers import _layer_attention, checked_plan_file
 from dofla.models.mixed_attention import MixedAttention
 from dofla.models.plan import ALL, HeadPlan, StudentPlan
+from dofla.models.capture import capture_qkv
+from dofla.train import LayerTrainConfig, train_layer
 from dofla.train.distill import kl_to_teacher
 from dofla.train.trainable import prepare_trainable
 
@@ -148,6 +150,18 @@ def test_kl_distillation_trains_every_group():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(not torch.equal(p, b) for p, b in zip(trained, before))
+
+
+def test_each_group_with_features_trains_layerwise_on_its_heads_activations(mixed):
+    """The layerwise trainer on each group's slice of the teacher's own activations, with its window and sinks."""
+    q, k, v = capture_qkv(_teacher(), _ids(batch=12, length=32, seed=4))[0]
+    parts = mixed.student_attentions()[0].trainable_parts()
+    assert [(part.mode, heads, kv) for part, heads, kv in parts] == [("hybrid", [4, 5], [2]), ("gated_delta", [6, 7], [3])]
+    for part, heads, kv in parts:
+        cfg = LayerTrainConfig(steps=20, batch_size=4, loss="output", eval_every=10, warmup_steps=2,
+                               window=part.window, sinks=part.sinks, heldout_fraction=0.25)
+        result = train_layer(part.feature_map, q[:, heads], k[:, kv], cfg, v=v[:, kv])
+        assert result.final_heldout_loss < 0.99 * result.initial_heldout_loss
 
 
 def test_a_plan_file_converts_as_the_same_plan(tmp_path):

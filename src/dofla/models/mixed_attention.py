@@ -69,6 +69,11 @@ class MixedAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         return sum(p.num_features * len(kv) * group for p, kv in zip(self.parts, self.groups)) / self.num_heads
 
+    def trainable_parts(self) -> list[tuple[StudentAttention, list[int], list[int]]]:
+        """(part, its query heads, its KV heads) of each part with features: the layerwise stage trains each
+        on its heads' slice of the layer's activations, with the part's window and sinks."""
+        return [(p, q, kv) for p, q, kv in zip(self.parts, self.query_heads, self.groups) if p.feature_map is not None]
+
     def state_bytes(self, tokens: int, kv_bytes: int = 4) -> int:
         return sum(part.state_bytes(tokens, kv_bytes) for part in self.parts)
 
