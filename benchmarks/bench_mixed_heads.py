@@ -63,7 +63,7 @@ def rows(t: int, repeats: int, threads: int, chunk: int) -> list[Row]:
     clock = cpu_seconds if threads == 1 else lambda fn, repeats: timeit(fn, repeats=repeats)
     with torch.no_grad():
         mixed = clock(lambda: mixed_layer(q, k, v), repeats)
-        uniform = {f"{h.form.name} (window {h.window}, M {h.M})": clock(lambda h=h: uniform_layers[h](q, k, v),
+        uniform = {f"{h.attention_form.name} (window {h.window}, M {h.M})": clock(lambda h=h: uniform_layers[h](q, k, v),
                                                                         repeats) for h in MIXED}
     slowest = max(uniform, key=uniform.get)
     ratio = mixed / uniform[slowest]

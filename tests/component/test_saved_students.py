@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from dofla.attention import FORMS, AttentionForm, get_form, register
+from dofla.attention.naive import linear_attention_naive
 from dofla.eval.memory import prefill_bytes
-from dofla.models import ConversionSpec, get_adapter, load_student
+from dofla.models import ConversionSpec, convert, get_adapter, load_student
 from dofla.models.plan import expand
+from tests.fixtures.students.write_students import teacher
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "students"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.pt").exists())
@@ -60,3 +63,36 @@ def test_the_plan_its_settings_expand_into_builds_the_same_student(name):
                                    rtol=0, atol=0)
     group = geometry.num_heads // geometry.num_kv_heads
     assert plan.state_bytes(group, geometry.head_dim, 20) == prefill_bytes(student, 20)
+
+
+class QuadraticLinear(AttentionForm):
+    """A form added as development.md's recipe adds one (no other file changes): linear attention by its
+    quadratic reference, sharing the linear form's traits."""
+
+    name = "quadratic_linear"
+    traits = get_form("linear").traits
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        group = layer.num_heads // layer.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return linear_attention_naive(layer.feature_map.log_features(q), layer.feature_map.log_features(k), v,
+                                      key_valid=key_valid), None
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        return 0
+
+
+def test_a_registered_form_converts_and_runs_where_the_named_one_does():
+    register(QuadraticLinear)
+    try:
+        ids = torch.load(FIXTURES / "linear" / "expected.pt")["ids"]
+        students = {name: convert(teacher(), feature_map="learned_prf", dims=[8, 4], attention=name)
+                    for name in ("linear", "quadratic_linear")}
+        assert {a.form.name for a in students["quadratic_linear"].student_attentions()} == {"quadratic_linear"}
+        assert students["quadratic_linear"].config.dofla["plan"][0][0]["form"] == "quadratic_linear"
+        with torch.no_grad():
+            logits = {name: s(ids, use_cache=False).logits for name, s in students.items()}
+        torch.testing.assert_close(logits["quadratic_linear"], logits["linear"], rtol=1e-4, atol=1e-4)
+    finally:
+        FORMS.pop("quadratic_linear")
+

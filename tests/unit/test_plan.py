@@ -82,3 +82,11 @@ def test_a_plan_is_checked_head_by_head():
     plan = StudentPlan([(HeadPlan(window=ALL), HeadPlan(state="nope", M=8))] * 3)
     with pytest.raises(ValueError, match="layer 0 head 1: state='nope' is not one of none, additive, delta"):
         check_plan(plan, GEOMETRY)
+
+
+def test_a_named_form_must_keep_the_heads_state_and_window():
+    plan = StudentPlan([(HeadPlan(window=4, state="additive", M=8, form="sliding_window"),) * 2] * 3)
+    with pytest.raises(ValueError, match="form='sliding_window' keeps a 'none' state with window required"):
+        check_plan(plan, GEOMETRY)
+    named = HeadPlan(window=4, state="additive", M=8, form="hybrid")
+    assert named.attention_form.name == "hybrid" and "form" not in HeadPlan(window=4).to_dict()

@@ -96,6 +96,10 @@ class AttentionForm:
     def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
         raise NotImplementedError
 
+    def accepts(self, window: int) -> bool:
+        """Whether a layer of this form may have ``window`` (0: none)."""
+        return self.traits.window == OPTIONAL or (self.traits.window == REQUIRED) == (window > 0)
+
     def trained_part(self, features):
         """What the layerwise stage trains for a layer of this form, from its fresh feature map."""
         return features
@@ -135,13 +139,9 @@ def form_for(state: str, window: int) -> AttentionForm:
     """The form that keeps ``state`` with ``window`` (0: none): what a layer is after a part of it is set aside
     (a window dropped, features detached) or when a plan names a state and a window instead of a form."""
     for form in FORMS.values():
-        if form.traits.state == state and _window_fits(form.traits.window, window):
+        if form.traits.state == state and form.accepts(window):
             return form
     raise ValueError(f"no attention form keeps a {state!r} state with window {window}")
-
-
-def _window_fits(trait: str, window: int) -> bool:
-    return trait == OPTIONAL or (trait == REQUIRED) == (window > 0)
 
 
 def _expand(layer, k, v):

@@ -59,7 +59,7 @@ def _group_attention(spec: ConversionSpec, geometry, i: int, heads: list, kv_hea
     """One StudentAttention over ``kv_heads`` KV heads of one structure (``heads``, their plans)."""
     group = geometry.num_heads // geometry.num_kv_heads
     head, softcap = heads[0], getattr(geometry, "softcap", None)
-    form, window = head.form, 0 if head.exact else head.window
+    form, window = head.attention_form, 0 if head.exact else head.window
     features = None
     if head.state != "none":
         dims = [m for h in heads for m in h.features(group)]
@@ -69,7 +69,7 @@ def _group_attention(spec: ConversionSpec, geometry, i: int, heads: list, kv_hea
     parts = form.build(head, features, group * kv_heads, geometry.head_dim)
     return StudentAttention(group * kv_heads, kv_heads, geometry.head_dim, chunk_size=spec.chunk_size, window=window,
                             sinks=head.sinks, softcap=None if head.window == 0 else softcap, state=head.state,
-                            **parts)
+                            form=form, **parts)
 
 
 def given_plan(plan, geometry, **settings) -> StudentPlan:

@@ -38,6 +38,7 @@ class HeadPlan:
     M: int | tuple = 0
     gate: str = "none"
     scale: str = "fixed"
+    form: str | None = None  # a registered form's name; None: the one its state and window pick (form_for)
 
     def __post_init__(self):
         if isinstance(self.M, list):
@@ -48,14 +49,17 @@ class HeadPlan:
         return self.window == ALL
 
     @property
-    def form(self) -> AttentionForm:
+    def attention_form(self) -> AttentionForm:
+        if self.form is not None:
+            return get_form(self.form)
         return get_form("softmax") if self.exact else form_for(self.state, self.window)
 
     @property
     def structure(self) -> tuple:
         """What heads that run one kernel call share: everything but an additive state's feature dims (those
         run in head blocks, as dof_head's do); the delta rule batches heads of one M only."""
-        return self.window, self.sinks, self.state, self.gate, self.scale, self.M if self.state == "delta" else None
+        return (self.window, self.sinks, self.state, self.gate, self.scale, self.form,
+                self.M if self.state == "delta" else None)
 
     # what a form's check reads (dofla.attention.forms): the head's settings as a spec names them
     @property
@@ -79,11 +83,13 @@ class HeadPlan:
         features = self.features(group) * kv_heads if features is None else features
         shape = Shape(group * kv_heads, kv_heads, head_dim, features)
         window = 0 if self.exact else self.window
-        return self.form.state_bytes(shape, window, self.sinks, self.gate != "none", tokens, kv_bytes)
+        return self.attention_form.state_bytes(shape, window, self.sinks, self.gate != "none", tokens, kv_bytes)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["M"] = list(self.M) if isinstance(self.M, tuple) else self.M
+        if self.form is None:
+            del out["form"]  # the form its state and window pick
         return out
 
 
@@ -154,10 +160,11 @@ def _head(spec, dims, teacher_window, layer: int, kv_head: int, group: int) -> H
     if teacher_window is not None:  # already local in the teacher: kept exact over its window
         return HeadPlan(window=teacher_window)
     form = get_form(spec.attention)
+    named = None if form_for(form.traits.state, spec.window) is form else form.name  # a form the pair does not pick
     if form.traits.state == "none":
-        return HeadPlan(window=spec.window, sinks=spec.sinks)
+        return HeadPlan(window=spec.window, sinks=spec.sinks, form=named)
     m = tuple(dims[kv_head * group:(kv_head + 1) * group]) if isinstance(dims, (list, tuple)) else int(dims)
-    return HeadPlan(spec.window, spec.sinks, form.traits.state, m, spec.gate, spec.linear_scale)
+    return HeadPlan(spec.window, spec.sinks, form.traits.state, m, spec.gate, spec.linear_scale, named)
 
 
 def check_plan(plan: StudentPlan, geometry) -> None:
@@ -190,7 +197,12 @@ def check_head(head: HeadPlan, group: int, where: str) -> None:
     if head.state != "none" and (len(features) != group or min(features) < 1):
         raise ValueError(f"{where}: M={head.to_dict()['M']!r} must be a positive feature dim, or one per query "
                          f"head of its group ({group})")
-    head.form.check(head)
+    form = head.attention_form
+    if head.form is not None and (form.traits.state != (head.state if not head.exact else "kv")
+                                  or not form.accepts(0 if head.exact else head.window)):
+        raise ValueError(f"{where}: form={head.form!r} keeps a {form.traits.state!r} state with window "
+                         f"{form.traits.window}; give it that state and window, or drop form")
+    form.check(head)
 
 
 def read_plan(path: str | Path) -> StudentPlan:

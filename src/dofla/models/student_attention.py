@@ -73,6 +73,7 @@ class StudentAttention(nn.Module):
         gate: nn.Module | None = None,
         learned_scale: bool = False,
         state: str = "additive",
+        form: AttentionForm | None = None,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -84,6 +85,7 @@ class StudentAttention(nn.Module):
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
         self.state_kind = state  # the linear state the feature map keeps (forms.STATES)
+        self.built_form = form  # the form that built it (None: the one its state and window pick)
         self.own_kv = False  # exact heads beside heads of other forms keep their own keys and values
         form = self.form
         if gate is not None and not form.traits.gate:
@@ -101,9 +103,13 @@ class StudentAttention(nn.Module):
 
     @property
     def form(self) -> AttentionForm:
-        if self.feature_map is None:
-            return form_for("none" if self.window > 0 else "kv", self.window)
-        return form_for(self.state_kind, self.window)
+        """The form that built the layer while the layer still holds what it needs, else the form of what it
+        holds now (its state, or none without a feature map, and its window)."""
+        state = self.state_kind if self.feature_map is not None else "none" if self.window > 0 else "kv"
+        built = self.built_form
+        if built is not None and built.traits.state == state and built.accepts(self.window):
+            return built
+        return form_for(state, self.window)
 
     @property
     def mode(self) -> str:
