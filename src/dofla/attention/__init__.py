@@ -18,12 +18,19 @@ from dofla.attention.naive import (
 )
 from dofla.attention.stable import causal_log_kernel, stable_block
 
-# What replaces softmax in a student's global layers (dofla.models.convert, config attention.name)
-# gated_delta: the gated delta rule (pure with window 0, the hybrid's older part with a window)
-ATTENTION_FORMS = ("linear", "hybrid", "sliding_window", "gated_delta")
+from dofla.attention.forms import FORMS, AttentionForm, form_for, get_form, register, selectable
+
+# What replaces softmax in a student's global layers (dofla.models.convert, config attention.name): the
+# registered forms a config may name (dofla.attention.forms)
+ATTENTION_FORMS = selectable()
 
 __all__ = [
     "ATTENTION_FORMS",
+    "AttentionForm",
+    "FORMS",
+    "form_for",
+    "get_form",
+    "register",
     "DeltaState",
     "delta_rule",
     "delta_rule_chunked",

@@ -95,7 +95,7 @@ class DeltaFeatureMap(nn.Module):
     read makes the query's scale irrelevant, so normalising it changes nothing but the range).
     """
 
-    delta = True
+    delta = True  # read by dofla.train.layerwise (its output loss runs this attention); nothing else asks it
 
     def __init__(self, features: nn.Module, gates: DeltaGates):
         super().__init__()
@@ -161,7 +161,3 @@ class DeltaFeatureMap(nn.Module):
     def extra_repr(self) -> str:
         return f"features={self.num_features}"
 
-
-def is_delta(feature_map) -> bool:
-    """Whether a layer's feature map is a gated-delta layer's (:class:`DeltaFeatureMap`)."""
-    return getattr(feature_map, "delta", False)

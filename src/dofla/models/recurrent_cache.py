@@ -9,10 +9,30 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from dofla.attention import DeltaState, HybridState, LinearState
+from dofla.attention.exact import ExactState
 from dofla.attention.sliding import SlidingState
 from dofla.feature_maps.blocks import BlockState
 
-State = LinearState | HybridState | BlockState | SlidingState | DeltaState
+
+
+class MixedState:
+    """A mixed layer's decode state (:mod:`dofla.models.mixed_attention`): one state per group of heads."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def length(self) -> int:
+        return next(p.length for p in self.parts if p is not None)
+
+    def index_select(self, index: torch.Tensor) -> "MixedState":
+        return MixedState([None if p is None else p.index_select(index) for p in self.parts])
+
+    def nbytes(self) -> int:
+        return sum(0 if p is None else p.nbytes() for p in self.parts)
+
+
+State = LinearState | HybridState | BlockState | SlidingState | DeltaState | ExactState | MixedState
 
 
 class RecurrentLayer(CacheLayerMixin):

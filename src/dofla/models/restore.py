@@ -15,6 +15,7 @@ from dataclasses import asdict
 from transformers import PreTrainedModel
 
 from dofla.models.adapters import get_adapter
+from dofla.models.plan import ALL, HeadPlan, StudentPlan
 from dofla.models.spec import ConversionSpec, check_spec
 from dofla.models.student_attention import StudentAttention
 
@@ -25,26 +26,30 @@ def restorable_layers(model: PreTrainedModel) -> list[int]:
     (Gemma 2, Mistral: exact in every student already)."""
     geometry = get_adapter(model).geometry(model.config)
     windows = getattr(geometry, "layer_windows", None) or (None,) * geometry.num_layers
-    return [i for i, attn in enumerate(model.student_attentions()) if attn.mode != "softmax" and windows[i] is None]
+    return [i for i, attn in enumerate(model.student_attentions()) if not attn.keeps_kv_cache and windows[i] is None]
 
 
 def restore_softmax(model: PreTrainedModel, layers) -> PreTrainedModel:
     """Turn ``layers`` of a student (in place) back into exact softmax attention, recorded in
-    ``config.dofla["softmax_layers"]`` so the saved student loads the same way. Those layers drop
-    their feature maps (or window) and keep a KV cache when decoding (memory grows with the tokens)."""
+    ``config.dofla["softmax_layers"]`` (and in its plan) so the saved student loads the same way. Those layers
+    drop their feature maps (or window) and keep a KV cache when decoding (memory grows with the tokens)."""
     spec = ConversionSpec(**model.config.dofla)
     chosen = sorted(set(spec.softmax_layers) | {int(i) for i in layers})
     spec.softmax_layers = chosen
     check_spec(spec)
-    attentions = model.student_attentions()
-    bad = [i for i in chosen if not 0 <= i < len(attentions)]
+    modules = get_adapter(model).attention_modules(model)
+    bad = [i for i in chosen if not 0 <= i < len(modules)]
     if bad:
-        raise ValueError(f"softmax_layers {bad} are outside 0..{len(attentions) - 1} (the model has "
-                         f"{len(attentions)} layers)")
-    softcap, restorable = getattr(get_adapter(model).geometry(model.config), "softcap", None), restorable_layers(model)
+        raise ValueError(f"softmax_layers {bad} are outside 0..{len(modules) - 1} (the model has "
+                         f"{len(modules)} layers)")
+    restorable = restorable_layers(model)
+    plan = None if spec.plan is None else StudentPlan.from_list(spec.plan)
     for i in chosen:
         if i in restorable:  # a teacher sliding-window layer is exact already
-            _make_exact(attentions[i], softcap)
+            modules[i].dofla = _exact(model, modules[i].dofla)
+            if plan is not None:
+                plan.layers[i] = tuple(HeadPlan(window=ALL) for _ in plan.layers[i])
+    spec.plan = None if plan is None else plan.to_list()
     model.config.dofla = asdict(spec)
     return model
 
@@ -56,19 +61,19 @@ def softmax_restored(model: PreTrainedModel, layer: int | None):
     if layer is None or layer not in restorable_layers(model):
         yield model
         return
-    attn = model.student_attentions()[layer]
-    softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
-    before = _make_exact(attn, softcap)
+    module = get_adapter(model).attention_modules(model)[layer]
+    before = module.dofla
+    module.dofla = _exact(model, before)
     try:
         yield model
     finally:
-        attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale = before
+        module.dofla = before
 
 
-def _make_exact(attn: StudentAttention, softcap: float | None) -> tuple:
-    """Switch ``attn`` to the softmax mode (no features, window, sinks, gate or linear scale: a saved
-    student's exact layers have none); returns what it had."""
-    before = (attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale)
-    attn.feature_map, attn.window, attn.sinks, attn.softcap, attn.gate, attn.linear_log_scale = (
-        None, 0, 0, softcap, None, None)
-    return before
+def _exact(model: PreTrainedModel, attn) -> StudentAttention:
+    """An exact softmax layer in place of ``attn`` (no features, window, sinks, gate or linear scale: a saved
+    student's exact layers have none), on its device."""
+    softcap = getattr(get_adapter(model).geometry(model.config), "softcap", None)
+    exact = StudentAttention(attn.num_heads, attn.num_kv_heads, attn.head_dim, None, softcap=softcap)
+    exact.chunk_size = getattr(attn, "chunk_size", exact.chunk_size)
+    return exact

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dofla.attention import ATTENTION_FORMS
+from dofla.attention.forms import get_form
 
 FORMAT_VERSION = 1
 LINEAR_SCALES = ("fixed", "learned")
@@ -20,11 +20,14 @@ class ConversionSpec:
     seed: int = 0
     window: int = 0
     format_version: int = FORMAT_VERSION
-    attention: str = "linear"  # linear | hybrid | sliding_window | gated_delta (specs saved before: defaults)
+    attention: str = "linear"  # a registered form (dofla.attention.forms; specs saved before: defaults)
     sinks: int = 0
     softmax_layers: list = field(default_factory=list)  # layers kept as exact softmax (they keep a KV cache)
     gate: str = "none"  # none | scalar: a per-head decay of each linear or hybrid layer's linear state
     linear_scale: str = "fixed"  # fixed | learned: a per-head weight of each hybrid layer's linear part
+    # per layer, per KV head: a HeadPlan dict (dofla.models.plan); None (specs saved before it): the settings
+    # above are shorthands that expand into it
+    plan: list | None = None
 
     def __post_init__(self):
         if self.attention == "linear" and self.window > 0:
@@ -33,38 +36,18 @@ class ConversionSpec:
 
 
 def check_spec(spec: ConversionSpec) -> None:
-    """One clear sentence per user error in the attention settings."""
-    if spec.attention not in ATTENTION_FORMS:
-        raise ValueError(f"attention={spec.attention!r} is not one of {', '.join(ATTENTION_FORMS)}; pick one of them")
+    """One clear sentence per user error in the attention settings: the general ones here, each form's
+    own in its ``check`` (:mod:`dofla.attention.forms`)."""
+    form = get_form(spec.attention)
     if spec.feature_map == "softmax" and (spec.attention != "linear" or spec.sinks):
         raise ValueError("feature_map='softmax' is the exact reference and takes no window or sinks; drop them")
-    if spec.attention not in ("linear", "gated_delta") and spec.window < 1:
-        raise ValueError(f"attention={spec.attention!r} needs window ≥ 1 (recent tokens attended exactly), "
-                         f"got {spec.window}; set window")
     if spec.softmax_layers and spec.feature_map == "softmax":
         raise ValueError("softmax_layers restores layers of a linear, hybrid or sliding-window student to exact "
                          "softmax; feature_map='softmax' is exact everywhere already, drop softmax_layers")
-    if spec.gate != "none" and (spec.attention == "sliding_window" or spec.feature_map == "softmax"):
+    if spec.gate != "none" and spec.feature_map == "softmax":
         raise ValueError(f"gate={spec.gate!r} decays a linear state (linear or hybrid layers); attention="
                          f"{spec.attention!r} with feature_map={spec.feature_map!r} has none, set gate='none'")
-    if spec.linear_scale not in LINEAR_SCALES or (spec.linear_scale == "learned" and spec.attention != "hybrid"):
+    if spec.linear_scale not in LINEAR_SCALES or (spec.linear_scale == "learned" and not form.traits.scale):
         raise ValueError(f"linear_scale={spec.linear_scale!r} must be one of {', '.join(LINEAR_SCALES)}, and learned "
                          f"only with hybrid attention (it weighs the linear part against the window); set fixed")
-    if spec.attention == "gated_delta":
-        check_delta_spec(spec)
-    if spec.sinks < 0 or (spec.sinks and spec.attention == "linear"):
-        raise ValueError(f"sinks={spec.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
-                         "attention; set sinks=0 or choose one of those")
-
-
-def check_delta_spec(spec: ConversionSpec) -> None:
-    """What the gated delta rule refuses, one sentence each."""
-    if spec.gate != "none" or spec.linear_scale != "fixed":
-        raise ValueError("attention='gated_delta' has its own decay and output gates; set gate='none' and "
-                         "linear_scale='fixed'")
-    if any(isinstance(m, (list, tuple)) for m in spec.dims):
-        raise ValueError("attention='gated_delta' takes one feature dimension per layer (its state is M×dv per head, "
-                         "with heads batched together); per-head dims (allocation dof_head) do not fit it")
-    if spec.sinks and spec.window < 1:
-        raise ValueError(f"sinks={spec.sinks} needs window ≥ 1 with attention='gated_delta' (the hybrid with a delta "
-                         "state); set sinks=0 or a window")
+    form.check(spec)

@@ -28,15 +28,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import huggingface_hub
-from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
-from dofla.attention.gate import build_gate
-from dofla.feature_maps import build_layer_feature_map
 from dofla.models.adapters import get_adapter
 from dofla.models.decoding import cache_keyword, take_cache
 from dofla.models.export_format import export_student, student_config
+from dofla.models.layers import given_plan, install_linear_attention
+from dofla.models.plan import expand
 from dofla.models.spec import ConversionSpec
 from dofla.models.recurrent_cache import RecurrentStateCache
 from dofla.models.student_attention import ATTN_IMPLEMENTATION, StudentAttention
@@ -73,7 +71,7 @@ class StudentMixin:
             student.cache_layer = None if cache is None else cache.layers[i]
             student.key_valid = key_valid
             if cache is not None:
-                cache.layers[i].keep_kv = student.mode == "softmax"
+                cache.layers[i].keep_kv = student.keeps_kv_cache
         try:
             return super().forward(*args, **kwargs)
         finally:
@@ -85,7 +83,7 @@ class StudentMixin:
         tokens; None when nothing is padded (or only the softmax reference, which uses HF's mask)."""
         given = kwargs if not args else _bind_forward(type(self), self, args, kwargs)
         mask = given.get("attention_mask")
-        if mask is None or all(s.mode == "softmax" for s in students):
+        if mask is None or all(s.keeps_kv_cache for s in students):
             return None
         if mask.ndim != 2:
             raise ValueError(f"a dofla student reads padding from a 2D (batch, tokens) attention_mask, got "
@@ -162,43 +160,6 @@ def student_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
     return type(f"Linear{base.__name__}", (StudentMixin, base), {"__module__": __name__, "forward": forward})
 
 
-def install_linear_attention(model: nn.Module, spec: ConversionSpec) -> None:
-    """Attach each layer's StudentAttention (see the module docstring for what each layer gets)."""
-    adapter = get_adapter(model)
-    geometry = adapter.geometry(model.config)
-    modules = adapter.attention_modules(model)
-    if len(spec.dims) != len(modules):
-        raise ValueError(f"dims has {len(spec.dims)} entries but the model has {len(modules)} layers")
-    windows = getattr(geometry, "layer_windows", None) or [None] * len(modules)
-    for i, module in enumerate(modules):
-        module.dofla = _layer_attention(spec, geometry, i, windows[i])
-    model.config._attn_implementation = ATTN_IMPLEMENTATION
-
-
-def _layer_attention(spec: ConversionSpec, geometry, i: int, teacher_window: int | None) -> StudentAttention:
-    shape = (geometry.num_heads, geometry.num_kv_heads, geometry.head_dim)
-    softcap = getattr(geometry, "softcap", None)
-    if spec.feature_map == "softmax":
-        return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
-    if teacher_window is not None:  # already local in the teacher: keep it exact (never restored past its window)
-        return StudentAttention(*shape, None, spec.chunk_size, window=teacher_window, softcap=softcap)
-    if i in spec.softmax_layers:
-        return StudentAttention(*shape, None, spec.chunk_size, softcap=softcap)
-    if spec.attention == "sliding_window":
-        return StudentAttention(*shape, None, spec.chunk_size, spec.window, spec.sinks, softcap)
-    feature_map = build_layer_feature_map(
-        spec.feature_map, geometry.num_heads, geometry.head_dim, spec.dims[i],
-        seed=spec.seed + i, **spec.feature_map_options,
-    )
-    if spec.attention == "gated_delta":  # the feature map and the gates, trained and saved together
-        feature_map = DeltaFeatureMap(feature_map, DeltaGates(geometry.num_heads, geometry.head_dim))
-        return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                                softcap if spec.window > 0 else None)
-    return StudentAttention(*shape, feature_map, spec.chunk_size, spec.window, spec.sinks,
-                            softcap if spec.window > 0 else None, build_gate(spec.gate, *shape[::2]),
-                            learned_scale=spec.linear_scale == "learned")
-
-
 def convert(
     model: PreTrainedModel,
     feature_map: str = "learned_prf",
@@ -212,6 +173,7 @@ def convert(
     softmax_layers: list | None = None,
     gate: str = "none",
     linear_scale: str = "fixed",
+    plan=None,
 ) -> PreTrainedModel:
     """Turn ``model`` (in place) into a student and return it.
 
@@ -235,15 +197,24 @@ def convert(
     ``gate="scalar"`` gives each linear or hybrid layer a per-head decay of its linear state, starting
     closed (no decay); ``linear_scale="learned"`` gives each hybrid layer a per-head weight e^β of its
     linear part against the exact window, starting at 1.
+    ``plan`` gives every KV head of every layer its own attention instead (a
+    :class:`~dofla.models.plan.StudentPlan`, its list of layers, or the path of a JSON or YAML file;
+    :mod:`dofla.models.plan`); it replaces the settings above but ``feature_map``, its options, the
+    chunk size and the seed. The saved config records the plan either way.
     The teacher weights are shared, not copied; deep-copy the teacher first to keep it.
     """
     if isinstance(model, StudentMixin):
         raise ValueError("model is already a dofla student; convert its teacher instead")
     geometry = get_adapter(model).geometry(model.config)
+    if plan is not None:
+        given = given_plan(plan, geometry, dims=dims, window=window, attention=attention, sinks=sinks,
+                           softmax_layers=softmax_layers, gate=gate, linear_scale=linear_scale)
+        dims = given.dims(geometry.num_heads // geometry.num_kv_heads)
     dims = [geometry.head_dim] * geometry.num_layers if dims is None else [_layer_dims(m) for m in dims]
     spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed, window,
                           attention=attention, sinks=sinks, softmax_layers=sorted(softmax_layers or []), gate=gate,
                           linear_scale=linear_scale)
+    spec.plan = (given if plan is not None else expand(spec, geometry)).to_list()
     device = next(model.parameters()).device
     install_linear_attention(model, spec)
     model.config.dofla = asdict(spec)

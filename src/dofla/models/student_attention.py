@@ -3,7 +3,7 @@
 Hugging Face attention modules (GPT-2, GPT-NeoX, Llama, ...) form post-RoPE q, k, v themselves and
 then call the function registered under ``config._attn_implementation``. dofla registers
 ``dofla_linear``: it looks up the :class:`StudentAttention` attached to the calling module as
-``module.dofla`` and runs it there. A layer has one of five modes:
+``module.dofla`` and runs it there. A layer has one of five forms (:mod:`dofla.attention.forms`):
 
 - ``linear``: the paper's linear attention (a feature map, fixed-size state);
 - ``gated_delta``: the gated delta rule (:mod:`dofla.attention.delta`; a feature map and gates,
@@ -40,29 +40,24 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dofla.attention import (
-    hybrid_attention_chunked,
-    linear_attention_chunked,
-    linear_attention_recurrent,
-    softmax_attention,
-)
-from dofla.attention.delta_gates import is_delta
-from dofla.attention.sliding import sliding_window_chunked
+from dofla.attention.forms import AttentionForm, Shape, form_for
 from dofla.feature_maps import FeatureMap, HeadBlockFeatureMap
-from dofla.feature_maps.blocks import BlockState, decode_blocks, for_each_block
+from dofla.feature_maps.blocks import BlockState, decode_blocks, feature_dims, for_each_block
 from dofla.models.recurrent_cache import RecurrentLayer, State
 
 ATTN_IMPLEMENTATION = "dofla_linear"
 
 
 class StudentAttention(nn.Module):
-    """One layer's student attention, layout (B, H, T, D); see the module docstring for the modes.
+    """One layer's student attention, layout (B, H, T, D): it holds what its form needs (feature map, gate,
+    learned scale, window, sinks) and delegates to its :mod:`~dofla.attention.forms` form.
 
-    ``feature_map`` None and ``window`` 0 is the softmax reference; None and ``window`` > 0 the
-    sliding-window + ``sinks`` attention; a feature map with ``window`` > 0 is hybrid, without it
-    linear (gated delta for a :class:`~dofla.attention.delta_gates.DeltaFeatureMap`, which holds its gates).
-    A :class:`HeadBlockFeatureMap` gives heads their own feature dims. ``softcap`` (Gemma 2)
-    caps the exact softmax scores of the softmax and sliding modes.
+    The form follows what the layer holds: ``state`` (the linear state its feature map keeps, "additive" or
+    "delta", declared by the form that built it) and ``window``. No feature map and no window is the softmax
+    reference, no feature map with a window the sliding window. A caller that sets a part aside for a while
+    (the window dropped, the feature map detached, the layer made exact) gets the form that remains.
+    A :class:`HeadBlockFeatureMap` gives heads their own feature dims. ``softcap`` (Gemma 2) caps the
+    exact softmax scores.
     """
 
     def __init__(
@@ -77,11 +72,10 @@ class StudentAttention(nn.Module):
         softcap: float | None = None,
         gate: nn.Module | None = None,
         learned_scale: bool = False,
+        state: str = "additive",
+        form: AttentionForm | None = None,
     ):
         super().__init__()
-        if gate is not None and (feature_map is None or is_delta(feature_map)):
-            raise ValueError("a scalar decay gate decays an additive linear state: it needs a linear or hybrid layer "
-                             "(a feature map, not a gated-delta layer, which has its own gates); drop the gate")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -90,8 +84,15 @@ class StudentAttention(nn.Module):
         self.window = window  # > 0: exact softmax over the last `window` tokens (hybrid or sliding)
         self.sinks = sinks  # exact softmax over the first `sinks` valid tokens too
         self.softcap = softcap
+        self.state_kind = state  # the linear state the feature map keeps (forms.STATES)
+        self.built_form = form  # the form that built it (None: the one its state and window pick)
+        self.own_kv = False  # exact heads beside heads of other forms keep their own keys and values
+        form = self.form
+        if gate is not None and not form.traits.gate:
+            raise ValueError("a scalar decay gate decays an additive linear state: it needs a linear or hybrid layer "
+                             "(a feature map, not a gated-delta layer, which has its own gates); drop the gate")
         self.gate = gate  # linear and hybrid: a per-head decay of the linear state (dofla.attention.gate), or None
-        if learned_scale and (feature_map is None or window < 1 or is_delta(feature_map)):
+        if learned_scale and not form.traits.scale:
             raise ValueError("a learned linear scale weighs a hybrid's linear part against its exact window; this "
                              "layer has none (in pure linear attention a per-head scale cancels): drop it")
         # hybrid: per-head log scale β_h of the linear kernel (e^β K̂ against the window's e^{q·k/√d}), from 0
@@ -101,12 +102,26 @@ class StudentAttention(nn.Module):
         self.key_valid: torch.Tensor | None = None
 
     @property
+    def form(self) -> AttentionForm:
+        """The form that built the layer while the layer still holds what it needs, else the form of what it
+        holds now (its state, or none without a feature map, and its window)."""
+        state = self.state_kind if self.feature_map is not None else "none" if self.window > 0 else "kv"
+        built = self.built_form
+        if built is not None and built.traits.state == state and built.accepts(self.window):
+            return built
+        return form_for(state, self.window)
+
+    @property
     def mode(self) -> str:
-        if self.feature_map is None:
-            return "softmax" if self.window == 0 else "sliding_window"
-        if self.window > 0:
-            return "hybrid"
-        return "gated_delta" if is_delta(self.feature_map) else "linear"
+        """The layer's kind as the reports name it: its form's, except that a window with a linear state
+        of either kind is "hybrid" (what the window dropout and the linear-part ablation act on)."""
+        form = self.form
+        return "hybrid" if self.window > 0 and form.traits.state in ("additive", "delta") else form.name
+
+    @property
+    def keeps_kv_cache(self) -> bool:
+        """Exact in every head: its keys and values live in the teacher's cache layer, its mask is the teacher's."""
+        return self.form.traits.state == "kv" and not self.own_kv
 
     @property
     def num_features(self) -> float:
@@ -120,52 +135,36 @@ class StudentAttention(nn.Module):
         key_valid (B, T) bool, False at padded tokens (None: all valid); softcap overrides
         ``self.softcap``. Returns (B, H, T, d) and the new decode state."""
         softcap = self.softcap if softcap is None else softcap
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:  # GQA: each query head reads the keys/values of its group, as the teacher does
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        if self.mode == "softmax":
-            if key_valid is None and softcap is None:
-                return softmax_attention(q, k, v, causal=True), None
-            window = max(q.shape[2], 1)  # a window over everything is plain causal softmax
-            return sliding_window_chunked(q, k, v, window, 0, window, key_valid=key_valid, softcap=softcap)[0], None
-        if self.mode == "sliding_window":
-            return sliding_window_chunked(q, k, v, self.window, self.sinks, self.chunk_size, state,
-                                          key_valid=key_valid, softcap=softcap)
-        if is_delta(self.feature_map):  # its gates read v; the hybrid's exact part is the teacher's (capped) softmax
-            return self.feature_map.attend(q, k, v, state, key_valid=key_valid, window=self.window, sinks=self.sinks,
-                                           softcap=softcap if self.window > 0 else None, chunk_size=self.chunk_size)
-        attend = functools.partial(self._attend, key_valid=key_valid)
-        log_decay = None if self.gate is None else self.gate(v)
-        scale = None if self.linear_log_scale is None else self.linear_log_scale.expand(q.shape[0], -1)
-        if isinstance(state, BlockState) and self.window == 0 and q.shape[2] == 1:  # one recurrence for all blocks
-            return decode_blocks(self.feature_map, q, k, v, state, linear_attention_recurrent, key_valid=key_valid,
-                                 log_decay=log_decay)
-        return for_each_block(self.feature_map, attend, q, k, v, log_decay, scale, state=state)
-
-    def _attend(self, feature_map: FeatureMap, q, k, v, log_decay=None, log_scale=None, state: State | None = None,
-                key_valid=None):
-        """Linear (or hybrid) attention of heads sharing one feature map; log_decay (B, H, T) the gate's,
-        log_scale (B, H) the hybrid's learned linear scale (None: 0)."""
-        if q.shape[2] == 1 and k.shape[2] == 1:  # a decoding step: both tokens' features in one call
-            log_q, log_k = feature_map.log_features(torch.cat([q, k], dim=2)).split(1, dim=2)
-        else:
-            log_q, log_k = feature_map.log_features(q), feature_map.log_features(k)
-        if log_scale is not None:  # e^β on every older key's kernel: log q̂ + β (the exact part reads q, k)
-            log_q = log_q + log_scale.to(log_q.dtype)[:, :, None, None]
-        if self.window > 0:
-            extra = {} if key_valid is None else {"key_valid": key_valid}
-            if self.sinks:
-                extra["sinks"] = self.sinks
-            if self.softcap is not None:  # the exact part is the teacher's capped softmax
-                extra["softcap"] = self.softcap
-            return hybrid_attention_chunked(q, k, v, log_q, log_k, self.window, self.chunk_size, state,
-                                            log_decay=log_decay, **extra)
-        # the kernels mask padded keys (no contribution) and their decay (none) from key_valid
         if state is not None and q.shape[2] == 1:
-            return linear_attention_recurrent(log_q, log_k, v, state=state, key_valid=key_valid, log_decay=log_decay)
-        return linear_attention_chunked(log_q, log_k, v, chunk_size=self.chunk_size, state=state, key_valid=key_valid,
-                                        log_decay=log_decay)
+            return self.form.step(self, q, k, v, state, key_valid, softcap)
+        return self.form.attend(self, q, k, v, state, key_valid, softcap)
+
+    def for_each_block(self, fn, *per_head, state: State | None = None, **options):
+        """``fn(self, block_map, *its heads' tensors, state=..., **options)`` per head block of the feature map."""
+        call = functools.partial(fn, self, **options)
+        return for_each_block(self.feature_map, lambda fm, *t, state=None: call(fm, *t, state=state), *per_head,
+                              state=state)
+
+    def decodes_blocks(self, state: State | None, q: torch.Tensor) -> bool:
+        """A decoding step of a layer with head blocks: one recurrence over every head (:func:`decode_blocks`)."""
+        return isinstance(state, BlockState) and q.shape[2] == 1
+
+    def decode_blocks(self, q, k, v, state: BlockState, step, **options):
+        return decode_blocks(self.feature_map, q, k, v, state, step, **options)
+
+    def state_bytes(self, tokens: int, kv_bytes: int = 4) -> int:
+        """Bytes of one sequence's decode state after ``tokens`` tokens, as the form predicts it."""
+        dims = () if self.feature_map is None else feature_dims(self.feature_map)
+        features = tuple(dims) if isinstance(dims, (list, tuple)) else (int(dims),) * self.num_heads
+        shape = Shape(self.num_heads, self.num_kv_heads, self.head_dim, features)
+        return self.form.state_bytes(shape, self.window, self.sinks, self.gate is not None, tokens, kv_bytes)
+
+    @staticmethod
+    def log_features(feature_map: FeatureMap, q: torch.Tensor, k: torch.Tensor):
+        """(log φ(q), log φ(k)); a decoding step's two tokens in one call."""
+        if q.shape[2] == 1 and k.shape[2] == 1:
+            return feature_map.log_features(torch.cat([q, k], dim=2)).split(1, dim=2)
+        return feature_map.log_features(q), feature_map.log_features(k)
 
 
 def dofla_attention_forward(
@@ -186,7 +185,7 @@ def dofla_attention_forward(
     student: StudentAttention = module.dofla
     softcap = kwargs.pop("softcap", None)
     softcap = student.softcap if softcap is None else softcap
-    if student.mode == "softmax":
+    if student.keeps_kv_cache:  # exact: the teacher's own mask and cache
         return softmax_reference_forward(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
     factor = 1.0 if scaling is None else scaling * math.sqrt(query.shape[-1])
     if factor != 1.0:  # fold the module's own scale into q so the kernel is exp(q·k/sqrt(d)); 1/sqrt(d) needs no pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 
 from dofla.artifacts import canonical
+from dofla.attention.forms import FORMS
 from dofla.config import LEGACY_VALUES, RunConfig, section_keys
 from dofla.precision import teacher_dtype
 
@@ -102,8 +103,8 @@ def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
             "format": ARTIFACT_FORMAT}
     if sinks != LEGACY_VALUES[("attention", "sinks")]:
         meta["sinks"] = sinks
-    if cfg.attention.name == "gated_delta":  # its layers hold gates too: never shared with linear layers
-        meta["attention"] = "gated_delta"
+    if cfg.attention.name in FORMS and not FORMS[cfg.attention.name].traits.shares_layers:  # e.g. gates too
+        meta["attention"] = cfg.attention.name
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
         meta["stream"] = {"data": section(cfg, "data", legacy=True)}
     return with_precision(meta, cfg)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from dofla.attention.forms import get_form, selectable
 from dofla.config import RunConfig
 from dofla.dof.allocate import reads_dof
 from dofla.errors import require
@@ -22,7 +23,8 @@ from dofla.train.distill import DistillSchedule
 
 STAGES = ("cache", "dof", "allocate", "train", "assemble", "distill", "finetune", "eval", "report")
 PREPARATION = ("cache", "dof", "allocate")  # computed when a listed stage needs them, listed or not
-TRAINING_FREE = ("sliding_window",)  # attention forms with nothing to train: no cache, dof, allocate, train
+# attention forms with nothing to train: no cache, dof, allocate, train
+TRAINING_FREE = tuple(name for name in selectable() if not get_form(name).traits.trains)
 
 
 def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from dofla.artifacts import settings_digest
-from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
+from dofla.attention.forms import get_form
 from dofla.attention.tuning import FILE, best_chunk_size
 from dofla.config import RunConfig, StepConfig
 from dofla.feature_maps import build_layer_feature_map
@@ -23,7 +23,7 @@ from dofla.train import LayerTrainConfig
 def linear_layers(cfg: RunConfig, geometry) -> list[int]:
     """Layers that get feature maps: none for training-free sliding-window attention; otherwise
     every layer the teacher itself does not already restrict to a sliding window."""
-    if cfg.attention.name == "sliding_window":
+    if not get_form(cfg.attention.name).traits.trains:
         return []
     windows = geometry.layer_windows or (None,) * geometry.num_layers
     return [i for i, w in enumerate(windows) if w is None]
@@ -37,10 +37,8 @@ def build_feature_maps(cfg: RunConfig, geometry, dims: list) -> list:
                                                     m, seed=cfg.seed + i, **cfg.feature_map.options)
         for i, m in enumerate(dims)
     ]
-    if cfg.attention.name != "gated_delta":
-        return maps
-    return [None if fm is None else DeltaFeatureMap(fm, DeltaGates(geometry.num_heads, geometry.head_dim))
-            for fm in maps]
+    form = get_form(cfg.attention.name)
+    return [None if fm is None else form.trained_part(fm) for fm in maps]
 
 
 def layer_train_config(cfg: RunConfig):

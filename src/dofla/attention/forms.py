@@ -1,0 +1,302 @@
+"""The attention forms a student's layer (or a group of its heads) can take, as registered objects.
+
+A form declares its :class:`Traits` (does it train, does it hold a window of exact recent tokens and
+sinks, does it take the scalar decay gate or a learned linear scale, which state it keeps) and
+provides what the student needs of it:
+
+- ``check(settings)``: one clear sentence per user error in its settings, before any model loads;
+- ``build(settings, features, heads, head_dim)``: its trained part from the layer's feature map
+  (None for a form that keeps no linear state) and its gate;
+- ``attend(layer, q, k, v, state, key_valid, softcap)``: training and prefill; ``step``: decoding
+  one token (the same call unless the form has a faster recurrence);
+- ``state_bytes(...)``: the decode state one sequence holds after T tokens.
+
+``settings`` is anything with the fields ``window``, ``sinks``, ``gate``, ``linear_scale``, ``dims``
+(a :class:`~dofla.models.spec.ConversionSpec`). ``layer`` is the
+:class:`~dofla.models.student_attention.StudentAttention` that holds the form: its feature map, gate,
+learned scale, window, sinks and chunk size, and ``for_each_block`` / ``decode_blocks`` for per-head
+feature dims. Adding a form is a kernel, a subclass registered with :func:`register`, its config
+value and its tests (docs/development.md, "Adding an attention form").
+
+State kinds: ``kv`` every key and value (grows with T), ``none`` only a window (and sinks),
+``additive`` the linear state Σ φ(k) vᵀ, ``delta`` the gated delta rule's state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dofla.attention.delta_gates import DeltaFeatureMap, DeltaGates
+from dofla.attention.exact import exact_attention
+from dofla.attention.gate import build_gate
+from dofla.attention.hybrid import hybrid_attention_chunked
+from dofla.attention.linear import linear_attention_chunked, linear_attention_recurrent
+from dofla.attention.naive import softmax_attention
+from dofla.attention.sliding import sliding_window_chunked
+
+STATES = ("kv", "none", "additive", "delta")
+STATE_BYTES = 4  # the kernels keep their states in float32 (at least)
+REQUIRED, OPTIONAL, NEVER = "required", "optional", "never"
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a form is: ``trains`` (has parameters to distil), ``window`` (a window of exact recent tokens:
+    required, optional or never), ``sinks`` (may keep its first tokens exact, with a window), ``gate``
+    (takes the scalar decay gate), ``scale`` (takes a learned linear scale), ``state`` (one of STATES),
+    ``shares_layers`` (its trained layers are plain feature maps, which linear and hybrid runs of the
+    same settings share; False: the layers' artifact meta names the form)."""
+
+    trains: bool
+    window: str
+    sinks: bool
+    gate: bool
+    scale: bool
+    state: str
+    shares_layers: bool = True
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The heads a form serves: ``heads`` query heads reading ``kv_heads`` key/value heads of size
+    ``head_dim``; ``features`` the feature dim of each query head (empty without a linear state)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    features: tuple[int, ...] = ()
+
+
+class AttentionForm:
+    """A registered attention form (module docstring); subclasses set ``name`` and ``traits``."""
+
+    name: ClassVar[str]
+    traits: ClassVar[Traits]
+    selectable: ClassVar[bool] = True  # named by the config's attention.name
+
+    def check(self, settings) -> None:
+        """One sentence per user error in ``settings`` (the traits' rules; forms add their own)."""
+        if self.traits.window == REQUIRED and settings.window < 1:
+            raise ValueError(f"attention={self.name!r} needs window ≥ 1 (recent tokens attended exactly), "
+                             f"got {settings.window}; set window")
+        if settings.gate != "none" and not self.traits.gate:
+            raise ValueError(f"gate={settings.gate!r} decays a linear state (linear or hybrid layers); attention="
+                             f"{self.name!r} has none, set gate='none'")
+        if settings.sinks < 0 or (settings.sinks and not self.traits.sinks):
+            raise ValueError(f"sinks={settings.sinks} needs to be ≥ 0, and > 0 only with hybrid or sliding_window "
+                             "attention; set sinks=0 or choose one of those")
+
+    def build(self, settings, features, heads: int, head_dim: int) -> dict:
+        """The layer's trained parts: ``feature_map`` (``features`` as this form uses it), ``gate``,
+        ``learned_scale``."""
+        return {"feature_map": features if self.traits.state in ("additive", "delta") else None,
+                "gate": build_gate(settings.gate, heads, head_dim) if self.traits.gate else None,
+                "learned_scale": self.traits.scale and settings.linear_scale == "learned"}
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        raise NotImplementedError
+
+    def accepts(self, window: int) -> bool:
+        """Whether a layer of this form may have ``window`` (0: none)."""
+        return self.traits.window == OPTIONAL or (self.traits.window == REQUIRED) == (window > 0)
+
+    def trained_part(self, features):
+        """What the layerwise stage trains for a layer of this form, from its fresh feature map."""
+        return features
+
+    def step(self, layer, q, k, v, state, key_valid=None, softcap=None):
+        """One decoding token against ``state``: the prefill path unless a form has a faster one."""
+        return self.attend(layer, q, k, v, state, key_valid, softcap)
+
+    def state_bytes(self, shape: Shape, window: int, sinks: int, gate: bool, tokens: int, kv_bytes: int = 4) -> int:
+        """Bytes of one sequence's decode state after ``tokens`` tokens (what its cache holds)."""
+        raise NotImplementedError
+
+
+FORMS: dict[str, AttentionForm] = {}
+
+
+def register(form: type[AttentionForm]) -> type[AttentionForm]:
+    """Class decorator: register one instance of ``form`` under its name."""
+    if form.traits.state not in STATES:
+        raise ValueError(f"form {form.name!r} keeps state {form.traits.state!r}, not one of {', '.join(STATES)}")
+    FORMS[form.name] = form()
+    return form
+
+
+def get_form(name: str) -> AttentionForm:
+    if name not in FORMS:
+        raise ValueError(f"attention={name!r} is not one of {', '.join(selectable())}; pick one of them")
+    return FORMS[name]
+
+
+def selectable() -> tuple[str, ...]:
+    """The forms a config may name (``attention.name``), in registration order."""
+    return tuple(name for name, form in FORMS.items() if form.selectable)
+
+
+def form_for(state: str, window: int) -> AttentionForm:
+    """The form that keeps ``state`` with ``window`` (0: none): what a layer is after a part of it is set aside
+    (a window dropped, features detached) or when a plan names a state and a window instead of a form."""
+    for form in FORMS.values():
+        if form.traits.state == state and form.accepts(window):
+            return form
+    raise ValueError(f"no attention form keeps a {state!r} state with window {window}")
+
+
+def _expand(layer, k, v):
+    """GQA: each query head reads the keys/values of its group, as the teacher does."""
+    group = layer.num_heads // layer.num_kv_heads
+    return (k, v) if group == 1 else (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+
+
+def _window_bytes(heads: int, head_dim: int, held: int, floats: int = 0, flags: int = 1) -> int:
+    """``held`` positions of ``heads`` query heads: key and value, ``floats`` more numbers per head
+    (log features, a decay) and ``flags`` bools per position (valid, is a sink)."""
+    return held * (heads * (2 * head_dim + floats) * STATE_BYTES + flags)
+
+
+def _blocks(shape: Shape) -> list[tuple[int, int]]:
+    """(heads, features) of each head block: heads of equal feature dim share one state object."""
+    return [(shape.features.count(m), m) for m in sorted(set(shape.features))]
+
+
+@register
+class Exact(AttentionForm):
+    """The exact softmax reference: every key and value kept (the teacher's cache)."""
+
+    name = "softmax"
+    traits = Traits(trains=False, window=NEVER, sinks=False, gate=False, scale=False, state="kv")
+    selectable = False  # chosen by feature_map=softmax or softmax_layers, not by attention.name
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        if layer.own_kv:  # beside heads of other forms: it keeps its own keys and values (unexpanded)
+            return exact_attention(q, k, v, state, key_valid, softcap)
+        k, v = _expand(layer, k, v)
+        if key_valid is None and softcap is None:
+            return softmax_attention(q, k, v, causal=True), None
+        window = max(q.shape[2], 1)  # a window over everything is plain causal softmax
+        return sliding_window_chunked(q, k, v, window, 0, window, key_valid=key_valid, softcap=softcap)[0], None
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        return 2 * shape.kv_heads * tokens * shape.head_dim * kv_bytes
+
+
+@register
+class Linear(AttentionForm):
+    """The paper's linear attention: a feature map, a fixed-size additive state, optionally gated."""
+
+    name = "linear"
+    traits = Traits(trains=True, window=NEVER, sinks=False, gate=True, scale=False, state="additive")
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        k, v = _expand(layer, k, v)
+        log_decay = None if layer.gate is None else layer.gate(v)
+        if layer.decodes_blocks(state, q):  # one recurrence for all head blocks
+            return layer.decode_blocks(q, k, v, state, linear_attention_recurrent, key_valid=key_valid,
+                                       log_decay=log_decay)
+        return layer.for_each_block(self._blocks, q, k, v, log_decay, state=state, key_valid=key_valid)
+
+    @staticmethod
+    def _blocks(layer, feature_map, q, k, v, log_decay=None, state=None, key_valid=None):
+        log_q, log_k = layer.log_features(feature_map, q, k)
+        if state is not None and q.shape[2] == 1:
+            return linear_attention_recurrent(log_q, log_k, v, state=state, key_valid=key_valid, log_decay=log_decay)
+        return linear_attention_chunked(log_q, log_k, v, chunk_size=layer.chunk_size, state=state,
+                                        key_valid=key_valid, log_decay=log_decay)
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        return sum(shape.features) * (shape.head_dim + 2) * STATE_BYTES
+
+
+@register
+class Hybrid(AttentionForm):
+    """Exact softmax over the last ``window`` tokens and ``sinks``, linear attention before."""
+
+    name = "hybrid"
+    traits = Traits(trains=True, window=REQUIRED, sinks=True, gate=True, scale=True, state="additive")
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        k, v = _expand(layer, k, v)
+        log_decay = None if layer.gate is None else layer.gate(v)
+        scale = None if layer.linear_log_scale is None else layer.linear_log_scale.expand(q.shape[0], -1)
+        return layer.for_each_block(self._blocks, q, k, v, log_decay, scale, state=state, key_valid=key_valid,
+                                    softcap=softcap)
+
+    @staticmethod
+    def _blocks(layer, feature_map, q, k, v, log_decay=None, log_scale=None, state=None, key_valid=None,
+                softcap=None):
+        log_q, log_k = layer.log_features(feature_map, q, k)
+        if log_scale is not None:  # e^β on every older key's kernel: log q̂ + β (the exact part reads q, k)
+            log_q = log_q + log_scale.to(log_q.dtype)[:, :, None, None]
+        return hybrid_attention_chunked(q, k, v, log_q, log_k, layer.window, layer.chunk_size, state,
+                                        log_decay=log_decay, sinks=layer.sinks, key_valid=key_valid,
+                                        softcap=softcap)
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        held, left = min(window, tokens), max(0, tokens - window)
+        return sum(h * m * (shape.head_dim + 2) * STATE_BYTES  # each block: its linear state, window and sinks
+                   + _window_bytes(h, shape.head_dim, held, m + int(gate), flags=2)
+                   + _window_bytes(h, shape.head_dim, min(sinks, left)) for h, m in _blocks(shape))
+
+
+@register
+class SlidingWindow(AttentionForm):
+    """Exact softmax over the first ``sinks`` valid tokens and the last ``window`` positions; training-free."""
+
+    name = "sliding_window"
+    traits = Traits(trains=False, window=REQUIRED, sinks=True, gate=False, scale=False, state="none")
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        k, v = _expand(layer, k, v)
+        return sliding_window_chunked(q, k, v, layer.window, layer.sinks, layer.chunk_size, state,
+                                      key_valid=key_valid, softcap=softcap)
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        held = min(window - 1, tokens)
+        return _window_bytes(shape.heads, shape.head_dim, sinks) + _window_bytes(shape.heads, shape.head_dim, held)
+
+
+@register
+class GatedDelta(AttentionForm):
+    """The gated delta rule; with a window, the hybrid whose older tokens live in the delta state."""
+
+    name = "gated_delta"
+    traits = Traits(trains=True, window=OPTIONAL, sinks=True, gate=False, scale=False, state="delta",
+                    shares_layers=False)
+
+    def check(self, settings) -> None:
+        if settings.gate != "none" or settings.linear_scale != "fixed":
+            raise ValueError("attention='gated_delta' has its own decay and output gates; set gate='none' and "
+                             "linear_scale='fixed'")
+        if any(isinstance(m, (list, tuple)) for m in settings.dims):
+            raise ValueError("attention='gated_delta' takes one feature dimension per layer (its state is M×dv per "
+                             "head, with heads batched together); per-head dims (allocation dof_head) do not fit it")
+        if settings.sinks and settings.window < 1:
+            raise ValueError(f"sinks={settings.sinks} needs window ≥ 1 with attention='gated_delta' (the hybrid with "
+                             "a delta state); set sinks=0 or a window")
+        super().check(settings)
+
+    def build(self, settings, features, heads, head_dim):
+        """The feature map and the gates, trained and saved together."""
+        return {**super().build(settings, None, heads, head_dim), "feature_map": self.trained_part(features)}
+
+    def trained_part(self, features):
+        return None if features is None else DeltaFeatureMap(features, DeltaGates(features.num_heads,
+                                                                                  features.head_dim))
+
+    def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
+        k, v = _expand(layer, k, v)  # its gates read v; the hybrid's exact part is the teacher's (capped) softmax
+        return layer.feature_map.attend(q, k, v, state, key_valid=key_valid, window=layer.window, sinks=layer.sinks,
+                                        softcap=softcap if layer.window > 0 else None, chunk_size=layer.chunk_size)
+
+    def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
+        delta = sum(shape.features) * shape.head_dim * STATE_BYTES
+        if window < 1:
+            return delta
+        held, left = min(window, tokens), max(0, tokens - window)
+        (heads, m), = _blocks(shape)  # one dim per layer (check)
+        mass = heads * m * 2 * STATE_BYTES  # the older keys' mass: k_sum and its offset
+        return delta + mass + _window_bytes(heads, shape.head_dim, held, m + 1, flags=2) \
+            + _window_bytes(heads, shape.head_dim, min(sinks, left))
+
