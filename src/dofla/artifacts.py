@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ import torch
 
 from dofla.errors import DoflaError
 from dofla.record import read_json, write_json
+
+logger = logging.getLogger(__name__)
 
 SETTINGS_FILE = "dofla_settings.json"  # beside a model directory's config.json
 
@@ -97,7 +100,7 @@ def load_artifact(path: Path, meta: dict, quiet: bool = False) -> dict[str, Any]
     problem = artifact_problem(path, meta)
     if problem is not None:
         if not quiet:
-            print(f"dofla: artifact {path} is not usable ({problem}); rebuilding it", flush=True)
+            logger.warning(f"dofla: artifact {path} is not usable ({problem}); rebuilding it")
         return None
     return torch.load(path, weights_only=False, map_location="cpu")  # GPU-written files load anywhere
 
@@ -110,11 +113,11 @@ def load_checkpoint(path: Path | None, meta: dict | None, normalize=None) -> dic
     try:
         ckpt = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as err:  # a damaged checkpoint only costs the steps since the last one
-        print(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over", flush=True)
+        logger.warning(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over")
         return None
     normalize = normalize or (lambda m: m)
     if canonical(normalize(ckpt.get("meta"))) != canonical(normalize(meta)):
-        print(f"dofla: checkpoint {path} was written for other settings; ignoring it", flush=True)
+        logger.warning(f"dofla: checkpoint {path} was written for other settings; ignoring it")
         return None
     return ckpt
 
