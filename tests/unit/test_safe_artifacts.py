@@ -21,6 +21,8 @@ from dofla.artifacts import (file_sha256, load_artifact, load_checkpoint, load_p
                              save_artifact, torch_save_atomic)
 
 ROOT = Path(__file__).resolve().parents[2]
+# torch's weights-only loader notes a bare pickle's protocol before refusing it
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 
 
 class Payload:
@@ -97,6 +99,19 @@ def test_an_artifact_and_a_checkpoint_of_plain_values_load_back_equal(tmp_path):
     back = load_checkpoint(tmp_path / "ckpt.pt", meta)
     assert back["state"] == ckpt["state"] and torch.equal(back["rng"]["cpu"], ckpt["rng"]["cpu"])
     assert back["optimizers"]["0"]["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_a_layer_artifact_as_the_release_before_wrote_it_still_loads(tmp_path):
+    """That release wrote torch.save(payload) to the path and its checksum record beside it: plain values."""
+    meta = {"layer": 0, "num_features": 16, "settings": {"loss": "softmax", "lr": 0.01, "betas": [0.9, 0.99]}}
+    payload = {"state_dict": collections.OrderedDict(w=torch.randn(4, 8)), "curve": [{"step": 2, "loss": 0.25}],
+               "summary": {"final_heldout_loss": 0.2, "stopped_early": False, "best_step": None}, "meta": meta}
+    path = tmp_path / "layer_00.pt"
+    torch.save(payload, path)
+    record = {"size": path.stat().st_size, "sha256": file_sha256(path), "meta": meta}
+    Path(f"{path}.json").write_text(json.dumps(record))
+    found = load_artifact(path, meta)
+    assert found["summary"] == payload["summary"] and torch.equal(found["state_dict"]["w"], payload["state_dict"]["w"])
 
 
 Point = collections.namedtuple("Point", "x y")
