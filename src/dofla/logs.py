@@ -21,6 +21,8 @@ class Console(logging.StreamHandler):
     """The message alone, as print wrote it: errors to stderr, the rest to stdout. The stream is looked up
     at each record, so a redirected or captured sys.stdout receives the lines."""
 
+    _error = False  # the record being written is an error (set under the handler's lock, in emit)
+
     def __init__(self):
         super().__init__()
         self.setFormatter(logging.Formatter("%(message)s"))
@@ -36,8 +38,6 @@ class Console(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         self._error = record.levelno >= logging.ERROR
         super().emit(record)
-
-    _error = False
 
 
 class RunLog(logging.FileHandler):
