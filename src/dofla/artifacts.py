@@ -6,14 +6,23 @@ the stage rebuilds it. Nothing here deletes a file written for other settings: i
 another run sharing the directory, so a stage writes its own into a directory of its settings
 (:func:`settings_digest`). The one exception is a run's own model directory (``student/``), which
 :func:`save_model_dir` replaces when that run's settings changed.
+
+Checkpoints and layer artifacts hold tensors and plain values only and load with
+``torch.load(weights_only=True)``: a file in a shared directory is never code that runs here, and one
+that would need more is refused in one sentence and rebuilt (an artifact) or started over (a checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
+import pickle
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +30,8 @@ import torch
 
 from dofla.errors import DoflaError
 from dofla.record import read_json, write_json
+
+logger = logging.getLogger(__name__)
 
 SETTINGS_FILE = "dofla_settings.json"  # beside a model directory's config.json
 
@@ -52,14 +63,73 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# what torch.load(weights_only=True) rebuilds, and all a checkpoint or artifact may hold: a file in a
+# shared directory (paths.cache_dir, train.layer_dir) that someone else can write must not be code
+# that runs here. Exact types: a subclass (a numpy float, a named tuple) would be pickled by class.
+PLAIN_TYPES = (dict, OrderedDict, list, tuple, str, int, float, bool, type(None), torch.Size, torch.dtype,
+               torch.device, torch.Tensor, torch.nn.Parameter)
+
+
+def plain_problem(value: Any, where: str = "payload") -> str | None:
+    """None when ``value`` is tensors and plain values alone; else the first key path that is not."""
+    if type(value) not in PLAIN_TYPES:
+        return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = plain_problem(key, f"a key of {where}") or plain_problem(item, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+    elif type(value) in (list, tuple):  # not torch.Size: its items are ints
+        for i, item in enumerate(value):
+            problem = plain_problem(item, f"{where}[{i}]")
+            if problem is not None:
+                return problem
+    return None
+
+
+def load_plain(path: Path) -> Any:
+    """torch.load of tensors and plain values only (weights_only=True): a file that needs more raises
+    pickle.UnpicklingError before anything in it runs. Mapped to the CPU: GPU-written files load anywhere."""
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the filesystem can sync a directory at all)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform that cannot open a directory (Windows) has nothing to sync here
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):  # filesystems without directory sync
+            raise
+    finally:
+        os.close(fd)
+
+
 def torch_save_atomic(payload: Any, path: Path) -> None:
-    """torch.save to a temporary name, then rename: a kill never leaves half a file."""
+    """torch.save to a temporary name, fsync it, rename, fsync the directory: neither a kill nor a node
+    crash leaves half a file (or an empty one) under ``path``. The payload must load with
+    :func:`load_plain` (tensors and plain values: :func:`plain_problem`)."""
     path = Path(path)
+    problem = plain_problem(payload)
+    if problem is not None:
+        raise TypeError(f"{path}: {problem}; a checkpoint or artifact holds tensors and plain values only, "
+                        "so that it loads without unpickling code")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    os.close(fd)
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(path.parent)
 
 
 def save_artifact(path: Path, payload: dict, meta: dict) -> None:
@@ -97,9 +167,14 @@ def load_artifact(path: Path, meta: dict, quiet: bool = False) -> dict[str, Any]
     problem = artifact_problem(path, meta)
     if problem is not None:
         if not quiet:
-            print(f"dofla: artifact {path} is not usable ({problem}); rebuilding it", flush=True)
+            logger.warning(f"dofla: artifact {path} is not usable ({problem}); rebuilding it")
         return None
-    return torch.load(path, weights_only=False, map_location="cpu")  # GPU-written files load anywhere
+    try:
+        return load_plain(path)
+    except pickle.UnpicklingError:
+        logger.warning(f"dofla: refusing artifact {path}: it holds more than tensors and plain values (not "
+                       "written by this dofla), and unpickling it could run code; rebuilding it")
+        return None
 
 
 def load_checkpoint(path: Path | None, meta: dict | None, normalize=None) -> dict[str, Any] | None:
@@ -108,13 +183,17 @@ def load_checkpoint(path: Path | None, meta: dict | None, normalize=None) -> dic
     if path is None or not Path(path).exists():
         return None
     try:
-        ckpt = torch.load(path, weights_only=False, map_location="cpu")
+        ckpt = load_plain(path)
+    except pickle.UnpicklingError:
+        logger.warning(f"dofla: refusing checkpoint {path}: it holds more than tensors and plain values (damaged, "
+                       "or not written by this dofla), and unpickling it could run code; starting over")
+        return None
     except Exception as err:  # a damaged checkpoint only costs the steps since the last one
-        print(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over", flush=True)
+        logger.warning(f"dofla: checkpoint {path} is unreadable ({type(err).__name__}); starting over")
         return None
     normalize = normalize or (lambda m: m)
-    if canonical(normalize(ckpt.get("meta"))) != canonical(normalize(meta)):
-        print(f"dofla: checkpoint {path} was written for other settings; ignoring it", flush=True)
+    if not isinstance(ckpt, dict) or canonical(normalize(ckpt.get("meta"))) != canonical(normalize(meta)):
+        logger.warning(f"dofla: checkpoint {path} was written for other settings; ignoring it")
         return None
     return ckpt
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,7 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.errors import DoflaError
 from dofla.evaluate_saved import evaluate_saved
+from dofla.logs import setup_logging
 from dofla.pipeline import run
 from dofla.report.tables import write_report
 from dofla.runtime import keep_freed_memory
@@ -44,6 +46,7 @@ def find_conf_dir() -> Path:
 
 
 CONF_DIR = find_conf_dir()
+logger = logging.getLogger(__name__)
 
 ConfigStore.instance().store(name="base_config", node=RunConfig)
 
@@ -61,6 +64,7 @@ def main_hydra(dcfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     distributed.init()  # under torchrun: one process group; every rank uses rank 0's run directory
     out_dir = Path(distributed.broadcast(hydra_cfg.runtime.output_dir))
+    setup_logging(out_dir if distributed.is_main() else None)  # rank 0 writes the run's log file
     overrides = list(hydra_cfg.overrides.task)
     try:
         tracker = NullTracker()
@@ -74,7 +78,7 @@ def main_hydra(dcfg: DictConfig) -> None:
         finally:
             tracker.finish()
     except DoflaError as err:
-        print(f"dofla: error: {err}", file=sys.stderr, flush=True)
+        logger.error(f"dofla: error: {err}")
         sys.exit(2)
 
 
@@ -98,6 +102,7 @@ def report_main(argv: list[str] | None = None) -> None:
     ``dofla-report --table NAME ...``: one of the study tables (``--table NAME --help``)."""
     argv = sys.argv[1:] if argv is None else argv
     keep_freed_memory()
+    setup_logging()
     if argv[:1] == ["--frontier"]:  # the frontier is one of the tables; --frontier is its short form
         argv = ["--table", "frontier", *argv[1:]]
     if argv[:1] == ["--table"] or (argv and argv[0].startswith("--table=")):
@@ -123,10 +128,11 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        setup_logging()  # the launcher's process: its jobs may have run elsewhere
         try:
             write_report(sweep_dir)
         except FileNotFoundError as err:
-            print(f"dofla: no report: {err}", file=sys.stderr)
+            logger.error(f"dofla: no report: {err}")
 
 
 def compose_config(overrides: list[str]) -> RunConfig:
@@ -143,6 +149,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="the run's Hydra overrides (model=..., data=..., experiment=...)")
     args = parser.parse_args(argv)
     keep_freed_memory()
+    setup_logging()
     try:
         cfg = compose_config(args.overrides)
         validate_config(cfg)
@@ -170,6 +177,7 @@ def eval_main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)
     out = Path(args.out or datetime.now().strftime("outputs/eval/%Y-%m-%d/%H-%M-%S"))
     keep_freed_memory()
+    setup_logging(out)  # the compose API sets up no job logging: the log file is dofla's own
     try:
         cfg = compose_config(args.overrides)
         metrics = evaluate_saved(args.model_dir, cfg, out)

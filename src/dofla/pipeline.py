@@ -8,6 +8,7 @@ are shared across runs), so re-running resumes. Under torchrun every rank runs t
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from dofla.stages.students import layer_dir, linear_layers
 from dofla.tracking import NullTracker
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
 from dofla.world import train_split, validate_world
+
+logger = logging.getLogger(__name__)
 
 
 def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=None) -> dict:
@@ -90,8 +93,8 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
             report.log_training(tracker, trained.summaries)
     if cfg.train.layers is not None and len(set(cfg.train.layers)) < ctx.geometry.num_layers:
         if main:
-            print(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {layer_dir(cfg, out_dir)}; "
-                  "run again without train.layers (same train.layer_dir) to assemble and evaluate", flush=True)
+            logger.info(f"dofla: trained layers {sorted(set(cfg.train.layers))} into {layer_dir(cfg, out_dir)}; "
+                  "run again without train.layers (same train.layer_dir) to assemble and evaluate")
         return {}
     if "assemble" not in plan:
         return {}
@@ -158,7 +161,7 @@ def resolve_precision(cfg: RunConfig) -> RunConfig:
     chosen = resolve(cfg.precision, cfg.device)
     if distributed.is_main():
         where = torch.cuda.get_device_name(distributed.device(cfg.device)) if chosen == "tf32" else "the CPU"
-        print(f"dofla: precision=auto: {chosen} on {where}", flush=True)
+        logger.info(f"dofla: precision=auto: {chosen} on {where}")
     return replace(cfg, precision=chosen)
 
 

@@ -1,6 +1,7 @@
 """Experiment trackers: ``none`` (files only) and ``wandb`` (never blocks without network)."""
 from __future__ import annotations
 
+import logging
 import netrc
 import os
 from pathlib import Path
@@ -9,6 +10,8 @@ from urllib.parse import urlparse
 
 from dofla.config import LoggerConfig
 from dofla.report.seeds import settings_hash
+
+logger = logging.getLogger(__name__)
 
 
 def split_overrides(name: str) -> list[str]:
@@ -56,8 +59,8 @@ class WandbTracker(NullTracker):
 
         mode = wandb_mode(cfg)
         if mode == "offline":
-            print(f"dofla: wandb logs offline into {out_dir}/wandb ({offline_reason(cfg)}); upload later with "
-                  f"`wandb sync {out_dir}/wandb/offline-run-*`", flush=True)
+            logger.info(f"dofla: wandb logs offline into {out_dir}/wandb ({offline_reason(cfg)}); upload later with "
+                  f"`wandb sync {out_dir}/wandb/offline-run-*`")
         self._wandb = wandb
         self.run = wandb.init(
             project=cfg.project, group=cfg.group or seed_group(config, name), config=config, dir=str(out_dir),

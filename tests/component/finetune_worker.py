@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
 from dofla.eval import suite
+from dofla.logs import setup_logging
 from dofla.models import convert
 from dofla.models.tiny import build_byte_tokenizer, build_tiny_model
 
@@ -38,4 +39,5 @@ def main(root: Path, name: str, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    setup_logging()  # as a command: its dofla: lines on stdout, where the tests read them
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from dofla.errors import DoflaError
 from dofla.faults import kill_point
 from dofla.models.adapters import AttentionGeometry, get_adapter
 from dofla.models.capture import capturing
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KINDS = ("q", "k", "v")
@@ -106,12 +109,12 @@ def build_or_load_cache(model, tokens: torch.Tensor, fields: dict, root: Path, b
     if distributed.world() > 1:
         return _build_or_load_distributed(model, tokens, fields, final, batch_size, progress)
     if final.exists() and _usable(final, fields):
-        print(f"dofla: reusing activation cache {final}", flush=True)
+        logger.info(f"dofla: reusing activation cache {final}")
         return ActivationCache(final)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{key}.lock")):
         if final.exists() and _usable(final, fields):  # another job built it while we waited
-            print(f"dofla: reusing activation cache {final} (built by another job)", flush=True)
+            logger.info(f"dofla: reusing activation cache {final} (built by another job)")
             return ActivationCache(final)
         _build(model, tokens, fields, final, batch_size, progress)
     return ActivationCache(final)
@@ -121,7 +124,7 @@ def _usable(path: Path, fields: dict) -> bool:
     problem = verify_cache(path, fields)
     if problem is None:
         return True
-    print(f"dofla: activation cache {path} is not usable ({problem}); rebuilding it", flush=True)
+    logger.warning(f"dofla: activation cache {path} is not usable ({problem}); rebuilding it")
     return False
 
 
@@ -138,7 +141,7 @@ def _build_or_load_distributed(model, tokens, fields: dict, final: Path, batch_s
     try:
         if distributed.broadcast(ready):
             if distributed.is_main():
-                print(f"dofla: reusing activation cache {final}", flush=True)
+                logger.info(f"dofla: reusing activation cache {final}")
             return ActivationCache(final)
         adapter = get_adapter(model)
         geometry = adapter.geometry(model.config)
@@ -191,8 +194,8 @@ def _prepare(final: Path, tmp: Path, geometry: AttentionGeometry, num_seqs: int,
     """Check the disk, clear killed builds and an unusable old cache, create the temp dir."""
     predicted = predict_cache_bytes(geometry, num_seqs, seq_len)
     free = shutil.disk_usage(final.parent).free
-    print(f"dofla: building activation cache {final} ({predicted / 2**20:.1f} MiB, "
-          f"{free / 2**30:.1f} GiB free)", flush=True)
+    logger.info(f"dofla: building activation cache {final} ({predicted / 2**20:.1f} MiB, "
+          f"{free / 2**30:.1f} GiB free)")
     if free < predicted * 1.05 + 2**26:
         raise CacheError(f"the activation cache needs {predicted / 2**30:.2f} GiB but only {free / 2**30:.2f} "
                          f"GiB are free under {final.parent}; free disk or set cache_dir elsewhere")

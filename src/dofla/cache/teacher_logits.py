@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -36,6 +37,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dofla.train.kl_targets import ExactTargets, TopKTargets
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
@@ -116,7 +119,7 @@ class TeacherLogitCache:
             return None
         problem, tensors = self._check(path, digest, seq_len)
         if problem is not None:
-            print(f"dofla: teacher-logit cache entry {path} is not usable ({problem}); recomputing it", flush=True)
+            logger.warning(f"dofla: teacher-logit cache entry {path} is not usable ({problem}); recomputing it")
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used
@@ -142,8 +145,8 @@ class TeacherLogitCache:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if size > self.limit or shutil.disk_usage(self.dir).free < size + 2**26:
             if not self._warned_disk:
-                print(f"dofla: teacher-logit cache: no room for a {size / 2**20:.0f} MiB entry under {self.dir} "
-                      "(its limit or the free disk); rows are computed without being stored", flush=True)
+                logger.warning(f"dofla: teacher-logit cache: no room for a {size / 2**20:.0f} MiB entry under {self.dir} "
+                      "(its limit or the free disk); rows are computed without being stored")
                 self._warned_disk = True
             return
         meta = {"fields": json.dumps(self.fields, sort_keys=True), "digest": digest,

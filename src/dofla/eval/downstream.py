@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 import huggingface_hub.constants as hub_constants
 
 from dofla.eval.mmlu_dev import write_mmlu_dev_task
+
+logger = logging.getLogger(__name__)
 
 # lm-eval names. ``wsc`` is SuperGLUE WSC (aps/super_glue, wsc.fixed; validation has 104 docs);
 # lm-eval's other WSC, ``wsc273``, is the Winograd schema set the paper did not use.
@@ -205,7 +208,7 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
     else:
         runnable, skipped, reachable = list(tasks), {}, hub_reachable
     for reason in skipped.values():
-        print(reason, flush=True)
+        logger.warning(reason)
     if not runnable:
         raise DownstreamUnavailable(f"none of the downstream tasks {list(tasks)} can run here: "
                                     "their datasets are neither reachable nor cached")
@@ -217,7 +220,7 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
                 row = run_lm_eval(lm, task, manager_for(task, dirs), limit)
             except (ConnectionError, FileNotFoundError) as err:  # a cache that went stale since the probe
                 result.skipped[task] = f"downstream task {task} skipped: its data could not be loaded ({err})"
-                print(result.skipped[task], flush=True)
+                logger.warning(result.skipped[task])
                 continue
             for metric in ("acc", "acc_norm"):
                 if f"{metric},none" in row:

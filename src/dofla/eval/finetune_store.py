@@ -17,6 +17,7 @@ processes: each runs the trials nobody holds, then waits for the others' and rea
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +28,8 @@ from filelock import FileLock, Timeout
 from dofla.artifacts import canonical
 from dofla.eval.task_step import TaskScore
 from dofla.record import read_json, write_json
+
+logger = logging.getLogger(__name__)
 
 
 class TrialStore:
@@ -95,12 +98,11 @@ def share(store: TrialStore | None, trials: list[tuple[str, float]], compute: Ca
                     if score is None:
                         score = compute(task, lr)
                     else:
-                        print(f"dofla: fine-tune protocol: {who} on {task} at lr {lr:g} finished by another job",
-                              flush=True)
+                        logger.info(f"dofla: fine-tune protocol: {who} on {task} at lr {lr:g} finished by another job")
             done[task, lr] = score
         if len(done) < len(trials) and not wait:
             held = [f"{t} at lr {lr:g}" for t, lr in trials if (t, lr) not in done]
-            print(f"dofla: fine-tune protocol: waiting for other jobs running the {who}'s {', '.join(held)} "
-                  f"({store.directory})", flush=True)
+            logger.info(f"dofla: fine-tune protocol: waiting for other jobs running the {who}'s {', '.join(held)} "
+                  f"({store.directory})")
     return done
 

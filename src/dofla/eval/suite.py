@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -22,6 +23,8 @@ from dofla.eval.mmlu_dev import MMLU_DEV_TASK, write_mmlu_dev_task
 from dofla.eval.mqar import mqar_curve
 from dofla.eval.task_finetune import FinetuneProtocolConfig, TeacherProtocol, run_finetune_protocol, run_teacher_protocol
 from dofla.record import read_json, write_json
+
+logger = logging.getLogger(__name__)
 
 # `eval.tasks=[downstream7]` stands for the paper's seven tasks.
 ALIASES = {"downstream7": DOWNSTREAM7}
@@ -70,7 +73,7 @@ def plan_tasks(ev: EvalConfig, out_dir: Path, others_requested: bool) -> TaskPla
                             "their YAML folder to eval.task_dirs")
     runnable, skipped, reachable = availability(tasks, dirs_t)
     for reason in skipped.values():
-        print(reason, flush=True)
+        logger.warning(reason)
     if not runnable and not others_requested:
         raise TaskPlanError(f"none of eval.tasks {tasks} can run here (their datasets are neither "
                             "reachable nor cached) and nothing else was asked for; run once with network "
@@ -111,7 +114,7 @@ def kept(path: Path | None, compute, what: str):
         if path is not None:
             write_json(path, value)
     else:
-        print(f"dofla: {what} reused from {path}", flush=True)
+        logger.info(f"dofla: {what} reused from {path}")
     return value
 
 
@@ -140,8 +143,8 @@ def protocol_config(plan: TaskPlan, ev: EvalConfig, seed: int, precision: str = 
     ``auto`` (no memory preflight ran, e.g. ``dofla-eval``) is the whole batch, said once."""
     sizes, micro = finetune_batch_sizes(ev), finetune_micro_batch_sizes(ev)
     if "auto" in micro.values():
-        print("dofla: eval.finetune_micro_batch_size=auto needs the memory preflight of a dofla run; "
-              "fine-tuning whole batches here", flush=True)
+        logger.warning("dofla: eval.finetune_micro_batch_size=auto needs the memory preflight of a dofla run; "
+              "fine-tuning whole batches here")
         micro = {task: None if m == "auto" else m for task, m in micro.items()}
     default, micro_default = sizes.pop("default"), micro.pop("default")
     return FinetuneProtocolConfig(lr_grid=tuple(ev.finetune_lr_grid), epochs=ev.finetune_epochs,

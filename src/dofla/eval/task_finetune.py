@@ -16,6 +16,7 @@ a learning rate) run through :mod:`dofla.eval.task_trial`, which checkpoints and
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from dofla.eval.finetune_store import share
 from dofla.eval.task_data import extra_training_docs, gold_text, pad_batch, training_pairs  # noqa: F401 - API
 from dofla.eval.task_step import TaskScore, finetune_step, summed_loss, target_tokens  # noqa: F401 - API
 from dofla.eval.task_trial import run_trial
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,7 +124,7 @@ def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProt
     result = TeacherProtocol({}, {}, dict(skipped))
     pairs_by_task = {} if pairs_by_task is None else pairs_by_task
     for reason in skipped.values():
-        print(reason, flush=True)
+        logger.warning(reason)
 
     def compute(task: str, lr: float):
         if task in result.skipped:
@@ -130,7 +133,7 @@ def run_teacher_protocol(teacher, tokenizer, tasks: list[str], cfg: FinetuneProt
             pairs = task_pairs(task, teacher, tokenizer, cfg, pairs_by_task)
         except TaskSkipped as why:
             result.skipped[task] = str(why)
-            print(result.skipped[task], flush=True)
+            logger.warning(result.skipped[task])
             return None
         return finetune_and_score(teacher, tokenizer, task, pairs, lr, cfg, store, "teacher")
 

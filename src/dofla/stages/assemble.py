@@ -3,6 +3,7 @@ trained features loaded, reused only when ``dofla_settings.json`` matches
 (:func:`dofla.stages.keys.student_settings`)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dofla.artifacts import ArtifactError, artifact_problem, model_dir_matches, save_model_dir
@@ -15,6 +16,8 @@ from dofla.stages import softmax_layers
 from dofla.stages.results import Assembled
 from dofla.stages.students import layer_dir, layer_dirs, make_student, per_layer_meta, trainable, with_settings
 from dofla.train.layerwise import find_artifact
+
+logger = logging.getLogger(__name__)
 
 
 def run(ctx: RunContext, dims: list, cache_key: str, probe=None) -> Assembled:
@@ -35,7 +38,7 @@ def assemble(cfg: RunConfig, teacher, tokenizer, dims, out_dir: Path, cache_key:
     if model_dir_matches(target, settings):  # loads on the CPU: join the teacher's device
         return with_settings(load_student(target).to(next(teacher.parameters()).device), settings)
     if (target / "config.json").exists():
-        print(f"dofla: {target} was assembled for other settings; assembling it again", flush=True)
+        logger.warning(f"dofla: {target} was assembled for other settings; assembling it again")
     student = make_student(cfg, teacher, dims)
     student.config.dofla_run = run_provenance(cfg)  # for the model card
     kill_point("assemble")

@@ -1,6 +1,7 @@
 """What every stage of one run shares, fixed once the teacher is loaded, and the data stage's result."""
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from dofla import distributed
 from dofla.config import RunConfig
 from dofla.measure import StepClock, peak_memory
 from dofla.stages.plan import TrainPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class StageTimer:
         line = self.summary(stage)
         if line is not None:
             if distributed.is_main():
-                print(line, flush=True)
+                logger.info(line)
 
     def watch(self, tracker):
         """``tracker``, with the training steps it is told of timed."""

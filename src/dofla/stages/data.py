@@ -8,6 +8,7 @@ which so stays held out. The tokens each stage reads are the run's token ledger
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from dofla.stages.plan import CACHE, NO_SOURCE, STREAM, TrainPlan, train_plan
 # the data a run reads, opened before loading (dofla-prepare, notebooks and tests call them from here)
 from dofla.stages.sources import PREPARE_HINT, data_source, heldout_need, needs_prepared, open_data, prepared_path  # noqa: F401
 from dofla.stages.sources import training_stream  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 
 def run(ctx: RunContext) -> RunData:
@@ -82,17 +85,17 @@ def plan_training(cfg: RunConfig, plan: list[str], geometry, teacher) -> TrainPl
                                                                                    f"train.source={training.source}")
     what = ("a stream of fresh token batches (end to end)" if training.direct and training.streams else
             f"{'a stream of fresh' if training.streams else 'cached'} teacher activations")
-    print(f"dofla: training reads {what} "
+    logger.info(f"dofla: training reads {what} "
           f"({why}); caching all {n:,} tokens would take {full / 2**30:.2f} GB, this run caches "
           f"{cached:,} tokens ({kept / 2**30:.2f} GB); the teacher runs at ≈ {rate:,.0f} tokens/s "
           f"here, so its passes over {n:,} tokens take ≈ {n / rate / 60:.1f} min"
           + (" (plus every layer's loss and update per step)" if training.streams and not training.direct
-             else ""), flush=True)
+             else ""))
     hours = n / rate / 3600
     if cfg.device == "auto" and next(teacher.parameters()).device.type == "cpu" and hours > 1:
-        print(f"dofla: WARNING: no GPU is visible, so device=auto runs on the CPU, where the teacher passes alone "
+        logger.warning(f"dofla: WARNING: no GPU is visible, so device=auto runs on the CPU, where the teacher passes alone "
               f"are predicted to take {hours:.1f} h; set device=cuda to require a GPU (it then fails at once "
-              "instead)", flush=True)
+              "instead)")
     return training
 
 
@@ -118,7 +121,7 @@ def prepare(cfg: RunConfig) -> tuple[Path, dict]:
     old = read_json(directory / META)
     if old is not None and all(old[split]["complete"] or (limit is not None and old[split]["tokens"] >= limit)
                                for split, limit in (("train", train), ("heldout", heldout))):
-        print(f"dofla: {directory} already holds the prepared tokens this config reads", flush=True)
+        logger.info(f"dofla: {directory} already holds the prepared tokens this config reads")
         return directory, old
     tokenizer = load_tokenizer(cfg.model.source, cfg.model.revision)
     meta = write(text, tokenizer, directory, train, heldout, tokenizer_source=cfg.model.source)

@@ -4,6 +4,7 @@ fresh streamed text -> ``student_distilled/``, reused only for the same settings
 its share of each batch (:func:`dofla.train.distill.train_kl`) and rank 0 writes."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ from dofla.stages.plan import distill_schedule
 from dofla.stages.sources import cache_root, data_source, training_stream
 from dofla.stages.students import with_settings
 from dofla.train.distill import teacher_targets, train_kl
+
+logger = logging.getLogger(__name__)
 
 TARGET = "student_distilled"
 
@@ -57,7 +60,7 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
                                       lora=(d.lora_rank, d.lora_alpha), on_log=log, data_parallel=True,
                                       targets_of=targets_of)
     if cache is not None:
-        print(f"dofla: teacher-logit cache {cache.dir}: {cache.hits} rows read, {cache.misses} computed", flush=True)
+        logger.info(f"dofla: teacher-logit cache {cache.dir}: {cache.hits} rows read, {cache.misses} computed")
     if distributed.is_main():  # every rank holds the same student
         write_json(ctx.out_dir / "distill_summary.json", {"tokens": tokens, "curve": curve, "settings": settings})
         save_model_dir(student, ctx.tokenizer, target, settings)
@@ -77,16 +80,16 @@ def teacher_logit_cache(ctx: RunContext, s, seq_len: int, rows: int):
     if d.teacher_cache == "off":
         return None
     if s.logit_chunk and not s.teacher_topk:
-        print("dofla: distill.teacher_cache: exact targets with distill.logit_chunk are never whole logits and are "
-              "not stored; set distill.teacher_topk to store the text's targets", flush=True)
+        logger.warning("dofla: distill.teacher_cache: exact targets with distill.logit_chunk are never whole logits and are "
+              "not stored; set distill.teacher_topk to store the text's targets")
         return None
     param = next(teacher.parameters())
     half = cfg.precision == "bf16" or param.dtype != torch.float32
     need, limit = rows * entry_bytes(seq_len, vocab, d.teacher_topk, 2 if half else 4), d.teacher_cache_gb * 2**30
     if need > limit:
-        print(f"dofla: distill.teacher_cache: this text's teacher targets need {need / 2**20:,.1f} MiB, more than "
+        logger.warning(f"dofla: distill.teacher_cache: this text's teacher targets need {need / 2**20:,.1f} MiB, more than "
               f"distill.teacher_cache_gb={d.teacher_cache_gb:g}; they are not stored (raise the limit or set "
-              "distill.teacher_topk)", flush=True)
+              "distill.teacher_topk)")
         return None
     fields = {"teacher": teacher_settings(cfg), "dtype": str(param.dtype), "precision": cfg.precision,
               "device": param.device.type, "format": f"top{d.teacher_topk}" if d.teacher_topk else "exact"}

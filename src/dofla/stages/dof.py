@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -22,6 +23,8 @@ from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext
 from dofla.stages.keys import dof_settings
 from dofla.stages.results import DofResult
+
+logger = logging.getLogger(__name__)
 
 
 def run(ctx: RunContext, cache, layers: list[int] | None = None) -> DofResult:
@@ -38,7 +41,7 @@ def run(ctx: RunContext, cache, layers: list[int] | None = None) -> DofResult:
         write_json(shared, result)
     write_json(out_dir / "dof.json", result)
     if result.get("warning"):
-        print(f"dofla: warning: {result['warning']}", flush=True)
+        logger.warning(f"dofla: warning: {result['warning']}")
     return DofResult.of(result)
 
 

@@ -14,6 +14,7 @@ tokens (a batch pads to its widest row), and a task's training examples are the 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +32,8 @@ from dofla.stages.sources import stream_steps
 from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
 from dofla.train import probe_steps
 from dofla.train.capacity import in_depth, quiet
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,10 +167,9 @@ def run(ctx: RunContext, dims: list, plan, predicted: dict | None = None) -> lis
     cell = sum(t.seconds for t in times if not t.shared)
     shared = sum(t.seconds for t in times if t.shared)
     parts = "; ".join(f"{t.stage} ≈ {hours(t.seconds)} ({t.what})" for t in times)
-    print(f"dofla: predicted time on {device} ({time.perf_counter() - started:.1f} s to time the steps): {parts}; "
+    logger.info(f"dofla: predicted time on {device} ({time.perf_counter() - started:.1f} s to time the steps): {parts}; "
           f"this cell ≈ {hours(cell + shared)}" + (f", a sweep of n such cells ≈ n × {hours(cell)} + "
-                                                  f"{hours(shared)} (the teacher's grid once)" if shared else ""),
-          flush=True)
+                                                  f"{hours(shared)} (the teacher's grid once)" if shared else ""))
     for t in times:
         (predicted if predicted is not None else {}).setdefault(t.stage, {})["seconds"] = t.seconds
     return times

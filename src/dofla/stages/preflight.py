@@ -5,6 +5,7 @@ pick the largest that fits. Each prediction traces its stage's own step (:mod:`d
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -20,6 +21,8 @@ from dofla.stages.plan import distill_schedule
 from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
 from dofla.train import capacity
 from dofla.world import train_split
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 
@@ -131,8 +134,8 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
     need = peak.at(micro or 1)
     split = "a batch of one sequence" if need.per_sample is None else \
         f"{size(need.fixed)} weights and optimiser state + {micro or 1} × {size(need.per_sample)} per sequence"
-    print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the {stage} stage needs "
-          f"≈ {size(need.bytes)} at micro-batch {micro or 1} ({split}); {where}", flush=True)
+    logger.info(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the {stage} stage needs "
+          f"≈ {size(need.bytes)} at micro-batch {micro or 1} ({split}); {where}")
     records[stage] = {"micro_batch": micro, "batch": batch, "fixed": peak.fixed, "per_sample": peak.per_sample,
                       "predicted": need.bytes, "limit": limit, "fits": fitting}
     if fitting is None:
@@ -144,7 +147,7 @@ def check(ctx: RunContext, stage: str, predict_at, batch: int, records: dict):
                               f"{name}={fitting} fits (≈ {size(peak.at(fitting).bytes)}), "
                               f"or {name}=auto picks it")
     if auto:
-        print(f"dofla: {name}=auto: {micro} (of batch {batch})", flush=True)
+        logger.info(f"dofla: {name}=auto: {micro} (of batch {batch})")
     return micro if micro < batch else None
 
 
@@ -194,14 +197,14 @@ def check_task_finetune(ctx: RunContext, dims: list, records: dict) -> RunContex
     largest = max(tasks, key=batch_of.get)
     micro = chosen[largest] or batch_of[largest]
     need = peak.at(micro)
-    print(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the task fine-tunes need "
+    logger.info(f"dofla: memory preflight ({time.perf_counter() - started:.1f} s): the task fine-tunes need "
           f"≈ {size(need.bytes)} at micro-batch {micro} of {largest}'s {batch_of[largest]} ({size(need.fixed)} "
-          f"models and optimiser state + {micro} × {size(need.per_sample or 0)} per sequence); {where}", flush=True)
+          f"models and optimiser state + {micro} × {size(need.per_sample or 0)} per sequence); {where}")
     records["eval"] = {"micro_batch": chosen, "batch": batch_of, "fixed": peak.fixed, "per_sample": peak.per_sample,
                        "predicted": need.bytes, "limit": limit}
     if not auto:
         return ctx
-    print(f"dofla: {name}=auto: " + ", ".join(f"{t} {chosen[t] or batch_of[t]}" for t in tasks), flush=True)
+    logger.info(f"dofla: {name}=auto: " + ", ".join(f"{t} {chosen[t] or batch_of[t]}" for t in tasks))
     resolved = {**chosen, "default": min((m for m in chosen.values() if m), default=None)}
     return replace(ctx, cfg=replace(ctx.cfg, eval=replace(ev, finetune_micro_batch_size=resolved)))
 
@@ -216,5 +219,5 @@ def _trace(predict, name: str, auto: bool, what: str):
         if auto:
             raise DoesNotFitError(f"{name}=auto needs the memory preflight, which failed here "
                                   f"({type(err).__name__}: {err}); set {name} to a number") from err
-        print(f"dofla: memory preflight of {what} skipped ({type(err).__name__}: {err})", flush=True)
+        logger.warning(f"dofla: memory preflight of {what} skipped ({type(err).__name__}: {err})")
         return False, None

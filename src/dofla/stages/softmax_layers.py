@@ -15,6 +15,7 @@ settings directory) all the same, keyed by the teacher's data and the window.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from dofla.dof.softmax_layers import (choose, greedy_restoration_kl, greedy_rest
 from dofla.models import get_adapter, restore_softmax
 from dofla.record import read_json, write_json
 from dofla.stages.keys import softmax_ranking_settings
+
+logger = logging.getLogger(__name__)
 
 RANKING, CHOICE = "softmax_ranking.json", "softmax_layers.json"
 
@@ -65,8 +68,8 @@ def apply(cfg: RunConfig, student, teacher, probe: torch.Tensor, layers: dict, d
     else:
         values = ", ".join(f"{measured['attention_error'][str(i)]:.3f}" for i in chosen)
         why = f"the largest attention errors on the probe: {values}"
-    print(f"dofla: keeping layers {chosen} as exact softmax ({why}); when decoding they keep a KV cache of "
-          f"{cost:,} bytes per token of context", flush=True)
+    logger.info(f"dofla: keeping layers {chosen} as exact softmax ({why}); when decoding they keep a KV cache of "
+          f"{cost:,} bytes per token of context")
     return chosen
 
 

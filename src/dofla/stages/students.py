@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import statistics
 from dataclasses import fields
 from pathlib import Path
@@ -18,6 +19,8 @@ from dofla.feature_maps.blocks import feature_dims
 from dofla.models import cache_root, convert, get_adapter
 from dofla.stages.keys import training_window
 from dofla.train import LayerTrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 def linear_layers(cfg: RunConfig, geometry) -> list[int]:
@@ -97,7 +100,7 @@ def chunk_size(cfg: RunConfig, teacher, dims) -> int:
 
 @functools.cache
 def _say_once(line: str) -> None:
-    print(line, flush=True)
+    logger.info(line)
 
 
 def make_student(cfg: RunConfig, teacher, dims):

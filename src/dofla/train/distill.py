@@ -18,6 +18,7 @@ each, and the gradients are averaged before clipping: the single-process step at
 """
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ from dofla.train.trainable import (  # noqa: F401 - API: what trains, chosen by 
     TRAINABLE, attention_projections, feature_parameters, finish, gate_parameters, prepare_trainable,
     scale_parameters,
 )
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistillSchedule:
@@ -186,8 +189,8 @@ class Distillation(Trainer):
         try:
             batch = self.batches.next_batch().to(self.device)
         except StreamExhausted:
-            print(f"dofla: the data ran out after {self.used:,} distillation tokens ({step} of {self.s.steps} "
-                  "steps); the stage ends here and records the tokens used", flush=True)
+            logger.warning(f"dofla: the data ran out after {self.used:,} distillation tokens ({step} of {self.s.steps} "
+                  "steps); the stage ends here and records the tokens used")
             return None
         if self.s.logit_chunk and not self.checked:  # the chunked head must be the model's own
             check_head(self.model, batch)

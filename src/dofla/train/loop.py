@@ -16,6 +16,7 @@ layerwise trainers), or every trained parameter of a student (direct, KL, LoRA, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Hashable
@@ -31,6 +32,8 @@ from dofla.train.checkpoints import (  # noqa: F401 - API: the trainers import t
 )
 from dofla.train.live import Live, Log, latest
 from dofla.train.step import optimiser_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -278,8 +281,7 @@ class _Loop:
         if saved is not None and "format" not in saved and self.checkpoint.legacy is not None:
             saved = self.checkpoint.legacy(saved)
         if saved is not None and saved.get("format") != LOOP_FORMAT:
-            print(f"dofla: checkpoint {self.checkpoint.path} was written by an older dofla; starting over",
-                  flush=True)
+            logger.warning(f"dofla: checkpoint {self.checkpoint.path} was written by an older dofla; starting over")
             return None
         return saved
 
