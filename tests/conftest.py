@@ -11,6 +11,7 @@ import yaml
 
 from dofla.models.tiny import TINY_ARCHITECTURES, build_byte_tokenizer, build_tiny_model
 from dofla.runtime import keep_freed_memory
+from tests.console_logging import dofla_console  # noqa: F401 - autouse: dofla's lines on stdout, as the commands print them
 
 keep_freed_memory()  # the tests run the code as dofla's commands do (dofla.runtime)
 
