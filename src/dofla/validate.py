@@ -14,6 +14,7 @@ from dofla.data import DATA_SOURCES
 from dofla.data.prepared import PREPARED_MODES
 from dofla.distributed import check_device
 from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
+from dofla.dof.budget import feature_budget
 from dofla.errors import ConfigError, require
 from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes
 from dofla.eval.task_data import train_data_problem
@@ -248,11 +249,6 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
     require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
              f"eval.passkey_lengths={list(cfg.eval.passkey_lengths)} exceed the model's context of "
              f"{max_positions} tokens")
-
-
-def feature_budget(cfg: RunConfig, head_dim: int) -> float:
-    """The cost C: mean feature dimension per layer."""
-    return float(cfg.budget.value) if cfg.budget.value is not None else cfg.budget.multiple * head_dim
 
 
 def validate_output_dir(out_dir: Path) -> None:
