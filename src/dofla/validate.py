@@ -16,8 +16,7 @@ from dofla.distributed import check_device
 from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
 from dofla.dof.budget import feature_budget
 from dofla.errors import ConfigError, require
-from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes
-from dofla.eval.task_data import train_data_problem
+from dofla.eval.checks import validate_eval, validate_eval_against_model
 from dofla.feature_maps import FEATURE_MAPS
 from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
 from dofla.precision import SETTINGS
@@ -89,7 +88,7 @@ def validate_config(cfg: RunConfig) -> None:
     _validate_scale(cfg)
     stage_plan(cfg)
     _validate_options(cfg)
-    _validate_eval(cfg)
+    validate_eval(cfg)
 
 
 def _validate_num_tokens(cfg: RunConfig) -> None:
@@ -156,11 +155,6 @@ def _validate_scale(cfg: RunConfig) -> None:
         require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
                  f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
         positive("allocation.measured_steps", a.measured_steps)
-    ev = cfg.eval
-    require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
-             f"eval.position_buckets={list(ev.position_buckets)} must be increasing positions ≥ 1")
-    require(all(isinstance(n, int) and n >= 64 for n in ev.passkey_lengths),
-             f"eval.passkey_lengths={list(ev.passkey_lengths)} must be context lengths of at least 64 tokens")
 
 
 def _validate_options(cfg: RunConfig) -> None:
@@ -176,40 +170,6 @@ def _validate_options(cfg: RunConfig) -> None:
     ]:
         problem = option_problem(key, owner, declared, given)
         require(problem is None, problem or "")
-
-
-def _validate_eval(cfg: RunConfig) -> None:
-    ev = cfg.eval
-    one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
-    require(all(isinstance(t, str) and t for t in ev.tasks),
-             f"eval.tasks={list(ev.tasks)!r} must be a list of lm-eval task names")
-    require(ev.protocol == "zeroshot" or ev.tasks,
-             "eval.protocol=finetune needs tasks to fine-tune on; set eval.tasks=[...] or eval=downstream7")
-    if ev.task_limit is not None:
-        positive("eval.task_limit", ev.task_limit)
-    if ev.finetune_train_limit is not None:
-        positive("eval.finetune_train_limit", ev.finetune_train_limit)
-    require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
-    for key, value in [("eval.task_batch_size", ev.task_batch_size), ("eval.finetune_epochs", ev.finetune_epochs),
-                       ("eval.finetune_max_length", ev.finetune_max_length),
-                       *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
-                       *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
-        positive(key, value)
-    micro = finetune_micro_batch_sizes(ev)
-    require(all(m is None or m == "auto" or (isinstance(m, int) and m > 0) for m in micro.values()),
-            f"eval.finetune_micro_batch_size={ev.finetune_micro_batch_size} must be null (the whole batch), auto, "
-            "a positive number or {task: n, default: n}")
-    positive("eval.finetune_log_every", ev.finetune_log_every)
-    require(ev.finetune_checkpoint_every >= 0,
-            f"eval.finetune_checkpoint_every={ev.finetune_checkpoint_every} must be ≥ 0 (0: at epoch ends only)")
-    require((problem := train_data_problem(ev.finetune_train_data)) is None, problem or "")
-    for folder in ev.task_dirs:
-        require(Path(folder).expanduser().is_dir(),
-                 f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
-    if ev.mqar:
-        positive("eval.mqar_examples", ev.mqar_examples)
-        require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
-                 f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
 
 
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
@@ -239,16 +199,10 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
         )
     require(cfg.data.seq_len <= max_positions,
             f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens")
-    long = cfg.eval.long_seq_len or cfg.data.seq_len
-    require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
     distill_len = cfg.distill.seq_len or cfg.data.seq_len
     require(cfg.distill.name == "none" or distill_len <= max_positions,
             f"distill.seq_len={distill_len} exceeds the model's context of {max_positions} tokens")
-    require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
-             f"eval.position_buckets={list(cfg.eval.position_buckets)} reach past eval.long_seq_len={long}")
-    require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
-             f"eval.passkey_lengths={list(cfg.eval.passkey_lengths)} exceed the model's context of "
-             f"{max_positions} tokens")
+    validate_eval_against_model(cfg, max_positions)
 
 
 def validate_output_dir(out_dir: Path) -> None:

@@ -17,7 +17,8 @@ from dofla.eval.measures.base import stored_name
 from dofla.registry import UnknownNameError
 
 KEYS = json.loads((Path(__file__).parents[1] / "fixtures" / "measurement_keys.json").read_text())
-ORDER = ["perplexity", "attention", "ablate_linear", "window_mass", "memory", "position", "passkey", "mqar"]
+ORDER = ["perplexity", "attention", "ablate_linear", "window_mass", "memory", "position", "passkey", "mqar",
+         "agreement"]
 
 
 def every_probe(**eval_changes) -> RunConfig:
@@ -48,12 +49,20 @@ def test_every_probe_keys_its_result_as_before():
 def test_the_order_is_fixed_and_the_every_rank_ones_come_first():
     assert [m.name for m in MEASURES.in_order()] == ORDER
     assert [m.name for m in enabled(every_probe(), True)] == ["perplexity", "attention"]
-    assert [m.name for m in enabled(every_probe(), False)] == ORDER[2:]
+    assert [m.name for m in enabled(every_probe(agreement_prompts=2), False)] == ORDER[2:]
 
 
-def test_the_default_eval_takes_what_it_took_before():
+def test_the_default_eval_takes_what_it_took_before_and_agreement_is_off():
     default = RunConfig()
     assert [m.name for m in enabled(default, True) + enabled(default, False)] == ["perplexity", "attention"]
+
+
+def test_agreement_is_keyed_by_both_models_the_prompts_and_the_length():
+    run = eval_run(every_probe(agreement_prompts=4, agreement_prompt_len=8))
+    key = MEASURES.get("agreement").settings(run, None)
+    assert set(key) == {"teacher", "student", "prompts", "new_tokens"} and key["new_tokens"] == 32
+    other = eval_run(every_probe(agreement_prompts=4, agreement_prompt_len=4))
+    assert MEASURES.get("agreement").settings(other, None)["prompts"] != key["prompts"]
 
 
 def test_an_unknown_measurement_names_the_valid_ones():

@@ -15,5 +15,6 @@ from dofla.eval.measures import memory  # noqa: F401 - registers
 from dofla.eval.measures import position  # noqa: F401 - registers
 from dofla.eval.measures import passkey  # noqa: F401 - registers
 from dofla.eval.measures import mqar  # noqa: F401 - registers
+from dofla.eval.measures import agreement  # noqa: F401 - registers
 
 __all__ = ["MEASURES", "EvalRun", "Measurement", "enabled", "register", "take"]
