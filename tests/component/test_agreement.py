@@ -74,14 +74,18 @@ def test_prompts_are_pieces_of_the_held_out_sequences_and_too_many_are_refused()
 def test_the_eval_stage_takes_it_when_asked_and_reuses_it(tmp_path):
     base = RunConfig()
     cfg = dataclasses.replace(base, eval=dataclasses.replace(base.eval, attention_error=False, agreement_prompts=3,
-                                                             agreement_prompt_len=8, agreement_tokens=6))
+                                                             agreement_prompt_len=8, agreement_tokens=6,
+                                                             mqar=True, mqar_seq_lens=[16], mqar_examples=2,
+                                                             memory_contexts=[32]))
     heldout = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     student = convert(teacher(), feature_map="softmax")
     metrics = evaluate(cfg, teacher(), student, heldout, tmp_path)
     assert metrics["agreement/first_token"] == 1.0 and metrics["agreement/prefix_len"] == 6
     assert json.loads((tmp_path / "metrics.json").read_text())["agreement/prefix_len"] == 6
     stored = json.loads((tmp_path / MEASUREMENTS).read_text())
-    assert [k.split("-")[0] for k in sorted(stored)] == ["agreement", "perplexity/student", "perplexity/teacher"]
+    assert [k.split("-")[0] for k in sorted(stored)] == [
+        "agreement", "memory/student", "memory/teacher", "mqar/student", "mqar/teacher", "perplexity/student",
+        "perplexity/teacher"]  # each registered measurement the config enables, and no other
     sequences = json.loads((tmp_path / "eval_sequences.json").read_text())
     agreement = next(v for k, v in sequences.items() if k.startswith("agreement"))
     assert agreement["seq/agreement/first_token"] == [1.0, 1.0, 1.0]

@@ -13,7 +13,7 @@ import torch
 from dofla.artifacts import settings_digest
 from dofla.config import RunConfig
 from dofla.eval.measures import MEASURES, EvalRun, enabled
-from dofla.eval.measures.base import stored_name
+from dofla.eval.measures.base import check_writes, stored_name
 from dofla.registry import UnknownNameError
 
 KEYS = json.loads((Path(__file__).parents[1] / "fixtures" / "measurement_keys.json").read_text())
@@ -68,3 +68,10 @@ def test_agreement_is_keyed_by_both_models_the_prompts_and_the_length():
 def test_an_unknown_measurement_names_the_valid_ones():
     with pytest.raises(UnknownNameError, match="did you mean 'passkey'"):
         MEASURES.get("paskey")
+
+
+def test_a_result_naming_what_its_registration_does_not_declare_is_refused():
+    mqar = MEASURES.get("mqar")
+    assert check_writes(mqar, {"mqar/student/T64": 0.5, "seq/mqar/student/T64": [1.0, 0.0]})
+    with pytest.raises(ValueError, match="'mqar' wrote recall/student"):
+        check_writes(mqar, {"mqar/student/T64": 0.5, "recall/student": 0.5})

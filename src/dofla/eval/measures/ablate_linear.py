@@ -23,4 +23,5 @@ def compute(run, who, model) -> dict:
     return probes.ablation_metrics(run.cfg, run.teacher, run.student, run.heldout, run.metrics)
 
 
-register(Measurement("ablate_linear", lambda cfg: cfg.eval.ablate_linear, settings, compute, models=()))
+register(Measurement("ablate_linear", ("ablate/", "seq/ablate/"),
+                     lambda cfg: cfg.eval.ablate_linear, settings, compute, models=()))

@@ -22,4 +22,5 @@ def compute(run, who, model) -> dict:
     return agreement_metrics(run.teacher, run.student, _prompts(run), ev.agreement_tokens, ev.batch_size)
 
 
-register(Measurement("agreement", lambda cfg: cfg.eval.agreement_prompts > 0, settings, compute, models=()))
+register(Measurement("agreement", ("agreement/", "seq/agreement/"),
+                     lambda cfg: cfg.eval.agreement_prompts > 0, settings, compute, models=()))

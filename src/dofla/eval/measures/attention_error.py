@@ -24,5 +24,6 @@ def compute(run, who, model) -> dict:
     return {**out, "eval/attn_error/mean": float(sum(errors) / len(errors))}
 
 
-register(Measurement("attention", lambda cfg: cfg.eval.attention_error, settings, compute, models=(),
+register(Measurement("attention", ("eval/attn_error/",),
+                     lambda cfg: cfg.eval.attention_error, settings, compute, models=(),
                      every_rank=True))

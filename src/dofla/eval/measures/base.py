@@ -50,7 +50,9 @@ class EvalRun:
 class Measurement:
     """One registered measurement.
 
-    ``settings(run, who)`` is what keys its stored result (``who``: "teacher"/"student", None for one
+    ``writes``: the prefixes of the metric names it writes (scalars into ``metrics.json``; ``seq/`` ones,
+    one value per sequence or prompt, into ``eval_sequences.json`` and the run records), checked on every
+    result. ``settings(run, who)`` is what keys its stored result (``who``: "teacher"/"student", None for one
     comparing the two); ``compute(run, who, model)`` returns its metrics. ``shared``: the teacher's
     result is the same for every run of a sweep (kept in the teacher's shared store). ``every_rank``:
     taken by every torchrun process together (before the lm-eval tasks); the others are rank 0's (after
@@ -58,6 +60,7 @@ class Measurement:
     """
 
     name: str
+    writes: tuple[str, ...]
     enabled: Callable[[RunConfig], bool]
     settings: Callable[[EvalRun, str | None], dict]
     compute: Callable[[EvalRun, str | None, Any], dict]
@@ -84,6 +87,20 @@ def stored_name(measurement: Measurement, who: str | None) -> str:
     return measurement.name if who is None else f"{measurement.name}/{who}"
 
 
+def check_writes(measurement: Measurement, metrics: dict) -> dict:
+    """``metrics``, once every name in it is one ``measurement`` declares (a new measurement whose names
+    its registration does not list fails at its first result, not in a page that misses them)."""
+    stray = sorted(k for k in metrics if not k.startswith(measurement.writes))
+    if stray:
+        raise ValueError(f"measurement {measurement.name!r} wrote {', '.join(stray)}, which its registration's "
+                         f"writes={measurement.writes} does not declare; add their prefix to it")
+    return metrics
+
+
+def _checked(measurement: Measurement, run: EvalRun, who: str | None, model) -> dict:
+    return check_writes(measurement, measurement.compute(run, who, model))
+
+
 def take(run: EvalRun, store: Measurements, every_rank: bool) -> dict:
     """Every enabled measurement of the group, stored or computed (``store``), in order; their metrics
     (also added to ``run.metrics``)."""
@@ -92,11 +109,11 @@ def take(run: EvalRun, store: Measurements, every_rank: bool) -> dict:
         got = {}
         for who in measurement.models or (None,):
             model = None if who is None else run.model(who)
-            got.update(store.get(stored_name(measurement, who), measurement.settings(run, who),
-                                 partial(measurement.compute, run, who, model),
+            compute = partial(_checked, measurement, run, who, model)
+            got.update(store.get(stored_name(measurement, who), measurement.settings(run, who), compute,
                                  share=measurement.shared and who == "teacher"))
         if measurement.combine is not None:
-            got.update(measurement.combine(got))
+            got.update(check_writes(measurement, measurement.combine(got)))
         run.metrics.update(got)
         out.update(got)
     return out

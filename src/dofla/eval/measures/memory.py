@@ -13,4 +13,5 @@ def compute(run, who, model) -> dict:
     return memory_metrics(who, model, run.cfg.eval.memory_contexts)
 
 
-register(Measurement("memory", lambda cfg: bool(cfg.eval.memory_contexts), settings, compute, shared=True))
+register(Measurement("memory", ("memory/",),
+                     lambda cfg: bool(cfg.eval.memory_contexts), settings, compute, shared=True))

@@ -15,4 +15,5 @@ def compute(run, who, model) -> dict:
     return suite.mqar(model, who, run.cfg.eval, run.cfg.seed)
 
 
-register(Measurement("mqar", lambda cfg: cfg.eval.mqar, settings, compute))
+register(Measurement("mqar", ("mqar/", "seq/mqar/"),
+                     lambda cfg: cfg.eval.mqar, settings, compute))

@@ -13,4 +13,5 @@ def compute(run, who, model) -> dict:
     return probes.passkey_metrics(run.cfg, who, model, run.tokenizer)
 
 
-register(Measurement("passkey", lambda cfg: bool(cfg.eval.passkey_lengths), settings, compute, shared=True))
+register(Measurement("passkey", ("passkey/", "passkey_nll/", "seq/passkey/", "seq/passkey_nll/"),
+                     lambda cfg: bool(cfg.eval.passkey_lengths), settings, compute, shared=True))

@@ -25,5 +25,6 @@ def ratio(metrics: dict) -> dict:
     return {"eval/ppl_ratio": metrics["eval/student_ppl"] / metrics["eval/teacher_ppl"]}
 
 
-register(Measurement("perplexity", lambda cfg: cfg.eval.perplexity, settings, compute, shared=True, every_rank=True,
+register(Measurement("perplexity", ("eval/teacher_", "eval/student_", "eval/ppl_ratio", "seq/heldout/"),
+                     lambda cfg: cfg.eval.perplexity, settings, compute, shared=True, every_rank=True,
                      combine=ratio))

@@ -20,4 +20,5 @@ def compute(run, who, model) -> dict:
     return probes.position_metrics(run.cfg, who, model, long_tokens(run))
 
 
-register(Measurement("position", lambda cfg: bool(cfg.eval.position_buckets), settings, compute, shared=True))
+register(Measurement("position", ("position/", "seq/position/"),
+                     lambda cfg: bool(cfg.eval.position_buckets), settings, compute, shared=True))

@@ -17,5 +17,6 @@ def compute(run, who, model) -> dict:
     return probes.window_mass_metrics(run.cfg, run.teacher, run.heldout)
 
 
-register(Measurement("window_mass", lambda cfg: cfg.eval.window_mass and cfg.attention.window > 0, settings, compute,
+register(Measurement("window_mass", ("window_mass/",),
+                     lambda cfg: cfg.eval.window_mass and cfg.attention.window > 0, settings, compute,
                      models=()))
