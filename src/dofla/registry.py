@@ -1,4 +1,4 @@
-"""A small name -> object registry shared by feature maps, adapters, policies and losses.
+"""A small name -> object registry shared by feature maps, adapters, policies, losses and measurements.
 
 YAML option file name = registry key = the object's ``name``; an unknown name fails with the
 list of valid names and the closest match.
@@ -52,6 +52,11 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def in_order(self) -> list[T]:
+        """The registered objects in the order they were registered (for registries whose order is
+        part of their meaning, e.g. the eval stage's measurements)."""
+        return list(self._items.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

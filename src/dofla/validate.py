@@ -13,10 +13,10 @@ from dofla.config import RunConfig
 from dofla.data import DATA_SOURCES
 from dofla.data.prepared import PREPARED_MODES
 from dofla.distributed import check_device
-from dofla.dof import ALLOCATION_POLICIES, GRAM_NORMS, HEAD_AGGREGATES
+from dofla.dof.budget import feature_budget  # noqa: F401 - API
+from dofla.dof.checks import validate_allocation, validate_allocation_against_model
 from dofla.errors import ConfigError, require
-from dofla.eval.suite import finetune_batch_sizes, finetune_micro_batch_sizes
-from dofla.eval.task_data import train_data_problem
+from dofla.eval.checks import validate_eval, validate_eval_against_model
 from dofla.feature_maps import FEATURE_MAPS
 from dofla.options import DATA_PASSED, FEATURE_MAP_PASSED, LOSS_PASSED, declared_options, option_problem
 from dofla.precision import SETTINGS
@@ -33,20 +33,14 @@ def validate_config(cfg: RunConfig) -> None:
     """Everything that can be checked without loading a model or data."""
     one_of("feature_map.name", cfg.feature_map.name, FEATURE_MAPS.names())
     one_of("loss.name", cfg.loss.name, [*LOSSES.names(), DIRECT])  # a layer loss, or the direct training mode
-    one_of("allocation.policy", cfg.allocation.policy, ALLOCATION_POLICIES.names())
-    one_of("allocation.gram_norm", cfg.allocation.gram_norm, GRAM_NORMS)
-    one_of("allocation.head_aggregate", cfg.allocation.head_aggregate, HEAD_AGGREGATES)
+    validate_allocation(cfg)
     one_of("data.name", cfg.data.name, DATA_SOURCES.names())
     one_of("train.schedule", cfg.train.schedule, SCHEDULES)
     check_device(cfg.device)
     one_of("precision", cfg.precision, SETTINGS)
     for key, value in [
-        ("allocation.lam", cfg.allocation.lam),
-        ("allocation.num_samples", cfg.allocation.num_samples),
-        ("allocation.head_quantum", cfg.allocation.head_quantum),
         ("data.seq_len", cfg.data.seq_len),
         ("data.heldout_tokens", cfg.data.heldout_tokens),
-        ("budget.multiple", cfg.budget.multiple),
         ("train.batch_size", cfg.train.batch_size),
         ("train.checkpoint_every", cfg.train.checkpoint_every),
         ("train.eval_every", cfg.train.eval_every),
@@ -71,13 +65,10 @@ def validate_config(cfg: RunConfig) -> None:
                 f"train.micro_batch_size does not work with loss={cfg.loss.name}: its value is a ratio over "
                 "the whole batch, which micro-batches cannot add up to; unset train.micro_batch_size or "
                 "lower train.batch_size")
-    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch),
-                       ("allocation.head_blocks", cfg.allocation.head_blocks)]:
+    for key, value in [("train.steps", cfg.train.steps), ("data.prefetch", cfg.data.prefetch)]:
         require(value >= 0, f"{key}={value!r} must be 0 or more")
     require(cfg.train.memory_limit_gb is None or cfg.train.memory_limit_gb > 0,
             f"train.memory_limit_gb={cfg.train.memory_limit_gb} must be a positive number of GiB (or null: the device's)")
-    if cfg.budget.value is not None:
-        positive("budget.value", cfg.budget.value)
     require(0 <= cfg.train.heldout_fraction < 1,
              f"train.heldout_fraction={cfg.train.heldout_fraction!r} must be in [0, 1)")
     _validate_num_tokens(cfg)
@@ -88,7 +79,7 @@ def validate_config(cfg: RunConfig) -> None:
     _validate_scale(cfg)
     stage_plan(cfg)
     _validate_options(cfg)
-    _validate_eval(cfg)
+    validate_eval(cfg)
 
 
 def _validate_num_tokens(cfg: RunConfig) -> None:
@@ -117,21 +108,13 @@ def _validate_attention(cfg: RunConfig) -> None:
     require(a.sinks == 0 or a.name not in ("linear", "gated_delta") or a.window > 0,
              f"attention.sinks={a.sinks} needs an exact part to keep sinks in: attention=hybrid, sliding_window, or "
              "gated_delta with attention.window > 0")
-    k = cfg.allocation.softmax_layers
-    require(isinstance(k, int) and k >= 0, f"allocation.softmax_layers={k!r} must be 0 or a number of layers")
-    positive("allocation.softmax_probe_seqs", cfg.allocation.softmax_probe_seqs)
-    one_of("allocation.softmax_rank", cfg.allocation.softmax_rank, ("kl", "kl_greedy", "attention_error", "retrieval",
-                                                                  "passkey"))
-    require(not k or cfg.allocation.softmax_rank != "passkey" or cfg.eval.passkey_lengths,
-            "allocation.softmax_rank=passkey chooses layers on passkey prompts of the longest eval.passkey_lengths, "
-            "which is empty; set eval.passkey_lengths (e.g. [1024])")
     require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
              "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
 
 
 def _validate_scale(cfg: RunConfig) -> None:
-    """Streaming, the bounded cache, Algorithm 1's spread and the measured allocation."""
-    t, a = cfg.train, cfg.allocation
+    """Streaming and the bounded cache."""
+    t = cfg.train
     one_of("train.source", t.source, TRAIN_SOURCES)
     one_of("train.parallel", t.parallel, ("auto", "data", "layers"))
     require(t.parallel != "data" or t.source != "cache",
@@ -145,21 +128,6 @@ def _validate_scale(cfg: RunConfig) -> None:
         require(cfg.data.cache_tokens >= 2 * cfg.data.seq_len,
                  f"data.cache_tokens={cfg.data.cache_tokens} must hold at least two sequences of "
                  f"data.seq_len={cfg.data.seq_len} (one to train on, one held out)")
-    require(a.resamples >= 1, f"allocation.resamples={a.resamples} must be 1 (the paper's single J-sample) or more")
-    require(a.spread_samples >= 0, f"allocation.spread_samples={a.spread_samples} must be 0 (off) or more")
-    if a.policy == "given":
-        require(a.dims is not None and len(a.dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.dims),
-                f"allocation.policy=given takes its dims from allocation.dims, one positive feature count per "
-                f"layer (e.g. 'allocation.dims=[128,64,64]'); it is {None if a.dims is None else list(a.dims)}")
-    if a.policy == "measured":
-        require(len(a.measured_dims) > 0 and all(isinstance(m, int) and m >= 1 for m in a.measured_dims),
-                 f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
-        positive("allocation.measured_steps", a.measured_steps)
-    ev = cfg.eval
-    require(list(ev.position_buckets) == sorted(set(ev.position_buckets)) and all(b >= 1 for b in ev.position_buckets),
-             f"eval.position_buckets={list(ev.position_buckets)} must be increasing positions ≥ 1")
-    require(all(isinstance(n, int) and n >= 64 for n in ev.passkey_lengths),
-             f"eval.passkey_lengths={list(ev.passkey_lengths)} must be context lengths of at least 64 tokens")
 
 
 def _validate_options(cfg: RunConfig) -> None:
@@ -177,58 +145,9 @@ def _validate_options(cfg: RunConfig) -> None:
         require(problem is None, problem or "")
 
 
-def _validate_eval(cfg: RunConfig) -> None:
-    ev = cfg.eval
-    one_of("eval.protocol", ev.protocol, ("zeroshot", "finetune"))
-    require(all(isinstance(t, str) and t for t in ev.tasks),
-             f"eval.tasks={list(ev.tasks)!r} must be a list of lm-eval task names")
-    require(ev.protocol == "zeroshot" or ev.tasks,
-             "eval.protocol=finetune needs tasks to fine-tune on; set eval.tasks=[...] or eval=downstream7")
-    if ev.task_limit is not None:
-        positive("eval.task_limit", ev.task_limit)
-    if ev.finetune_train_limit is not None:
-        positive("eval.finetune_train_limit", ev.finetune_train_limit)
-    require(len(ev.finetune_lr_grid) > 0, "eval.finetune_lr_grid is empty; give at least one learning rate")
-    for key, value in [("eval.task_batch_size", ev.task_batch_size), ("eval.finetune_epochs", ev.finetune_epochs),
-                       ("eval.finetune_max_length", ev.finetune_max_length),
-                       *(("eval.finetune_lr_grid entry", lr) for lr in ev.finetune_lr_grid),
-                       *((f"eval.finetune_batch_size.{t}", n) for t, n in finetune_batch_sizes(ev).items())]:
-        positive(key, value)
-    micro = finetune_micro_batch_sizes(ev)
-    require(all(m is None or m == "auto" or (isinstance(m, int) and m > 0) for m in micro.values()),
-            f"eval.finetune_micro_batch_size={ev.finetune_micro_batch_size} must be null (the whole batch), auto, "
-            "a positive number or {task: n, default: n}")
-    positive("eval.finetune_log_every", ev.finetune_log_every)
-    require(ev.finetune_checkpoint_every >= 0,
-            f"eval.finetune_checkpoint_every={ev.finetune_checkpoint_every} must be ≥ 0 (0: at epoch ends only)")
-    require((problem := train_data_problem(ev.finetune_train_data)) is None, problem or "")
-    for folder in ev.task_dirs:
-        require(Path(folder).expanduser().is_dir(),
-                 f"eval.task_dirs entry {folder} is not a directory; point it at a folder of lm-eval task YAMLs")
-    if ev.mqar:
-        positive("eval.mqar_examples", ev.mqar_examples)
-        require(len(ev.mqar_seq_lens) > 0 and all(isinstance(t, int) and t >= 8 for t in ev.mqar_seq_lens),
-                 f"eval.mqar_seq_lens={list(ev.mqar_seq_lens)} must be sequence lengths of at least 8 tokens")
-
-
 def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_positions: int) -> None:
     """Checks that need the model's geometry (read from its config, before any compute)."""
-    budget = feature_budget(cfg, head_dim)
-    require(budget >= 1, f"budget gives {budget:g} features per layer (budget.value={cfg.budget.value}, "
-            f"budget.multiple={cfg.budget.multiple}); it must be at least 1")
-    if cfg.allocation.policy == "dof_clip":
-        require(
-            budget <= head_dim,
-            f"allocation.policy=dof_clip caps every layer at the head size {head_dim}, so a budget of "
-            f"{budget:g} > {head_dim} cannot be met; use policy dof or a budget ≤ {head_dim}",
-        )
-    if cfg.allocation.policy == "given":
-        require(len(cfg.allocation.dims) == num_layers,
-                f"allocation.dims has {len(cfg.allocation.dims)} dims, the model {num_layers} layers: give one per "
-                "layer (a layer without features ignores its own)")
-    require(cfg.allocation.softmax_layers < num_layers,
-            f"allocation.softmax_layers={cfg.allocation.softmax_layers} would keep every layer of the {num_layers} "
-            "exact; choose fewer (or feature_map=softmax for the teacher's own attention)")
+    validate_allocation_against_model(cfg, num_layers, head_dim)
     if cfg.train.layers is not None:
         bad = [i for i in cfg.train.layers if not (isinstance(i, int) and 0 <= i < num_layers)]
         require(
@@ -238,21 +157,10 @@ def validate_against_model(cfg: RunConfig, num_layers: int, head_dim: int, max_p
         )
     require(cfg.data.seq_len <= max_positions,
             f"data.seq_len={cfg.data.seq_len} exceeds the model's context of {max_positions} tokens")
-    long = cfg.eval.long_seq_len or cfg.data.seq_len
-    require(long <= max_positions, f"eval.long_seq_len={long} exceeds the model's context of {max_positions} tokens")
     distill_len = cfg.distill.seq_len or cfg.data.seq_len
     require(cfg.distill.name == "none" or distill_len <= max_positions,
             f"distill.seq_len={distill_len} exceeds the model's context of {max_positions} tokens")
-    require(not cfg.eval.position_buckets or cfg.eval.position_buckets[-1] <= long,
-             f"eval.position_buckets={list(cfg.eval.position_buckets)} reach past eval.long_seq_len={long}")
-    require(all(n <= max_positions for n in cfg.eval.passkey_lengths),
-             f"eval.passkey_lengths={list(cfg.eval.passkey_lengths)} exceed the model's context of "
-             f"{max_positions} tokens")
-
-
-def feature_budget(cfg: RunConfig, head_dim: int) -> float:
-    """The cost C: mean feature dimension per layer."""
-    return float(cfg.budget.value) if cfg.budget.value is not None else cfg.budget.multiple * head_dim
+    validate_eval_against_model(cfg, max_positions)
 
 
 def validate_output_dir(out_dir: Path) -> None:

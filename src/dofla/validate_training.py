@@ -14,18 +14,10 @@ from dofla.errors import require
 from dofla.models.spec import LINEAR_SCALES
 from dofla.stages.plan import DIRECT, training_mode
 from dofla.train.distill import TRAINABLE
+from dofla.value_checks import one_of, positive  # noqa: F401 - API
 
 SCHEDULES = ("constant", "cosine")
 HYBRID_TARGETS = ("hybrid", "full")
-
-
-def positive(key: str, value) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            f"{key}={value!r} must be a positive number")
-
-
-def one_of(key: str, value, valid) -> None:
-    require(value in valid, f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
 
 def validate_training(cfg: RunConfig) -> None:

@@ -1,21 +1,11 @@
-"""How torchrun's processes share a run's training, and the checks of that split (one process: no
-split, nothing to check)."""
+"""The checks of how torchrun's processes share a run's training (one process: no split, nothing to
+check); the split itself is :func:`dofla.stages.parallel.train_split`."""
 from __future__ import annotations
 
 from dofla.config import RunConfig
-from dofla.distributed import splits_batches
 from dofla.errors import require
+from dofla.stages.parallel import train_split
 from dofla.stages.plan import DIRECT, stage_plan, training_mode
-
-
-def train_split(cfg: RunConfig, world: int, source: str | None = None) -> str | None:
-    """``data`` (each process a share of every batch: ``direct``, or a stream under
-    ``train.parallel``), ``layers`` (each process its layers), or None for one process. ``source``:
-    where training reads, once the run chose it (before, ``train.source``)."""
-    if world <= 1:
-        return None
-    return "data" if training_mode(cfg) == DIRECT or splits_batches(cfg.train.parallel, source or cfg.train.source) \
-        else "layers"
 
 
 def validate_world(cfg: RunConfig, world: int, source: str | None = None) -> None:

@@ -1,6 +1,7 @@
 """The house's import rules, read from every import statement, those inside functions included:
 libraries know nothing of runs (no import of the stages, the pipeline or the CLI), no stage imports
-another stage, and the modules form no circle."""
+another stage, the modules form no circle, and, a package at a time, every import runs down the floors
+(:data:`FLOORS`) and the packages form no circle either."""
 from __future__ import annotations
 
 import ast
@@ -17,7 +18,8 @@ LIBRARIES = ("dofla.attention", "dofla.feature_maps", "dofla.dof", "dofla.train"
              "dofla.cache", "dofla.data", "dofla.report")
 # modules of dofla.stages that are not stages: what every stage shares
 STAGE_HELPERS = ("dofla.stages", "dofla.stages.plan", "dofla.stages.context", "dofla.stages.keys",
-                 "dofla.stages.results", "dofla.stages.sources", "dofla.stages.students", "dofla.stages.softmax_layers")
+                 "dofla.stages.results", "dofla.stages.sources", "dofla.stages.students", "dofla.stages.softmax_layers",
+                 "dofla.stages.parallel")
 # Circles and stage-to-stage imports in modules whose owners change them next, each with the edit that
 # ends it; the tests fail when one ends (delete it here) as when a new one starts.
 PENDING_CIRCLES: set[frozenset[str]] = set()
@@ -194,3 +196,87 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     done = subprocess.run([sys.executable, "-c", FIRST_IMPORTS, *sorted(MODULES)], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0 and not done.stdout.strip(), done.stdout[-3000:] + done.stderr[-2000:]
+
+
+# The floors, lowest first: a package imports only from its own floor or below. A package is
+# ``dofla.<name>`` (a subpackage or a top-level module), ``dofla`` its public face; each section's
+# config dataclass (``dofla.<package>.config``, composed by ``dofla.config``) sits on the config floor,
+# not with its package, since every floor reads the run's config.
+SECTION_CONFIGS = tuple(f"dofla.{name}.config" for name in ("attention", "data", "dof", "eval", "feature_maps",
+                                                            "models", "train"))
+FLOORS = (
+    # what everything uses: errors, the registry, devices and precision, small value checks
+    ("dofla.errors", "dofla.faults", "dofla.hub", "dofla.measure", "dofla.precision", "dofla.runtime",
+     "dofla.registry", "dofla.distributed", "dofla.options", "dofla.value_checks"),
+    ("dofla.config",),  # dofla.section_keys and the section configs, composed into RunConfig
+    ("dofla.record", "dofla.artifacts"),  # JSON records and keyed artifacts on disk
+    ("dofla.attention", "dofla.data"),  # kernels; text and tokens
+    ("dofla.feature_maps",),
+    ("dofla.models", "dofla"),  # students built from teachers; the package's public face re-exports them
+    ("dofla.train",),  # trainers and their steps
+    ("dofla.eval",),  # measurements, lm-eval tasks and the fine-tune protocol (which trains)
+    ("dofla.dof", "dofla.cache", "dofla.report", "dofla.tracking", "dofla.gpucheck_cells"),  # read eval and train
+    ("dofla.stages",),  # a run's stages
+    ("dofla.validate", "dofla.validate_training", "dofla.world", "dofla.gpucheck"),  # checks of a run's plan
+    ("dofla.evaluate_saved", "dofla.pipeline"),
+    ("dofla.cli", "dofla.__main__"),
+)
+# Upward imports in modules whose owners change them next, each with the edit that ends it; the test
+# fails when one ends (delete it here) as when a new one starts.
+PENDING_UPWARD: set[str] = {
+    "dofla.models.card -> dofla.eval.store",  # the model card stops reading the eval store
+}
+
+
+def package_of(module: str) -> str:
+    """``dofla.eval.metrics`` -> ``dofla.eval``; a section config -> ``dofla.config``; ``dofla`` -> itself."""
+    if module in SECTION_CONFIGS or module == "dofla.section_keys":
+        return "dofla.config"
+    return ".".join(module.split(".")[:2])
+
+
+def floor_of(package: str) -> int:
+    found = [i for i, floor in enumerate(FLOORS) if package in floor]
+    assert len(found) == 1, f"{package} must be on exactly one floor of FLOORS, not {len(found)}"
+    return found[0]
+
+
+def upward(edges: dict[str, set[str]]) -> set[str]:
+    """Every module import ``a -> b`` whose package sits on a higher floor than ``a``'s."""
+    return {f"{name} -> {target}" for name, targets in edges.items() for target in targets
+            if floor_of(package_of(target)) > floor_of(package_of(name))}
+
+
+def package_graph(edges: dict[str, set[str]], leave_out: set[str] = frozenset()) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (less the module imports in ``leave_out``)."""
+    out: dict[str, set[str]] = {package_of(name): set() for name in edges}
+    for name, targets in edges.items():
+        for target in targets:
+            if f"{name} -> {target}" not in leave_out and package_of(target) != package_of(name):
+                out[package_of(name)].add(package_of(target))
+    return out
+
+
+def test_every_package_is_on_one_floor():
+    packages = {package_of(name) for name in MODULES}
+    assert packages == {p for floor in FLOORS for p in floor}, packages ^ {p for floor in FLOORS for p in floor}
+    for package in packages:
+        floor_of(package)
+
+
+def test_no_import_runs_up_the_floors():
+    found = upward(graph())
+    assert found == PENDING_UPWARD, sorted(found ^ PENDING_UPWARD)
+
+
+def test_packages_form_no_circle():
+    found = circles(package_graph(graph(), leave_out=PENDING_UPWARD))
+    assert not found, [sorted(c) for c in found]
+
+
+def test_the_package_rules_see_an_upward_import_and_a_package_circle():
+    edges = {"dofla.train.loop": {"dofla.eval.metrics", "dofla.models.capture"}, "dofla.eval.metrics": {"dofla.train.loop"},
+             "dofla.models.capture": set(), "dofla.eval.config": {"dofla.section_keys"}, "dofla.section_keys": set()}
+    assert upward(edges) == {"dofla.train.loop -> dofla.eval.metrics"}
+    assert circles(package_graph(edges)) == [frozenset({"dofla.train", "dofla.eval"})]
+    assert package_graph(edges)["dofla.config"] == set()  # a section config sits on the config floor

@@ -13,9 +13,12 @@ run computes it and the others copy it, under a file lock.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Callable
 
+import torch
 from filelock import FileLock
 
 from dofla import distributed
@@ -25,6 +28,25 @@ from dofla.record import read_json, write_json
 MEASUREMENTS = "eval_measurements.json"
 SEQUENCES = "eval_sequences.json"
 PER_SEQUENCE = "seq/"
+
+
+def model_settings(model) -> dict:
+    """What names a model in a measurement's key: the settings it was built from (``dofla_settings``,
+    attached by the assemble and fine-tune stages), else a fingerprint of its weights (a model handed
+    in from Python)."""
+    settings = getattr(model, "dofla_settings", None)
+    if settings is not None:
+        return {"settings": settings}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):  # raw bytes: any dtype, bf16 included
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return {"weights": digest.hexdigest()}
+
+
+def tokens_digest(tokens) -> str:
+    """SHA-256 of a (S, L) token tensor, shape included."""
+    return hashlib.sha256(json.dumps(list(tokens.shape)).encode() + tokens.cpu().numpy().tobytes()).hexdigest()
 
 
 def split_sequences(metrics: dict) -> tuple[dict, dict]:

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, choose_dims
+from dofla.dof.budget import feature_budget
 from dofla.dof.oracle import measured_allocation
 from dofla.feature_maps import mean_dim
 from dofla.record import write_json
 from dofla.stages.context import RunContext
 from dofla.stages.results import Allocation, DofResult
 from dofla.stages.students import layer_train_config, linear_layers
-from dofla.validate import feature_budget
 
 
 def run(ctx: RunContext, dof: DofResult | None, cache=None) -> Allocation:

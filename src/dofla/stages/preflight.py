@@ -17,10 +17,10 @@ from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_
 from dofla.precision import teacher_dtype
 from dofla.record import write_json
 from dofla.stages.context import RunContext
+from dofla.stages.parallel import train_split
 from dofla.stages.plan import distill_schedule
 from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
 from dofla.train import capacity
-from dofla.world import train_split
 
 logger = logging.getLogger(__name__)
 

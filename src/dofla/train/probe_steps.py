@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM
 
-from dofla.eval.task_step import finetune_step
+from dofla.train.continuation_step import finetune_step
 from dofla.models.adapters.support import get_adapter
 from dofla.train.direct import train_direct
 from dofla.train.distill import train_kl
@@ -117,7 +117,7 @@ def direct_step(student_of, teacher, cfg, seq_len: int, steps: int = 2, device: 
 def task_step(model_of, teacher, seq_len: int, precision: str = "fp32", steps: int = 2,
               device: str | torch.device = "cpu"):
     """``steps`` steps of the evaluation protocol's task fine-tune
-    (:func:`dofla.eval.task_step.finetune_step`: every parameter of ``model_of(cut)``, AdamW) on
+    (:func:`dofla.train.continuation_step.finetune_step`: every parameter of ``model_of(cut)``, AdamW) on
     rows of ``seq_len`` tokens that are all targets: its worst case, every row at the maximum length."""
     def run(model, _, tokens):
         for p in model.parameters():
