@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from dofla.attention import ATTENTION_FORMS
+from dofla.attention.forms import REQUIRED, get_form
 from dofla.config import RunConfig
 from dofla.data import DATA_SOURCES
 from dofla.data.prepared import PREPARED_MODES
@@ -102,13 +103,14 @@ def _validate_attention(cfg: RunConfig) -> None:
     one_of("attention.name", a.name, ATTENTION_FORMS)
     require(a.window >= 0, f"attention.window={a.window!r} must be 0 (pure linear) or a positive number of tokens")
     require(a.sinks >= 0, f"attention.sinks={a.sinks!r} must be 0 or a positive number of tokens")
-    if a.name in ("hybrid", "sliding_window"):
+    traits = get_form(a.name).traits
+    if traits.window == REQUIRED:
         require(a.window >= 1, f"attention={a.name} needs attention.window ≥ 1 (the exact softmax window), "
                                 f"got {a.window}")
-    require(a.sinks == 0 or a.name not in ("linear", "gated_delta") or a.window > 0,
+    require(a.sinks == 0 or traits.window == REQUIRED or a.window > 0,
              f"attention.sinks={a.sinks} needs an exact part to keep sinks in: attention=hybrid, sliding_window, or "
              "gated_delta with attention.window > 0")
-    require(not cfg.eval.ablate_linear or (a.name != "sliding_window" and a.window > 0),
+    require(not cfg.eval.ablate_linear or (traits.state != "none" and a.window > 0),
              "eval.ablate_linear=true removes a hybrid student's linear part; it needs attention=hybrid")
 
 

@@ -7,6 +7,7 @@ import shutil
 
 import torch
 
+from dofla.attention.forms import get_form
 from dofla.attention.gate import GATES
 from dofla.config import RunConfig
 from dofla.data.copies import SPAN
@@ -54,7 +55,7 @@ def _validate_gate(cfg: RunConfig) -> None:
     one_of("attention.gate", a.gate, GATES)
     if a.gate == "none":
         return
-    require(a.name in ("linear", "hybrid") and cfg.feature_map.name != "softmax",
+    require(get_form(a.name).traits.gate and cfg.feature_map.name != "softmax",
             f"attention.gate={a.gate} decays a linear state (linear or hybrid layers); attention={a.name} with "
             f"feature_map={cfg.feature_map.name} has none, use attention=linear or hybrid, or attention.gate=none")
     require(d.name == "kl" and "gate" in d.train, f"attention.gate={a.gate} starts closed (the ungated student) "
@@ -66,7 +67,7 @@ def _has_hybrid_layers(cfg: RunConfig) -> bool:
     """attention=hybrid, or linear with a window (what it meant before ``attention.name`` existed), or
     gated_delta with a window (the hybrid whose older tokens live in a delta state)."""
     a = cfg.attention
-    return a.name == "hybrid" or (a.name in ("linear", "gated_delta") and a.window > 0)
+    return a.window > 0 and get_form(a.name).traits.state in ("additive", "delta")
 
 
 DELTA_LOSSES = ("output", "direct")
@@ -75,7 +76,7 @@ DELTA_LOSSES = ("output", "direct")
 def _validate_delta(cfg: RunConfig) -> None:
     """attention=gated_delta: what it trains with and what it does not take."""
     a = cfg.attention
-    if a.name != "gated_delta":
+    if get_form(a.name).traits.state != "delta":
         return
     require(cfg.loss.name in DELTA_LOSSES, f"loss={cfg.loss.name} compares attention kernels, and a gated-delta "
             "layer has no normalised kernel to compare (its read is a decayed, overwritten state); use loss=output "

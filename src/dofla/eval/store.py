@@ -24,8 +24,8 @@ from filelock import FileLock
 from dofla import distributed
 from dofla.artifacts import canonical, settings_digest
 from dofla.record import read_json, write_json
+from dofla.run_files import MEASUREMENTS  # noqa: F401 - API: the file the measurements are kept in
 
-MEASUREMENTS = "eval_measurements.json"
 SEQUENCES = "eval_sequences.json"
 PER_SEQUENCE = "seq/"
 
