@@ -71,7 +71,7 @@ def test_dev_and_test_never_overlap_and_test_is_exactly_the_unscored_remainder(t
     rest = (len(whole) - 512) // L * L  # the test part in whole sequences
     assert rest >= 20 * L
     dev_cfg = tiny(tmp_path)
-    test_cfg = tiny(tmp_path, "data.heldout_split=test", f"data.heldout_tokens={rest}")
+    test_cfg = tiny(tmp_path, "data.heldout_split=test")  # data.test_tokens=None: all of the test part
     data.open_or_prepare(test_cfg)  # prepares itself, the whole held-out text (the test part needs it)
     dev, test = heldout_tokens(dev_cfg, tokenizer), heldout_tokens(test_cfg, tokenizer)
     assert torch.equal(dev.flatten(), whole[:512])  # dev: what a run scored before the split existed
@@ -90,14 +90,19 @@ def test_dev_and_test_never_overlap_and_test_is_exactly_the_unscored_remainder(t
 
 def test_a_request_past_its_part_is_one_sentence_before_any_model(tmp_path, tokenizer):
     whole = whole_heldout(tokenizer)
-    data.open_or_prepare(tiny(tmp_path, "data.heldout_split=test", "data.heldout_tokens=64"))
+    data.open_or_prepare(tiny(tmp_path, "data.heldout_split=test", "data.test_tokens=64"))
     have = len(whole) - 512
     too_many = (have // L + 1) * L
     with pytest.raises(DataError, match=f"holds {have:,} of them, fewer than the {too_many:,} "
-                                        "data.heldout_tokens asks for; lower data.heldout_tokens$"):
-        data.open_or_prepare(tiny(tmp_path, "data.heldout_split=test", f"data.heldout_tokens={too_many}"))
+                                        "data.test_tokens asks for; lower data.test_tokens$"):
+        data.open_or_prepare(tiny(tmp_path, "data.heldout_split=test", f"data.test_tokens={too_many}"))
+    whole_seqs = tiny(tmp_path, "data.heldout_split=test", f"data.test_tokens={have // L * L}")
+    assert torch.equal(heldout_tokens(whole_seqs, tokenizer), heldout_tokens(tiny(tmp_path, "data.heldout_split=test"),
+                                                                             tokenizer))
+    with pytest.raises(DataError, match=f"fewer than the {(have // L + 1) * L:,} data.test_tokens"):
+        data.open_data(tiny(tmp_path, "data.heldout_split=test", f"data.test_tokens={have // L * L + 1}"))
     with pytest.raises(DataError, match="eval.long_context_seqs asks for"):
-        data.open_data(tiny(tmp_path, "data.heldout_split=test", "data.heldout_tokens=64",
+        data.open_data(tiny(tmp_path, "data.heldout_split=test",
                             "eval.position_buckets=[1,32]", "eval.long_seq_len=64", "eval.long_context_seqs=40"))
     with pytest.raises(DataError, match="past the dev part .the first data.test_start=512. into the test part"):
         data.open_data(tiny(tmp_path, "data.heldout_tokens=544"))
@@ -105,6 +110,8 @@ def test_a_request_past_its_part_is_one_sentence_before_any_model(tmp_path, toke
         data.open_data(tiny(tmp_path, "data.heldout_split=test", "data.prepared=off"))
     with pytest.raises(DataError, match="must be one of dev, test"):
         data.open_data(tiny(tmp_path, "data.heldout_split=train"))
+    with pytest.raises(DataError, match="data.test_tokens=0 must be a positive number"):
+        data.open_data(tiny(tmp_path, "data.heldout_split=test", "data.test_tokens=0"))
 
 
 def test_a_dev_prepared_corpus_is_prepared_again_for_test(tmp_path, tokenizer):
@@ -112,9 +119,9 @@ def test_a_dev_prepared_corpus_is_prepared_again_for_test(tmp_path, tokenizer):
     corpus prepares the tokens the test part needs instead of refusing or reading past the file."""
     directory, meta = data.prepare(tiny(tmp_path, "data.prepared=require"))
     assert meta["heldout"]["tokens"] == 512 and not meta["heldout"]["complete"]
-    cfg = tiny(tmp_path, "data.heldout_split=test", "data.heldout_tokens=128")
+    cfg = tiny(tmp_path, "data.heldout_split=test", "data.test_tokens=128")
     _, source = data.open_or_prepare(cfg)
-    assert source.directory == directory and source.written("heldout") >= 512 + 128
+    assert source.directory == directory and source.written("heldout") == 512 + 128
     assert torch.equal(heldout_tokens(cfg, tokenizer).flatten(), whole_heldout(tokenizer)[512:640])
 
 

@@ -84,12 +84,15 @@ def resolve_num_tokens(cfg: RunConfig, prepared) -> RunConfig:
 
 def heldout_need(cfg: RunConfig) -> tuple[int, str]:
     """(tokens, setting): the held-out tokens a run reads from the start of its part of the held-out
-    text (:mod:`dofla.data.split`): the held-out set, or the long-context sequences of the loss by
-    position when longer, and the setting that asks for them."""
-    ev = cfg.eval
-    long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
-    return (long, "eval.long_context_seqs") if long > cfg.data.heldout_tokens else \
-        (cfg.data.heldout_tokens, "data.heldout_tokens")
+    text (:mod:`dofla.data.split`): the held-out set (dev: ``data.heldout_tokens``; test:
+    ``data.test_tokens``, or one sequence at least when it is None, all; in whole sequences), or the long-context sequences
+    of the loss by position when longer, and the setting that asks for them."""
+    ev, d = cfg.eval, cfg.data
+    long = ev.long_context_seqs * (ev.long_seq_len or d.seq_len) if ev.position_buckets else 0
+    tokens, setting = (d.test_tokens or d.seq_len, "data.test_tokens") if d.heldout_split == "test" else \
+        (d.heldout_tokens, "data.heldout_tokens")
+    tokens = -(-tokens // d.seq_len) * d.seq_len  # read in whole sequences
+    return (long, "eval.long_context_seqs") if long > tokens else (tokens, setting)
 
 
 def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None,
