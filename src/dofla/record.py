@@ -1,6 +1,8 @@
-"""The reproducibility record every run writes: config, code version, packages, seeds, device."""
+"""The reproducibility record every run writes: config, code version (and what differs from it),
+packages, seeds, the machine's numeric fingerprint, the teacher."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -20,16 +22,51 @@ PACKAGES = ("dofla", "torch", "transformers", "hydra-core", "omegaconf", "datase
 
 
 def git_state(cwd: Path | None = None) -> dict[str, Any]:
-    """The current git SHA and whether the work tree has uncommitted changes (None outside git)."""
+    """The current git SHA and whether the work tree differs from it: ``dirty``, the ``changed`` paths
+    (``git status --porcelain``: tracked changes and untracked files git does not ignore) and a hash of
+    ``git diff HEAD`` (two dirty records with equal hashes ran the same tracked code). None outside git."""
     cwd = cwd or Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        return {"sha": sha, "dirty": bool(dirty)}
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout
+
+        sha = git("rev-parse", "HEAD").strip()
+        changed = sorted(line[3:] for line in git("status", "--porcelain").splitlines() if line.strip())
+        diff = hashlib.sha256(git("diff", "HEAD").encode()).hexdigest()[:16] if changed else None
+        return {"sha": sha, "dirty": bool(changed), "changed": changed, "diff_sha256": diff}
     except (OSError, subprocess.SubprocessError):
-        return {"sha": None, "dirty": None}
+        return {"sha": None, "dirty": None, "changed": None, "diff_sha256": None}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model", "Hardware")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def torch_build() -> dict[str, Any]:
+    """What decides how the same seed rounds on this machine: torch's version, its BLAS and oneDNN
+    builds, the CPU kernels it dispatches to, the CPU and the intra-op thread count (a reduction split
+    over more threads sums in another order)."""
+    shown = torch.__config__.show()
+    settings = dict(item.strip().split("=", 1) for item in shown.split("Build settings:", 1)[-1].split(",")
+                    if "=" in item)
+    lines = [line.strip(" -") for line in shown.splitlines()]
+    return {"torch": torch.__version__, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "blas": settings.get("BLAS_INFO"), "lapack": settings.get("LAPACK_INFO"),
+            "blas_build": next((line for line in lines if "Math Kernel Library" in line or "OpenBLAS" in line), None),
+            "onednn_build": next((line for line in lines if "MKL-DNN" in line or "oneDNN" in line), None),
+            "mkldnn": torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled),
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def package_versions() -> dict[str, str | None]:
@@ -43,6 +80,11 @@ def package_versions() -> dict[str, str | None]:
 
 
 def build_record(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
+    """run.json's reproducibility part. A run from a dirty tree is marked (``git.dirty``, ``git.changed``),
+    not refused: tests, sweeps in progress and local experiments run from dirty trees, and the record
+    names what differed; whoever collects records for a results page can refuse the dirty ones."""
+    from dofla.models.loading import teacher_identity  # here: the models package imports this module
+
     return {
         "config": asdict(cfg),
         "overrides": list(overrides),
@@ -53,6 +95,8 @@ def build_record(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "host": platform.node(),
+        "fingerprint": torch_build(),
+        "teacher": teacher_identity(cfg.model.source, cfg.model.revision),
     }
 
 

@@ -16,14 +16,25 @@ OUT=${OUT:-multirun_sweeps/headline}
 SEEDS=${SEEDS:-0 1 2}
 PRESETS=${PRESETS:-linear_hedgehog_kl linear_delta_kl}
 POLICIES=${POLICIES:-dof}
+# SPLIT: the part of the held-out text each run scores (dofla.data.split). test (the default): the held-out
+# tokens after the first 65,536, which no record before the split scored: all of them in sequences of 512 (63)
+# and 15 sequences of 2,048 for the loss by position. dev: the first 65,536, as the records in
+# docs/results/runs/<page>/ were scored. The split is in no trained artifact's key, so a run directory a dev
+# run finished is re-scored on test, not trained again; test records go to docs/results/runs/<page>_test/.
+SPLIT=${SPLIT:-test}
+case $SPLIT in
+  test) SCORE="data.heldout_split=test eval.long_context_seqs=15" SUFFIX=_test ;;
+  dev) SCORE="" SUFFIX="" ;;
+  *) echo "SPLIT=$SPLIT must be test or dev" >&2; exit 2 ;;
+esac
 for seed in $SEEDS; do
   for preset in $PRESETS; do
-    dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers hydra.run.dir=$OUT/${preset}_s$seed
-    python -m studies.records $OUT/${preset}_s$seed --into docs/results/runs/headline
+    dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers $SCORE hydra.run.dir=$OUT/${preset}_s$seed
+    python -m studies.records $OUT/${preset}_s$seed --into docs/results/runs/headline$SUFFIX
     for policy in $POLICIES; do
-      dofla experiment=$preset allocation=$policy seed=$seed train.layer_dir=$OUT/layers \
+      dofla experiment=$preset allocation=$policy seed=$seed train.layer_dir=$OUT/layers $SCORE \
         'eval.passkey_lengths=[]' hydra.run.dir=$OUT/${preset}_${policy}_s$seed
-      python -m studies.records $OUT/${preset}_${policy}_s$seed --into docs/results/runs/dof_allocation
+      python -m studies.records $OUT/${preset}_${policy}_s$seed --into docs/results/runs/dof_allocation$SUFFIX
     done
   done
 done
@@ -32,8 +43,8 @@ done
 if [[ " $PRESETS " == *" linear_delta_kl "* ]]; then
   dims="[222$(printf ',64%.0s' $(seq 29))]"
   dofla experiment=linear_delta_kl allocation=given "allocation.dims=$dims" seed=0 train.layer_dir=$OUT/layers \
-    'eval.passkey_lengths=[]' hydra.run.dir=$OUT/linear_delta_kl_given_s0
-  python -m studies.records $OUT/linear_delta_kl_given_s0 --into docs/results/runs/dof_allocation
+    $SCORE 'eval.passkey_lengths=[]' hydra.run.dir=$OUT/linear_delta_kl_given_s0
+  python -m studies.records $OUT/linear_delta_kl_given_s0 --into docs/results/runs/dof_allocation$SUFFIX
 fi
 # The paper's estimator as written: its allocation (the cache and allocate stages; the student's other
 # settings do not enter Algorithm 1). λ = 2⁻⁴ is the paper's for GPT-2, 2⁻⁸ for Pythia-1B.

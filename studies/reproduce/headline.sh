@@ -10,13 +10,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/headline}
-RECORDS=${RECORDS:-docs/results/runs/headline}
+# SPLIT: the part of the held-out text each run scores (dofla.data.split). test (the default): the held-out
+# tokens after the first 65,536, which no record before the split scored: all of them in sequences of 512 (63)
+# and 15 sequences of 2,048 for the loss by position. dev: the first 65,536, as the records in
+# docs/results/runs/<page>/ were scored. The split is in no trained artifact's key, so a run directory a dev
+# run finished is re-scored on test, not trained again; test records go to docs/results/runs/<page>_test/.
+SPLIT=${SPLIT:-test}
+case $SPLIT in
+  test) SCORE="data.heldout_split=test eval.long_context_seqs=15" SUFFIX=_test ;;
+  dev) SCORE="" SUFFIX="" ;;
+  *) echo "SPLIT=$SPLIT must be test or dev" >&2; exit 2 ;;
+esac
+RECORDS=${RECORDS:-docs/results/runs/headline$SUFFIX}
 SEEDS=${SEEDS:-0 1 2}
 PRESETS=${PRESETS:-hybrid_recall window_sinks_kl linear_hedgehog_kl hybrid_text linear_delta_kl hybrid_delta}
 for seed in $SEEDS; do
   for preset in $PRESETS; do
     # train.layer_dir: the Hedgehog layerwise stage of an order, trained once, read by the linear and hybrid presets
-    dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers ${EXTRA:-} hydra.run.dir=$OUT/${preset}_s$seed
+    dofla experiment=$preset seed=$seed train.layer_dir=$OUT/layers $SCORE ${EXTRA:-} hydra.run.dir=$OUT/${preset}_s$seed
     python -m studies.records $OUT/${preset}_s$seed --into $RECORDS
   done
 done

@@ -139,6 +139,7 @@ class PreparedTokens:
         self._arrays: dict[str, np.ndarray] = {}
         self.order: np.ndarray | None = None  # training sequences in reading order (None: as written)
         self.order_len = 0  # tokens per sequence of ``order``
+        self.heldout_start = 0  # the held-out split is read from this token on (the test part: dofla.data.split)
 
     def shuffled(self, seq_len: int, seed: int) -> "PreparedTokens":
         """This data with its training split read as its whole sequences of ``seq_len`` tokens in the
@@ -153,6 +154,13 @@ class PreparedTokens:
         other.order, other.order_len = np.random.default_rng(seed).permutation(count), seq_len
         return other
 
+    def heldout_from(self, start: int) -> "PreparedTokens":
+        """This data with its held-out split read from token ``start`` on: held-out token ``i`` of the
+        result is token ``start + i`` of the file (the test part, :mod:`dofla.data.split`)."""
+        other = copy.copy(self)  # shares the memory-mapped files
+        other.heldout_start = start
+        return other
+
     def fingerprint(self) -> str:
         return self.meta["fingerprint"]
 
@@ -164,6 +172,8 @@ class PreparedTokens:
         """Tokens ``split`` can serve (a shuffled training split: its whole sequences)."""
         if split == "train" and self.order is not None:
             return len(self.order) * self.order_len
+        if split == "heldout":
+            return max(0, self.written(split) - self.heldout_start)
         return self.written(split)
 
     def check(self) -> None:
@@ -200,6 +210,8 @@ class PreparedTokens:
         self.require(split, start + count, setting)
         if split == "train" and self.order is not None:
             return torch.from_numpy(self.array(split)[self._positions(start, count)].astype(np.int64))
+        if split == "heldout":
+            start += self.heldout_start
         return torch.from_numpy(self.array(split)[start:start + count].astype(np.int64))
 
     def _positions(self, start: int, count: int) -> np.ndarray:

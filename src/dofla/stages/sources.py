@@ -10,6 +10,7 @@ from dofla.config import RunConfig
 from dofla.data import DataError, build_source
 from dofla.data.prefetch import prefetched
 from dofla.data.prepared import PreparedTokens, prepared_dir, train_stream
+from dofla.data.split import check_heldout_split, test_part
 from dofla.models import cache_root as default_root
 from dofla.stages.plan import reserved_tokens
 
@@ -28,8 +29,12 @@ def open_data(cfg: RunConfig):
     The source is the tokens ``dofla-prepare`` wrote for this data and model when they exist
     (``data.prepared=auto``; ``require`` fails without them), else the data source's text.
     """
+    check_heldout_split(cfg.data, *heldout_need(cfg))
     text = build_source(cfg.data.name, **cfg.data.options)  # checks the files exist and are text
     if cfg.data.prepared == "off":
+        if cfg.data.heldout_split == "test":
+            raise DataError("data.heldout_split=test reads the test part from prepared tokens, which "
+                            "data.prepared=off turns off; set data.prepared=auto")
         return cfg, text
     directory = prepared_path(cfg, text)
     if not (directory / "meta.json").is_file():
@@ -40,6 +45,8 @@ def open_data(cfg: RunConfig):
         return cfg, text
     prepared = PreparedTokens(directory, command=PREPARE_HINT)
     prepared.check()
+    if cfg.data.heldout_split == "test":
+        prepared = test_part(prepared, cfg.data, *heldout_need(cfg))
     prepared.require("heldout", *heldout_need(cfg))  # refused now, not after training (the eval reads it last)
     if cfg.data.shuffle_seed is not None:
         prepared = prepared.shuffled(cfg.data.seq_len, cfg.data.shuffle_seed)
@@ -50,6 +57,7 @@ def needs_prepared(cfg: RunConfig) -> list[str]:
     """The settings of ``cfg`` that read prepared tokens (a run with none of them can read the text)."""
     return [setting for setting, needs in (("data.num_tokens=all", cfg.data.num_tokens == "all"),
                                            ("data.shuffle_seed", cfg.data.shuffle_seed is not None),
+                                           ("data.heldout_split=test", cfg.data.heldout_split == "test"),
                                            ("data.prepared=require", cfg.data.prepared == "require")) if needs]
 
 
@@ -75,12 +83,16 @@ def resolve_num_tokens(cfg: RunConfig, prepared) -> RunConfig:
 
 
 def heldout_need(cfg: RunConfig) -> tuple[int, str]:
-    """(tokens, setting): the held-out tokens a run reads (the held-out set, or the long-context
-    sequences of the loss by position when longer) and the setting that asks for them."""
-    ev = cfg.eval
-    long = ev.long_context_seqs * (ev.long_seq_len or cfg.data.seq_len) if ev.position_buckets else 0
-    return (long, "eval.long_context_seqs") if long > cfg.data.heldout_tokens else \
-        (cfg.data.heldout_tokens, "data.heldout_tokens")
+    """(tokens, setting): the held-out tokens a run reads from the start of its part of the held-out
+    text (:mod:`dofla.data.split`): the held-out set (dev: ``data.heldout_tokens``; test:
+    ``data.test_tokens``, or one sequence at least when it is None, all; in whole sequences), or the long-context sequences
+    of the loss by position when longer, and the setting that asks for them."""
+    ev, d = cfg.eval, cfg.data
+    long = ev.long_context_seqs * (ev.long_seq_len or d.seq_len) if ev.position_buckets else 0
+    tokens, setting = (d.test_tokens or d.seq_len, "data.test_tokens") if d.heldout_split == "test" else \
+        (d.heldout_tokens, "data.heldout_tokens")
+    tokens = -(-tokens // d.seq_len) * d.seq_len  # read in whole sequences
+    return (long, "eval.long_context_seqs") if long > tokens else (tokens, setting)
 
 
 def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None,
