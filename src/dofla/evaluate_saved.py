@@ -26,7 +26,7 @@ from dofla.models.hub_export import load_student_tokenizer, teacher_config_dict
 from dofla.models.loading import load_teacher
 from dofla.models.student import load_student
 from dofla.record import write_json
-from dofla.stages.data import open_data, pack_heldout
+from dofla.stages.data import open_or_prepare, pack_heldout
 from dofla.stages.eval import MEASUREMENTS, Measurements, model_settings, tokens_digest
 
 WHO = "model"
@@ -57,7 +57,7 @@ def evaluate_saved(directory: str | Path, cfg: RunConfig, out_dir: str | Path) -
     """Every measurement ``cfg.eval`` asks for on the model in ``directory`` -> ``out_dir/metrics.json``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg, source = open_data(cfg)  # checks the data (prepared tokens when they exist) before the model loads
+    cfg, source = open_or_prepare(cfg)  # checks the data (prepared tokens, prepared now where the corpus prepares itself) before the model loads
     plan = suite.plan_tasks(cfg.eval, out_dir, others_requested=True) if cfg.eval.tasks else None
     model, tokenizer = load_saved(directory)
     store, ev, settings = Measurements(out_dir / MEASUREMENTS, True), cfg.eval, model_settings(model)
