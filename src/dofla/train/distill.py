@@ -29,6 +29,7 @@ from torch import nn
 from dofla import distributed
 from dofla.attention.gate import project_gates
 from dofla.data.stream import StreamExhausted
+from dofla.models.mixed_attention import MixedAttention
 from dofla.precision import autocast
 from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
 from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
@@ -81,11 +82,19 @@ def dropped_windows(num_hybrid: int, step: int, s: DistillSchedule) -> list[int]
     return [i for i in range(num_hybrid) if draw[i] < rate]
 
 
+def hybrid_attentions(student) -> list:
+    """The student's attentions (a mixed layer's groups of heads each one) that keep an exact window before a
+    linear state of any kind: what the window dropout acts on."""
+    attentions = [part for attn in student.student_attentions()
+                  for part in (attn.parts if isinstance(attn, MixedAttention) else (attn,))]
+    return [attn for attn in attentions if attn.window > 0 and attn.form.traits.state not in ("kv", "none")]
+
+
 @contextmanager
 def windows_dropped(student, layers: list[int]):
     """Inside the block, the hybrid layers ``layers`` (indices among the student's hybrid layers) run
     as pure linear attention: no exact window, no sinks, so their linear part must carry every key."""
-    hybrid = [attn for attn in student.student_attentions() if attn.mode == "hybrid"]
+    hybrid = hybrid_attentions(student)
     chosen = [hybrid[i] for i in layers]
     saved = [(attn.window, attn.sinks) for attn in chosen]
     try:
@@ -179,7 +188,7 @@ class Distillation(Trainer):
         self.model, self.student, self.teacher, self.batches, self.s = model, student, teacher, batches, s
         self.split, self.targets_of, self.batch_tokens = split, targets_of, batches.batch_tokens
         self.device = next(student.parameters()).device
-        self.num_hybrid = sum(attn.mode == "hybrid" for attn in student.student_attentions())
+        self.num_hybrid = len(hybrid_attentions(student))
         self.used, self.checked = 0, False
 
     def next_batch(self, step: int) -> torch.Tensor | None:

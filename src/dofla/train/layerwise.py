@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, save_artifact
+from dofla.attention.delta_gates import DeltaFeatureMap
 from dofla.attention.stable import widened
 from dofla.train.config import NOT_LEARNT, StepConfig
 from dofla.feature_maps.blocks import blocks, feature_dims
@@ -128,7 +129,7 @@ def _block_losses(feature_map, q, k, v, cfg: LayerTrainConfig, loss_fn, values: 
             extra["softcap"] = cfg.softcap
         if values:
             extra["v"] = v if heads is None else v[:, heads]
-        if getattr(block, "delta", False):  # a gated-delta layer: the output loss runs its own attention
+        if isinstance(block, DeltaFeatureMap):  # a gated-delta layer: the output loss runs its own attention
             extra["student"] = block
             if not block.calibrated:  # its output gain starts from the first batch (DeltaFeatureMap.calibrate_)
                 block.calibrate_(qb, kb, extra["v"], teacher_output(qb, kb, extra["v"], cfg.softcap), window=cfg.window,
