@@ -11,10 +11,11 @@ import torch
 from dofla.models import convert
 from dofla.models.capture import capture_qkv
 from dofla.models.card import _attention
+from dofla.models.mixed_attention import hybrid_attentions
 from dofla.models.plan import ALL
 from dofla.stages.students import layer_features
 from dofla.train import LayerTrainConfig, train_layer
-from dofla.train.distill import hybrid_attentions, windows_dropped
+from dofla.train.distill import windows_dropped
 from dofla.train.layerwise import layer_loss
 
 from .test_mixed_heads import PLAN, _perturbed, _teacher

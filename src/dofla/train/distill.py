@@ -29,7 +29,7 @@ from torch import nn
 from dofla import distributed
 from dofla.attention.gate import project_gates
 from dofla.data.stream import StreamExhausted
-from dofla.models.mixed_attention import MixedAttention
+from dofla.models.mixed_attention import hybrid_attentions
 from dofla.precision import autocast
 from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
 from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
@@ -80,14 +80,6 @@ def dropped_windows(num_hybrid: int, step: int, s: DistillSchedule) -> list[int]
         return []
     draw = torch.rand(num_hybrid, generator=torch.Generator().manual_seed(s.seed * 1_000_003 + step))
     return [i for i in range(num_hybrid) if draw[i] < rate]
-
-
-def hybrid_attentions(student) -> list:
-    """The student's attentions (a mixed layer's groups of heads each one) that keep an exact window before a
-    linear state of any kind: what the window dropout acts on."""
-    attentions = [part for attn in student.student_attentions()
-                  for part in (attn.parts if isinstance(attn, MixedAttention) else (attn,))]
-    return [attn for attn in attentions if attn.window > 0 and attn.form.traits.state not in ("kv", "none")]
 
 
 @contextmanager
