@@ -15,6 +15,7 @@ from dofla.pipeline import check_before_loading
 from dofla.stages.keys import attention_settings, layer_meta, softmax_ranking_settings, student_settings
 from dofla.stages.plan import stage_plan
 from dofla.stages.students import linear_layers, plan_dims
+from tests.component.test_mixed_heads import _config
 
 # tiny:llama: 2 layers, 4 query heads reading 2 KV heads of 16
 PLAN = [[{"window": ALL}, {"window": 4, "state": "delta", "M": 8}],
@@ -90,4 +91,14 @@ def test_a_wrong_plan_is_one_sentence_before_any_model_loads(tmp_path, plan, ove
 def test_a_missing_plan_file_is_one_sentence(tmp_path):
     cfg = _cfg(tmp_path, f"attention.plan={tmp_path / 'absent.yaml'}", "loss=output")
     with pytest.raises(ConfigError, match="absent.yaml does not exist"):
+        check_before_loading(cfg, tmp_path / "run")
+
+
+def test_a_directorys_plan_is_checked_from_its_config_alone(tmp_path):
+    """A model directory holding only its config.json (no weights, no tokenizer): the plan is refused from it."""
+    _config().save_pretrained(tmp_path / "model")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(PLAN))  # two KV heads a layer; this model has four
+    cfg = _cfg(tmp_path, f"model.source={tmp_path / 'model'}", f"attention.plan={path}", "loss=output")
+    with pytest.raises(ConfigError, match="layer 0 of the plan has 2 heads but the model has 4 key/value heads"):
         check_before_loading(cfg, tmp_path / "run")
