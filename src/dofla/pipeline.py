@@ -19,6 +19,7 @@ from dofla.config import RunConfig
 from dofla.eval.probes import long_tokens
 from dofla.eval.suite import plan_tasks
 from dofla.models import get_adapter, load_teacher
+from dofla.models.loading import teacher_config
 from dofla.models.card import lm_eval_settings, write_model_card
 from dofla.precision import configure_matmul, resolve, teacher_dtype
 from dofla.record import build_record, read_json, write_json
@@ -28,7 +29,7 @@ from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
 from dofla.stages.results import TrainResult
-from dofla.stages.students import layer_dir, linear_layers
+from dofla.stages.students import check_given_plan, layer_dir, linear_layers, plan_dims, plan_memory
 from dofla.tracking import NullTracker
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
 from dofla.world import train_split, validate_world
@@ -68,7 +69,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         with timer("dof"):
             estimate = distributed.main_first(dof.run, ctx, activations, linear_layers(cfg, ctx.geometry))
     # Feature dims per layer under the budget.
-    dims = [0] * ctx.geometry.num_layers  # training-free attention: no feature maps
+    dims = plan_dims(cfg, ctx.geometry) or [0] * ctx.geometry.num_layers  # a plan's, or training-free: none
     if "allocate" in plan:
         with timer("allocate"):
             dims = distributed.main_first(allocate.run, ctx, estimate, activations).dims
@@ -120,6 +121,8 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         metrics = evaluation.run(ctx, student, tokens, tasks).metrics
     metrics.update(data_budget(ctx, tokens, trained, activations))
     metrics.update(softmax_layers.metrics(student))
+    if cfg.attention.plan is not None and cfg.eval.memory_contexts:  # a plan given whole: what it predicts
+        metrics.update(plan_memory(student, cfg.eval.memory_contexts))
     if distilled:
         metrics["distill/tokens"] = int(result.tokens)
         metrics.update(distill_endpoints(out_dir))
@@ -141,6 +144,8 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     the eval task plan or None).
     """
     validate_config(cfg)
+    # a plan given whole (attention.plan), against the teacher's config: its layers and heads
+    check_given_plan(cfg, teacher_config(cfg.model.source, cfg.model.revision, cfg.model.tiny_layers))
     cfg = resolve_precision(cfg)
     validate_world(cfg, distributed.world())
     validate_output_dir(out_dir)
@@ -174,6 +179,7 @@ def load(cfg: RunConfig, out_dir: Path, plan: list[str], data_source=None) -> Ru
     teacher = teacher.to(distributed.device(cfg.device))  # the student is a copy: it follows
     geometry = get_adapter(teacher).geometry(teacher.config)
     validate_against_model(cfg, geometry.num_layers, geometry.head_dim, geometry.max_positions)
+    check_given_plan(cfg, geometry=geometry)  # where its config could not be read before loading
     needs_capture = "cache" in plan or "train" in plan
     capture = data.capture_teacher(teacher, teacher_dtype(cfg.precision, cfg.train.teacher_dtype)) \
         if needs_capture else teacher

@@ -3,8 +3,9 @@ installed and the inputs are half precision, else the PyTorch chunked form; one 
 state runs the recurrent step.
 
 ``flash-linear-attention`` (``pip install 'dofla[fla]'``) is optional: its ``chunk_gated_delta_rule``
-computes the same recurrence (:mod:`dofla.attention.delta`), in the layout (B, T, H, ·), and refuses
-float32 inputs, so it serves bf16/fp16 forwards (``precision=bf16``) on CUDA. The parity test against
+computes the same recurrence (:mod:`dofla.attention.delta`), in the layout (B, T, H, ·), in the inputs'
+own dtype (fp32 too, since fla 0.4); ``auto`` sends it the half-precision forwards (``precision=bf16``) on
+CUDA, and ``backend='fla'`` any dtype. The parity test against
 the PyTorch form is marked ``gpu``; it has not run on the machines this code was developed on.
 
 Layouts as in :mod:`dofla.attention.delta`: q, k (B, H, T, M); v (B, H, T, dv); log_alpha, beta (B, H, T).
@@ -50,9 +51,9 @@ def use_fla(v: torch.Tensor, backend: str = "auto") -> bool:
 
 def delta_rule_fla(q, k, v, log_alpha, beta, state: DeltaState | None = None, *,
                    key_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, DeltaState]:
-    """The chunked form through fla's kernel: inputs in v's (half) dtype, gates and state in fp32.
-    Padding as in the PyTorch forms (β = 0, log α = 0, k = v = 0 at pads)."""
-    dtype, t = v.dtype if v.dtype in HALF else torch.bfloat16, v.shape[2]
+    """The chunked form through fla's kernel: q, k, v and β in v's dtype (fp32 passes through as fp32), the
+    decay and the state in fp32. Padding as in the PyTorch forms (β = 0, log α = 0, k = v = 0 at pads)."""
+    dtype, t = v.dtype, v.shape[2]
     log_alpha = log_alpha.float().clamp_min(LOG_ALPHA_MIN)
     beta = beta.float()
     if key_valid is not None:

@@ -95,8 +95,6 @@ class DeltaFeatureMap(nn.Module):
     read makes the query's scale irrelevant, so normalising it changes nothing but the range).
     """
 
-    delta = True  # read by dofla.train.layerwise (its output loss runs this attention); nothing else asks it
-
     def __init__(self, features: nn.Module, gates: DeltaGates):
         super().__init__()
         self.features = features

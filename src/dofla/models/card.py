@@ -17,6 +17,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
 
+from dofla.attention.forms import get_form
 from dofla.record import read_json
 from dofla.run_files import MEASUREMENTS
 
@@ -92,6 +93,10 @@ def write_model_card(directory: str | Path, metrics: dict | None = None, name: s
 
 
 def _attention(spec: dict) -> str:
+    """The card's attention row: a per-head plan when the saved plan has a layer whose heads differ, else
+    the form's wording from its traits (its state, its window)."""
+    if _heads_differ(spec.get("plan") or []):
+        return _plan_summary(spec["plan"])
     attention, kept = spec.get("attention", "linear"), spec.get("softmax_layers") or []
     if spec.get("feature_map") == "softmax":
         return "exact softmax (reference)"
@@ -100,13 +105,40 @@ def _attention(spec: dict) -> str:
     gate = ", with a per-head decay gate on the state" if spec.get("gate", "none") != "none" else ""
     if spec.get("linear_scale", "fixed") == "learned":
         gate += ", weighted against the window by a learned per-head scale"
-    if attention == "linear":
+    state, window = get_form(attention).traits.state, spec.get("window")
+    if not window and state == "additive":
         return ("linear (every global layer)" if not kept else "linear") + gate + exact
-    if attention == "gated_delta" and not spec.get("window"):
+    if not window and state == "delta":
         return "gated delta rule (every global layer)" + exact
-    return f"{attention}: exact softmax over the last {spec.get('window')} tokens and {spec.get('sinks', 0)} sinks" + (
-        ", linear attention before" + gate if attention == "hybrid" else
-        ", a gated-delta state before" if attention == "gated_delta" else "") + exact
+    before = {"additive": ", linear attention before" + gate, "delta": ", a gated-delta state before"}.get(state, "")
+    return f"{attention}: exact softmax over the last {window} tokens and {spec.get('sinks', 0)} sinks" + before + exact
+
+
+def _heads_differ(plan: list) -> bool:
+    return any(len({json.dumps(head, sort_keys=True) for head in layer}) > 1 for layer in plan)
+
+
+def _plan_summary(plan: list) -> str:
+    """How many KV heads keep what: exact, a window (with sinks), a linear state of M, or a window and a state."""
+    counts: dict[str, int] = {}
+    for layer in plan:
+        for head in layer:
+            counts[_head_words(head)] = counts.get(_head_words(head), 0) + 1
+    total = sum(counts.values())
+    return (f"a plan per key/value head ({total} heads in {len(plan)} layers): "
+            + "; ".join(f"{n} {what}" for what, n in counts.items()))
+
+
+def _head_words(head: dict) -> str:
+    window, state, m = head.get("window", 0), head.get("state", "none"), head.get("M", 0)
+    if window == "all":
+        return "exact (a key/value cache)"
+    sinks = f" and {head['sinks']} sinks" if head.get("sinks") else ""
+    parts = [f"a window of {window} tokens{sinks}"] if window else []
+    if state != "none":
+        parts.append(f"{'an additive' if state == 'additive' else 'a gated-delta'} state of M={m}"
+                     + (" with a decay gate" if head.get("gate", "none") != "none" else ""))
+    return f"{parts[0]} with {parts[1]} before it" if len(parts) == 2 else parts[0]
 
 
 def _dims(dims: list) -> str:

@@ -72,6 +72,15 @@ def _group_attention(spec: ConversionSpec, geometry, i: int, heads: list, kv_hea
                             form=form, **parts)
 
 
+def plan_layers(plan: StudentPlan, geometry, feature_map: str = "learned_prf", feature_map_options: dict | None = None,
+                seed: int = 0, chunk_size: int = 128) -> list:
+    """Each layer's attention as :func:`~dofla.models.convert` builds it for ``plan`` (the same modules, the same
+    seeds), without a model: what the layerwise stage trains before any student exists."""
+    dims = plan.dims(geometry.num_heads // geometry.num_kv_heads)
+    spec = ConversionSpec(dims, feature_map, dict(feature_map_options or {}), chunk_size, seed)
+    return [_layer_attention(spec, geometry, i, layer) for i, layer in enumerate(plan.layers)]
+
+
 def given_plan(plan, geometry, **settings) -> StudentPlan:
     """A plan given whole (a StudentPlan, its list of layers, or a JSON/YAML file), checked against the
     teacher's layers and heads; ``settings`` are convert()'s others, which the plan replaces."""

@@ -43,7 +43,7 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 __all__ = ["EMBEDDED", "ModelLoadError", "UnsupportedModelError", "cache_root", "converted_dir", "embedded_model_dir",
-           "gguf_sha256", "load_teacher", "teacher_identity"]
+           "gguf_sha256", "load_teacher", "teacher_config", "teacher_identity"]
 
 
 def cache_root() -> Path:
@@ -73,6 +73,29 @@ def load_teacher(
         model, tokenizer = _load_from_hub(name, revision)
     check_supported(model, probe=True)
     return model, tokenizer
+
+
+def teacher_config(name: str, revision: str | None = None, num_layers: int = 2):
+    """The config of :func:`load_teacher`'s model ``name`` without its weights (a tiny model's as built, a
+    directory's or a cached hub model's ``config.json``), for checks that must run before any weight
+    loads; None where reading it would cost what loading does (the embedded model before its first
+    conversion, a hub model the local cache lacks while the hub is unreachable)."""
+    if name.startswith("tiny:"):
+        family = name.removeprefix("tiny:")
+        return TINY_FAMILIES[family](num_layers)[1] if family in TINY_FAMILIES else None
+    if name == EMBEDDED:
+        try:
+            path = converted_dir(_embedded_gguf_path())
+        except ModelLoadError:  # load_teacher says why, in its own sentence
+            return None
+        return AutoConfig.from_pretrained(path) if (path / "config.json").exists() else None
+    try:
+        if Path(name).expanduser().is_dir():
+            return AutoConfig.from_pretrained(Path(name).expanduser())
+        with nullcontext() if hub_reachable() else forced_offline():
+            return AutoConfig.from_pretrained(name, revision=revision)
+    except (OSError, ValueError):  # load_teacher says why, in its own sentence
+        return None
 
 
 def load_tokenizer(name: str, revision: str | None = None) -> PreTrainedTokenizerBase:

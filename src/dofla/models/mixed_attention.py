@@ -97,3 +97,11 @@ class MixedAttention(nn.Module):
             outs.append(out)
             states.append(new)
         return torch.cat(outs, dim=1).index_select(1, order), MixedState(states)
+
+
+def hybrid_attentions(student) -> list:
+    """The student's attentions (each group of a mixed layer one of them) that keep an exact window before a
+    linear state of either kind: what the KL stage's window dropout and the linear-part ablation act on."""
+    attentions = [part for attn in student.student_attentions()
+                  for part in (attn.parts if isinstance(attn, MixedAttention) else (attn,))]
+    return [attn for attn in attentions if attn.window > 0 and attn.form.traits.state not in ("kv", "none")]

@@ -14,7 +14,8 @@ from dofla.stages.context import RunContext
 from dofla.stages.keys import layer_meta, student_settings
 from dofla.stages import softmax_layers
 from dofla.stages.results import Assembled
-from dofla.stages.students import layer_dir, layer_dirs, make_student, per_layer_meta, trainable, with_settings
+from dofla.stages.students import (layer_dir, layer_dirs, layer_features, make_student, per_layer_meta, trainable,
+                                   with_settings)
 from dofla.train.layerwise import find_artifact
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,13 @@ def run_provenance(cfg: RunConfig) -> dict:
 
 def _load_trained_layer(i: int, attn, directories: list[Path], meta: dict, base: Path) -> None:
     """Load layer ``i``'s verified features into ``attn``; a layer with nothing to train needs none."""
-    if attn.feature_map is None:
+    features = layer_features(attn, "plan" in meta)  # a plan's layers as it trained them (GroupedFeatures)
+    if features is None:
         return
     name, own_meta = f"layer_{i:02d}.pt", per_layer_meta(meta, i, attn)
     trained = find_artifact(directories, name, own_meta)
     if trained is not None:
-        attn.feature_map.load_state_dict(trained["state_dict"])
+        features.load_state_dict(trained["state_dict"])
     elif trainable(attn):
         problem = artifact_problem(directories[0] / name, own_meta)
         raise ArtifactError(

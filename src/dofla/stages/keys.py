@@ -14,11 +14,14 @@ settings; these functions build those settings. Two rules keep old artifacts val
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, fields
 
 from dofla.artifacts import canonical
 from dofla.attention.forms import FORMS
 from dofla.config import LEGACY_VALUES, RunConfig, section_keys
+from dofla.models.plan import read_plan
 from dofla.precision import teacher_dtype
 
 # bumped when a feature map's parameters change meaning (2: Hedgehog as published, with a bias),
@@ -105,6 +108,8 @@ def layer_meta(cfg: RunConfig, cache_key: str) -> dict:
         meta["sinks"] = sinks
     if cfg.attention.name in FORMS and not FORMS[cfg.attention.name].traits.shares_layers:  # e.g. gates too
         meta["attention"] = cfg.attention.name
+    if cfg.attention.plan is not None:  # each group of heads trains with its own form, window and sinks
+        meta["plan"] = plan_digest(cfg)
     if train["source"] != "cache":  # a streamed layer also depends on what was streamed
         meta["stream"] = {"data": section(cfg, "data", legacy=True)}
     return with_precision(meta, cfg)
@@ -120,10 +125,21 @@ def attention_settings(cfg: RunConfig) -> dict:
     """The student's attention form; the gate and the learned scale absent at their defaults, as
     before the options existed."""
     attention = section(cfg, "attention")
-    for option in ("gate", "linear_scale"):
+    for option in ("gate", "linear_scale", "plan"):
         if attention[option] == LEGACY_VALUES[("attention", option)]:
             del attention[option]
+    if "plan" in attention:
+        attention["plan"] = plan_digest(cfg)
     return attention
+
+
+def plan_digest(cfg: RunConfig) -> str | None:
+    """What keys a plan given whole (``attention.plan``): a hash of the plan it holds, so a moved or reformatted
+    file keeps its artifacts and an edited one does not; None without a plan."""
+    if cfg.attention.plan is None:
+        return None
+    return "sha256:" + hashlib.sha256(json.dumps(read_plan(cfg.attention.plan).to_list(), sort_keys=True)
+                                      .encode()).hexdigest()
 
 
 def student_settings(cfg: RunConfig, cache_key: str, dims: list) -> dict:

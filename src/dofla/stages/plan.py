@@ -31,6 +31,9 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
     """The stages each stage reads the artifact of, for this config (see stage_plan)."""
     if cfg.attention.name in TRAINING_FREE:  # nothing to allocate or train: assemble from the teacher
         return {"assemble": (), "distill": ("assemble",), "finetune": ("assemble",), "eval": ("assemble",), "report": ("eval",)}
+    if cfg.attention.plan is not None:  # the plan holds every head's feature dims: nothing to estimate or allocate
+        return {"train": ("cache",), "assemble": ("train",), "distill": ("assemble",), "finetune": ("assemble",),
+                "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
         "allocate": ("dof",) if reads_dof(cfg.allocation.policy) else (),
@@ -57,6 +60,8 @@ def stage_plan(cfg: RunConfig) -> list[str]:
         cfg = _drop_switched_off(cfg)
     if cfg.attention.name in TRAINING_FREE:  # its student needs no cache, DoF, allocation or training
         cfg = replace(cfg, stages=[s for s in cfg.stages if s not in (*PREPARATION, "train")])
+    if cfg.attention.plan is not None:  # a plan given whole sets the dims the allocation would
+        cfg = replace(cfg, stages=[s for s in cfg.stages if s not in ("dof", "allocate")])
     require(not unknown, f"stages={list(cfg.stages)} names unknown stage(s) {', '.join(map(str, unknown))}; "
              f"valid stages: {', '.join(STAGES)}")
     needs, chosen, missing = stage_needs(cfg), set(cfg.stages), []

@@ -30,6 +30,7 @@ from torch import nn
 from dofla import distributed
 from dofla.attention.gate import project_gates
 from dofla.data.stream import StreamExhausted
+from dofla.models.mixed_attention import hybrid_attentions
 from dofla.precision import autocast
 from dofla.train.kl_targets import ExactTargets, HeadTargets, Targets, TopKTargets, topk_targets
 from dofla.train.logit_chunks import body_and_head, check_head, chunked_kl_backward
@@ -88,7 +89,7 @@ def dropped_windows(num_hybrid: int, step: int, s: DistillSchedule) -> list[int]
 def windows_dropped(student, layers: list[int]):
     """Inside the block, the hybrid layers ``layers`` (indices among the student's hybrid layers) run
     as pure linear attention: no exact window, no sinks, so their linear part must carry every key."""
-    hybrid = [attn for attn in student.student_attentions() if attn.mode == "hybrid"]
+    hybrid = hybrid_attentions(student)
     chosen = [hybrid[i] for i in layers]
     saved = [(attn.window, attn.sinks) for attn in chosen]
     try:
@@ -182,7 +183,7 @@ class Distillation(Trainer):
         self.model, self.student, self.teacher, self.batches, self.s = model, student, teacher, batches, s
         self.split, self.targets_of, self.batch_tokens = split, targets_of, batches.batch_tokens
         self.device = next(student.parameters()).device
-        self.num_hybrid = sum(attn.mode == "hybrid" for attn in student.student_attentions())
+        self.num_hybrid = len(hybrid_attentions(student))
         self.used, self.checked = 0, False
 
     def next_batch(self, step: int) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -17,8 +17,10 @@ import torch
 from tqdm.auto import tqdm
 
 from dofla.artifacts import load_artifact, save_artifact
+from dofla.attention.delta_gates import DeltaFeatureMap
 from dofla.attention.stable import widened
 from dofla.train.config import NOT_LEARNT, StepConfig
+from dofla.train.grouped import GroupedFeatures
 from dofla.feature_maps.blocks import blocks, feature_dims
 from dofla.precision import autocast
 from dofla.train.causal_losses import teacher_output
@@ -104,6 +106,8 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
     """q (B, H, L, d), k and v (B, H_kv, L, d) -> the configured loss (GQA keys and values
     expanded per group; v is read only by a loss that needs values). The activations move to the
     feature map's device (they come from a host-memory cache)."""
+    if isinstance(feature_map, GroupedFeatures):
+        return grouped_loss(feature_map, q, k, cfg, v)
     device = module_device(feature_map)
     q, k = q.to(device), k.to(device)
     v = None if v is None else v.to(device)
@@ -119,6 +123,17 @@ def layer_loss(feature_map, q: torch.Tensor, k: torch.Tensor, cfg: LayerTrainCon
         return _block_losses(feature_map, q, k, v, cfg, loss_fn, values)
 
 
+def grouped_loss(grouped: GroupedFeatures, q, k, cfg: LayerTrainConfig, v=None) -> torch.Tensor:
+    """A mixed layer's loss: each group's :func:`layer_loss` on its heads' q, k (and v) with its own window and
+    sinks, weighted by its share of the trained query heads (so a group's loss means what a layer's does)."""
+    total = 0.0
+    for fm, (heads, kv, window, sinks) in zip(grouped.parts, grouped.slices):
+        part_cfg = replace(cfg, window=window, sinks=sinks)
+        loss = layer_loss(fm, q[:, heads], k[:, kv], part_cfg, None if v is None else v[:, kv])
+        total = total + loss * (len(heads) / grouped.num_heads)
+    return total
+
+
 def _block_losses(feature_map, q, k, v, cfg: LayerTrainConfig, loss_fn, values: bool) -> torch.Tensor:
     total = 0.0
     for block, heads in blocks(feature_map):  # per-head dims: the heads-weighted mean over blocks
@@ -128,7 +143,7 @@ def _block_losses(feature_map, q, k, v, cfg: LayerTrainConfig, loss_fn, values: 
             extra["softcap"] = cfg.softcap
         if values:
             extra["v"] = v if heads is None else v[:, heads]
-        if getattr(block, "delta", False):  # a gated-delta layer: the output loss runs its own attention
+        if isinstance(block, DeltaFeatureMap):  # a gated-delta layer: the output loss runs its own attention
             extra["student"] = block
             if not block.calibrated:  # its output gain starts from the first batch (DeltaFeatureMap.calibrate_)
                 block.calibrate_(qb, kb, extra["v"], teacher_output(qb, kb, extra["v"], cfg.softcap), window=cfg.window,

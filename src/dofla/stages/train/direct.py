@@ -10,7 +10,7 @@ from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext, RunData
 from dofla.stages.results import TrainResult
 from dofla.stages.sources import stream_steps, training_stream
-from dofla.stages.students import layer_train_config, make_student, per_layer_meta, trainable
+from dofla.stages.students import layer_features, layer_train_config, make_student, per_layer_meta, trainable
 from dofla.stages.train.base import LayerTarget, layer_target
 from dofla.train import train_direct
 
@@ -53,9 +53,10 @@ def _train(ctx: RunContext, student, target: LayerTarget, data: RunData, on_log)
     tokens = len(curve) * batches.batch_tokens if ctx.train.streams else data.train_tokens.numel()
     if distributed.is_main():  # under torchrun every rank holds the same features
         for i, attn in enumerate(student.student_attentions()):
-            if attn.feature_map is None:  # a teacher sliding-window layer: kept exact, nothing trained
+            features = layer_features(attn, "plan" in target.meta)
+            if features is None:  # a teacher sliding-window layer: kept exact, nothing trained
                 continue
-            save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": attn.feature_map.state_dict(),
+            save_artifact(directory / f"layer_{i:02d}.pt", {"state_dict": features.state_dict(),
                                                              "curve": curve}, per_layer_meta(target.meta, i, attn))
         write_json(directory / "direct_done.json", {"settings": target.settings, "steps": len(curve),
                                                     "tokens": tokens, "curve": curve})
