@@ -19,7 +19,7 @@ from dofla.config import RunConfig
 from dofla.eval.probes import long_tokens
 from dofla.eval.suite import plan_tasks
 from dofla.models import get_adapter, load_teacher
-from dofla.models.loading import teacher_config
+from dofla.models.loading import teacher_config, teacher_identity
 from dofla.models.card import lm_eval_settings, write_model_card
 from dofla.precision import configure_matmul, resolve, teacher_dtype
 from dofla.record import build_record, read_json, write_json
@@ -54,7 +54,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     with timer("data"):
         tokens = data.run(ctx)
     if main:
-        write_json(out_dir / "run.json", {**build_record(cfg, overrides), "cache_key": tokens.cache_key,
+        write_json(out_dir / "run.json", {**build_record(cfg, overrides, teacher_identity(cfg.model.source, cfg.model.revision)), "cache_key": tokens.cache_key,
                                           "world_size": distributed.world(), "stages": list(plan),
                                           "train_source": ctx.train.source,
                                           "train_parallel": train_split(cfg, distributed.world(), ctx.train.source)})

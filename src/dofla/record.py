@@ -79,12 +79,12 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def build_record(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
+def build_record(cfg: RunConfig, overrides: list[str], teacher: dict | None = None) -> dict[str, Any]:
     """run.json's reproducibility part. A run from a dirty tree is marked (``git.dirty``, ``git.changed``),
     not refused: tests, sweeps in progress and local experiments run from dirty trees, and the record
-    names what differed; whoever collects records for a results page can refuse the dirty ones."""
-    from dofla.models.loading import teacher_identity  # here: the models package imports this module
-
+    names what differed; whoever collects records for a results page can refuse the dirty ones.
+    ``teacher``: what the teacher is (:func:`dofla.models.loading.teacher_identity`), given by the caller
+    because the models package sits above this module."""
     return {
         "config": asdict(cfg),
         "overrides": list(overrides),
@@ -96,7 +96,7 @@ def build_record(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
         "python": platform.python_version(),
         "host": platform.node(),
         "fingerprint": torch_build(),
-        "teacher": teacher_identity(cfg.model.source, cfg.model.revision),
+        "teacher": teacher or {"source": cfg.model.source, "revision": cfg.model.revision},
     }
 
 

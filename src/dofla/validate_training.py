@@ -12,6 +12,7 @@ from dofla.attention.gate import GATES
 from dofla.config import RunConfig
 from dofla.data.copies import SPAN
 from dofla.errors import require
+from dofla.models.plan import read_plan
 from dofla.models.spec import LINEAR_SCALES
 from dofla.stages.plan import DIRECT, training_mode
 from dofla.train.distill import TRAINABLE
@@ -67,6 +68,12 @@ def _has_hybrid_layers(cfg: RunConfig) -> bool:
     """attention=hybrid, or linear with a window (what it meant before ``attention.name`` existed), or
     gated_delta with a window (the hybrid whose older tokens live in a delta state)."""
     a = cfg.attention
+    if a.plan:  # a plan's heads: any window kept before a linear state of either kind
+        try:
+            layers = read_plan(a.plan).layers
+        except ValueError:  # the plan's own check names what is wrong with the file, in its sentence
+            return False
+        return any(h.window not in (0, "all") and h.state != "none" for layer in layers for h in layer)
     return a.window > 0 and get_form(a.name).traits.state in ("additive", "delta")
 
 

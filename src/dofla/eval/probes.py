@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from dofla.data.prepared import pack_split
 from dofla.eval.longctx import losses_by_position, mass_outside_window, passkey_results
 from dofla.eval.metrics import attention_errors, heldout_losses
+from dofla.models.mixed_attention import hybrid_attentions
 
 if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes this package's section
     from dofla.config import RunConfig
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes t
 def without_linear_part(student):
     """Within the block, every hybrid layer of ``student`` keeps only its exact window and sinks
     (its feature map is detached, so the layer runs as sliding-window attention)."""
-    hybrid = [attn for attn in student.student_attentions() if attn.mode == "hybrid"]
+    hybrid = hybrid_attentions(student)
     saved = [attn.feature_map for attn in hybrid]
     try:
         for attn in hybrid:
