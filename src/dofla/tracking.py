@@ -1,13 +1,16 @@
-"""Experiment trackers: ``none`` (files only) and ``wandb`` (never blocks without network)."""
+"""Experiment trackers: ``none`` (files only) and ``wandb`` (one wandb run per run directory; without
+network it logs offline, and a server that cannot be reached does not stop the run)."""
 from __future__ import annotations
 
 import netrc
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from dofla.config import LoggerConfig
+from dofla.record import read_json, write_json
 from dofla.report.seeds import settings_hash
 
 
@@ -49,25 +52,56 @@ class NullTracker:
 
 
 class WandbTracker(NullTracker):
-    """Weights & Biases: online when logged in (WANDB_API_KEY or `wandb login`), else offline, said on one line."""
+    """Weights & Biases: online when logged in (WANDB_API_KEY or `wandb login`), else offline, said on one line.
+
+    One wandb run per run directory: its id is kept in the directory (:func:`run_id`) and opened with
+    ``resume="allow"``, so a resumed or requeued run continues the same wandb run. A server that cannot
+    be reached at start (a node without internet) turns the run offline instead of stopping it."""
 
     def __init__(self, cfg: LoggerConfig, config: dict, out_dir: Path, name: str, tags: list[str] = ()):
         import wandb  # lazy: wandb is an optional extra
 
-        mode = wandb_mode(cfg)
+        self._wandb, self.stages, self.defined = wandb, set(), set()
+        mode, out_dir = wandb_mode(cfg), Path(out_dir)
+        sync = f"upload later with `wandb sync {out_dir}/wandb/offline-run-*`"
         if mode == "offline":
-            print(f"dofla: wandb logs offline into {out_dir}/wandb ({offline_reason(cfg)}); upload later with "
-                  f"`wandb sync {out_dir}/wandb/offline-run-*`", flush=True)
-        self._wandb = wandb
-        self.run = wandb.init(
-            project=cfg.project, group=cfg.group or seed_group(config, name), config=config, dir=str(out_dir),
-            name=name, job_type=config.get("allocation", {}).get("policy"), tags=list(tags) or None, mode=mode,
-            reinit="finish_previous",
-            settings=wandb.Settings(init_timeout=60, silent=True),
-        )
+            print(f"dofla: wandb logs offline into {out_dir}/wandb ({offline_reason(cfg)}); {sync}", flush=True)
+        init = dict(project=cfg.project, group=cfg.group or seed_group(config, name), config=config,
+                    dir=str(out_dir), name=name, job_type=config.get("allocation", {}).get("policy"),
+                    tags=list(tags) or None, resume="allow",
+                    id=None if mode == "disabled" else run_id(out_dir), reinit="finish_previous",
+                    settings=wandb.Settings(silent=True, **init_timeout()))
+        try:
+            self.run = wandb.init(mode=mode, **init)
+        except (wandb.errors.CommError, TimeoutError, ConnectionError) as err:  # AuthenticationError is a CommError
+            if mode in ("offline", "disabled"):
+                raise
+            reason = (str(err).strip().splitlines() or [""])[0][:200]
+            print(f"dofla: wandb could not reach {wandb_host()} ({type(err).__name__}: {reason}); the run goes on "
+                  f"offline into {out_dir}/wandb; {sync}", flush=True)
+            wandb.teardown()  # the failed attempt's service still holds the run id: a fresh one starts offline
+            self.run = wandb.init(mode="offline", **init)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self._define(metrics)
         self.run.log(metrics, step=step)
+
+    def _define(self, metrics: dict[str, Any]) -> None:
+        """A live log (``dofla.train.live``: ``<stage>/step`` and ``<stage>/tokens`` together) makes that
+        stage's token counter the x axis of its curves, so the layerwise and KL curves do not share
+        wandb's global step (which a resumed run also moves); each held-out loss keeps its minimum as
+        its summary, the value of the state the trainer keeps."""
+        live = {key.partition("/")[0] for key in metrics if key.endswith("/tokens")}
+        for stage in sorted(stage for stage in live if f"{stage}/step" in metrics):
+            counter = f"{stage}/tokens"
+            if stage not in self.stages:
+                self.stages.add(stage)
+                self.run.define_metric(counter)
+                self.run.define_metric(f"{stage}/*", step_metric=counter)
+            for key in metrics:
+                if key.startswith(f"{stage}/") and key.endswith("heldout_loss") and key not in self.defined:
+                    self.defined.add(key)
+                    self.run.define_metric(key, step_metric=counter, summary="min")
 
     def log_image(self, key: str, path: Path) -> None:
         self.run.log({key: self._wandb.Image(str(path))})
@@ -79,11 +113,35 @@ class WandbTracker(NullTracker):
         self.run.finish()
 
 
+def run_id(out_dir: Path) -> str:
+    """The wandb run id of a run directory: made at its first start and kept in ``wandb/run_id.json``
+    inside it, so every resume or requeue of the directory opens the same wandb run, and a new run
+    in a reused path (its old files deleted) a new one. Written before ``wandb.init``: a run killed
+    during its start still finds it."""
+    path = Path(out_dir) / "wandb" / "run_id.json"
+    stored = read_json(path)
+    if isinstance(stored, dict) and isinstance(stored.get("id"), str):
+        return stored["id"]
+    made = uuid.uuid4().hex[:16]
+    write_json(path, {"id": made})
+    return made
+
+
+def init_timeout() -> dict:
+    """60 s for wandb.init to reach its server, unless WANDB_INIT_TIMEOUT says otherwise (a setting
+    given to wandb.init would override the variable)."""
+    return {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": 60}
+
+
+def wandb_host() -> str:
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+
+
 def wandb_logged_in() -> bool:
     """A W&B key is available: WANDB_API_KEY, or the netrc entry `wandb login` writes for the W&B host."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    host = urlparse(wandb_host()).hostname
     path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
     try:
         return netrc.netrc(path).authenticators(host) is not None
