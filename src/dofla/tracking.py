@@ -77,7 +77,7 @@ class WandbTracker(NullTracker):
             if mode in ("offline", "disabled"):
                 raise
             reason = (str(err).strip().splitlines() or [""])[0][:200]
-            print(f"dofla: wandb could not reach {wandb_host()} ({type(err).__name__}: {reason}); the run goes on "
+            print(f"dofla: wandb cannot log to {wandb_host()} ({type(err).__name__}: {reason}); the run goes on "
                   f"offline into {out_dir}/wandb; {sync}", flush=True)
             wandb.teardown()  # the failed attempt's service still holds the run id: a fresh one starts offline
             self.run = wandb.init(mode="offline", **init)

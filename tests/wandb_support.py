@@ -1,6 +1,6 @@
-"""The records of a wandb run's binary log (``run-<id>.wandb``), read with wandb's own protobuf
-messages, so that tests check what a run holds (its id, metric definitions, summary) rather than
-bytes that merely occur in the file.
+"""What the wandb tests share: a server that cannot be reached, and the records of a run's binary
+log (``run-<id>.wandb``), read with wandb's own protobuf messages, so that tests check what a run
+holds (its id, metric definitions, summary) rather than bytes that merely occur in the file.
 
 The file is wandb's framing of LevelDB's log format: a 7-byte header (``:W&B``, a magic number, a
 version), then 32 KiB blocks of chunks, each a 7-byte header (CRC, length, kind) and its data;
@@ -8,6 +8,7 @@ a record is one FULL chunk or a FIRST, MIDDLE..., LAST run of them.
 """
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 BLOCK, HEADER = 32 * 1024, 7
@@ -62,3 +63,17 @@ def binary_log(wandb_run_dir: Path) -> Path:
     """The binary log in one wandb run's directory (``wandb/offline-run-<time>-<id>``)."""
     (path,) = Path(wandb_run_dir).glob("*.wandb")
     return path
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound by the system, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unreachable_server(port: int) -> dict:
+    """Online mode with a key, against a server that refuses connections; wandb.init gives up after
+    WANDB_INIT_TIMEOUT seconds (wandb's own setting)."""
+    return {"WANDB_MODE": "online", "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": "x" * 40,
+            "WANDB_INIT_TIMEOUT": "3"}
