@@ -9,6 +9,9 @@ a record is one FULL chunk or a FIRST, MIDDLE..., LAST run of them.
 from __future__ import annotations
 
 import socket
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 BLOCK, HEADER = 32 * 1024, 7
@@ -73,7 +76,34 @@ def closed_port() -> int:
 
 
 def unreachable_server(port: int) -> dict:
-    """Online mode with a key, against a server that refuses connections; wandb.init gives up after
-    WANDB_INIT_TIMEOUT seconds (wandb's own setting)."""
+    """Online mode with a key, against the server at ``port`` on this machine; wandb.init gives up
+    after WANDB_INIT_TIMEOUT seconds (wandb's own setting)."""
     return {"WANDB_MODE": "online", "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": "x" * 40,
             "WANDB_INIT_TIMEOUT": "3"}
+
+
+class _Unavailable(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def unavailable_server():
+    """A local HTTP server that answers every request with 503: reachable, but never a wandb server
+    (wandb.init retries it until its timeout). Yields its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()

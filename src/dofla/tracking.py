@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import netrc
 import os
+import ssl
+import threading
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -71,15 +75,20 @@ class WandbTracker(NullTracker):
                     tags=list(tags) or None, resume="allow",
                     id=None if mode == "disabled" else run_id(out_dir), reinit="finish_previous",
                     settings=wandb.Settings(silent=True, **init_timeout()))
+        unreachable = None if mode in ("offline", "disabled") else server_unreachable()
+        if unreachable:  # checked first: a start that never reaches wandb.init leaves its service idle
+            print(falling_back(out_dir, unreachable, sync), flush=True)
+            mode = "offline"
         try:
             self.run = wandb.init(mode=mode, **init)
         except (wandb.errors.CommError, TimeoutError, ConnectionError) as err:  # AuthenticationError is a CommError
             if mode in ("offline", "disabled"):
                 raise
-            reason = (str(err).strip().splitlines() or [""])[0][:200]
-            print(f"dofla: wandb cannot log to {wandb_host()} ({type(err).__name__}: {reason}); the run goes on "
-                  f"offline into {out_dir}/wandb; {sync}", flush=True)
-            wandb.teardown()  # the failed attempt's service still holds the run id: a fresh one starts offline
+            print(falling_back(out_dir, f"{type(err).__name__}: {first_line(err)}", sync), flush=True)
+            # the failed attempt's service still holds the run id: a fresh one starts offline (wandb
+            # before 0.31 may keep retrying the server instead of stopping: then no wandb at all)
+            if not returns_within(wandb.teardown, TEARDOWN_SECONDS):
+                raise WandbUnavailable(f"wandb's service did not stop within {TEARDOWN_SECONDS} s") from err
             self.run = wandb.init(mode="offline", **init)
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -113,6 +122,21 @@ class WandbTracker(NullTracker):
         self.run.finish()
 
 
+TEARDOWN_SECONDS = 30
+
+
+class WandbUnavailable(Exception):
+    """wandb can neither reach its server nor restart offline in this process."""
+
+
+def returns_within(fn, seconds: float) -> bool:
+    """Whether ``fn()`` returned within ``seconds`` (run in a daemon thread, left behind if not)."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
 def run_id(out_dir: Path) -> str:
     """The wandb run id of a run directory: made at its first start and kept in ``wandb/run_id.json``
     inside it, so every resume or requeue of the directory opens the same wandb run, and a new run
@@ -131,6 +155,30 @@ def init_timeout() -> dict:
     """60 s for wandb.init to reach its server, unless WANDB_INIT_TIMEOUT says otherwise (a setting
     given to wandb.init would override the variable)."""
     return {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": 60}
+
+
+def server_unreachable(seconds: float = 10.0) -> str | None:
+    """Why wandb's server cannot be reached (a refused or timed-out connection, an unknown host), or
+    None when it answers at all: one HTTP request through the environment's proxies, before
+    ``wandb.init``, so a node without network goes offline at once."""
+    try:
+        urllib.request.urlopen(wandb_host(), timeout=seconds).close()
+    except urllib.error.HTTPError:
+        return None  # an answer, whatever its status: the rest is wandb.init's to judge
+    except urllib.error.URLError as err:
+        return None if isinstance(err.reason, ssl.SSLError) else f"{type(err.reason).__name__}: {err.reason}"
+    except (OSError, ValueError) as err:  # a timeout while reading, a malformed WANDB_BASE_URL
+        return f"{type(err).__name__}: {first_line(err)}"
+    return None
+
+
+def falling_back(out_dir: Path, reason: str, sync: str) -> str:
+    return (f"dofla: wandb cannot log to {wandb_host()} ({reason}); the run goes on offline into "
+            f"{out_dir}/wandb; {sync}")
+
+
+def first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def wandb_host() -> str:
@@ -174,5 +222,8 @@ def run_tags(config: dict, experiment: str | None = None, sweep_dir: str | None 
 
 def build_tracker(cfg: LoggerConfig, config: dict, out_dir: Path, name: str, tags: list[str] = ()) -> NullTracker:
     if cfg.name == "wandb":
-        return WandbTracker(cfg, config, out_dir, name, tags)
+        try:
+            return WandbTracker(cfg, config, out_dir, name, tags)
+        except WandbUnavailable as err:
+            print(f"dofla: {err}; the run goes on without wandb (its results are in {out_dir})", flush=True)
     return NullTracker()
