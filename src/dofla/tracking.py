@@ -86,7 +86,7 @@ class WandbTracker(NullTracker):
                 raise
             print(falling_back(out_dir, f"{type(err).__name__}: {first_line(err)}", sync), flush=True)
             # the failed attempt's service still holds the run id: a fresh one starts offline (wandb
-            # before 0.31 may keep retrying the server instead of stopping: then no wandb at all)
+            # 0.19.10's service keeps retrying the server instead of stopping: then no wandb at all)
             if not returns_within(wandb.teardown, TEARDOWN_SECONDS):
                 raise WandbUnavailable(f"wandb's service did not stop within {TEARDOWN_SECONDS} s") from err
             self.run = wandb.init(mode="offline", **init)
