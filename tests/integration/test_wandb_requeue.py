@@ -34,6 +34,8 @@ def test_a_killed_and_requeued_run_is_one_wandb_run(tmp_path):
         assert {run.run_id for run in of_kind(binary_log(start), "run")} <= {run_id}
     (run,) = of_kind(binary_log(starts[-1]), "run")
     assert run.run_id == run_id
+    steps = {m.glob_name: m.step_metric for m in of_kind(binary_log(starts[-1]), "metric") if m.glob_name}
+    assert steps == {"train/*": "train/tokens"}  # the resumed layer's curve goes on at its own token count
     final = summary(binary_log(starts[-1]))
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert json.loads(final["eval/student_ppl"]) == metrics["eval/student_ppl"]
