@@ -72,7 +72,8 @@ def main_hydra(dcfg: DictConfig) -> None:
             config = OmegaConf.to_container(dcfg, resolve=True)
             sweep = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
             tracker = build_tracker(cfg.logger, config, out_dir, name=",".join(overrides) or "default",
-                                    tags=run_tags(config, hydra_cfg.runtime.choices.get("experiment"), sweep))
+                                    tags=run_tags(config, hydra_cfg.runtime.choices.get("experiment"), sweep),
+                                    overrides=overrides)
         try:
             run(cfg, out_dir, overrides, tracker)
         finally:

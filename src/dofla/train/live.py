@@ -52,7 +52,10 @@ class Live:
         return (tokens - self.start_tokens) / seconds if seconds > 0 else 0.0
 
     def log(self, step: int, tokens: int, values: dict) -> None:
-        """``values`` (names without the prefix) with the step, tokens, tokens/s and ETA in minutes."""
+        """``values`` (names without the prefix) with the step, tokens, tokens/s and ETA in minutes.
+
+        ``<prefix>/step`` and ``<prefix>/tokens`` always come together: a tracker takes that pair as a
+        live log and draws the stage's curves against its tokens (:class:`dofla.tracking.WandbTracker`)."""
         if self.on_log is None:
             return
         rate = self.rate(tokens)
