@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla.dof.allocator import allocate
+from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.knapsack import MIB, brute_force
 from dofla.dof.menu import default_menu, label, option_bytes
@@ -116,6 +117,26 @@ def test_the_plan_is_the_knapsacks_optimum_within_the_budget_and_recorded(alloca
     students = 1 + LAYERS * KV * (len(menu) - 1) + 1  # the baseline, each head's other options, the check
     assert record["cost"]["students"] == students
     assert record["cost"]["student_forwards"] == students * (2 + len(prompts)) and record["cost"]["seconds"] > 0
+    counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 10)
+    check = {"students": 1, "student_forwards": 2 + len(prompts), "teacher_forwards": 0,
+             "fit_steps": 10 * len(_trainable_groups(plan))}
+    assert {k: record["cost"][k] for k in counts} == {k: counts[k] + check[k] for k in counts}
+
+
+def _trainable_groups(plan) -> list:
+    """The parts with a linear state the check's student fits: per layer, one per distinct head structure."""
+    return [s for layer in plan.layers for s in {h.structure for h in layer if h.state != "none"}]
+
+
+def test_a_timed_sample_scales_to_every_head():
+    teacher, prompts = _teacher(), copy_prompts(TOKENS)
+    menu = default_menu(_cfg())
+    estimate = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(1, 1)])
+    assert estimate["sample"]["students"] == 1 + (len(menu) - 1)
+    assert estimate["estimate"] == {**measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 10),
+                                    "heads": LAYERS * KV, "seconds": pytest.approx(
+                                        estimate["sample"]["setup_seconds"] + LAYERS * KV * estimate["per_head_seconds"])}
+    assert 0 < estimate["per_student_forward_seconds"] and 0 < estimate["per_fit_step_seconds"]
 
 
 def test_the_interaction_check_is_the_chosen_plan_measured_again(allocated):

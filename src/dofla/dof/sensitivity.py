@@ -44,13 +44,14 @@ from dofla.train.layerwise import LayerTrainConfig, train_layer
 @dataclass
 class Cost:
     """What a measurement spent: forwards of the teacher and of the students (one batch or prompt each),
-    students built, layerwise fitting steps, and wall-clock seconds."""
+    students built, layerwise fitting steps, and wall-clock seconds (the fits' share apart)."""
 
     seconds: float = 0.0
     teacher_forwards: int = 0
     student_forwards: int = 0
     students: int = 0
     fit_steps: int = 0
+    fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,10 +100,12 @@ class Probe:
                                eval_every=self.cfg.fit_steps, warmup_steps=min(5, self.cfg.fit_steps),
                                window=part.window, sinks=part.sinks, seed=self.cfg.seed, heldout_fraction=0.25,
                                log_every=10 ** 9, checkpoint_every=10 ** 9)
+        start = time.perf_counter()
         with torch.enable_grad():
             train_layer(part.feature_map, q[:, heads], k[:, kv], cfg, v=v[:, kv], desc=f"fit layer {layer}",
                         layer=layer)
         self.cost.fit_steps += self.cfg.fit_steps
+        self.cost.fit_seconds += time.perf_counter() - start
 
     @torch.no_grad()
     def signals(self, plan: StudentPlan) -> dict:
@@ -135,11 +138,12 @@ def switched(layers: int, kv_heads: int, base, at: tuple[int, int], option) -> S
     return StudentPlan([tuple(layer) for layer in plan])
 
 
-def measure_menu(probe: Probe, menu: list, base: int) -> dict:
+def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None) -> dict:
     """Each option's signals at each KV head, one head switched from the baseline option ``menu[base]``.
 
     Returns {"base": signals of the all-baseline student, "signals": [[{"kl", "nll"} per option] per head]}
     with heads in order (layer, KV head); the baseline option's entry is the base student's, not remeasured.
+    ``heads`` (layer, KV head) pairs measures those alone (the others' entries are None): a sample to time.
     """
     g = probe.geometry
     longest = max((o.window + o.sinks for o in menu if not o.exact), default=0)
@@ -152,6 +156,9 @@ def measure_menu(probe: Probe, menu: list, base: int) -> dict:
     signals = []
     for i in range(g.num_layers):
         for j in range(g.num_kv_heads):
+            if heads is not None and (i, j) not in heads:
+                signals.append(None)
+                continue
             signals.append([reference if o == base else
                             probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], (i, j), option))
                             for o, option in enumerate(menu)])
