@@ -133,9 +133,9 @@ def test_a_timed_sample_scales_to_every_head():
     menu = default_menu(_cfg())
     estimate = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(1, 1)])
     assert estimate["sample"]["students"] == 1 + (len(menu) - 1)
-    assert estimate["estimate"] == {**measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2),
-                                    "heads": LAYERS * KV, "seconds": pytest.approx(
-                                        estimate["sample"]["setup_seconds"] + LAYERS * KV * estimate["per_head_seconds"])}
+    seconds = estimate["sample"]["setup_seconds"] + LAYERS * KV * estimate["per_head_seconds"]
+    counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
+    assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "seconds": pytest.approx(seconds)}
     assert 0 < estimate["per_student_forward_seconds"] and 0 < estimate["per_fit_step_seconds"]
 
 
