@@ -124,8 +124,24 @@ def test_the_plan_is_the_knapsacks_optimum_within_the_budget_and_recorded(alloca
 
 
 def _trainable_groups(plan) -> list:
-    """The parts with a linear state the check's student fits: per layer, one per distinct head structure."""
-    return [s for layer in plan.layers for s in {h.structure for h in layer if h.state != "none"}]
+    """The parts the check's student fits anew: per layer, each structure with a linear state that two or more
+    heads share (a single head's state was fitted when it was measured, and is loaded)."""
+    return [s for layer in plan.layers for s in {h.structure for h in layer if h.state != "none"}
+            if sum(h.structure == s for h in layer) > 1]
+
+
+def test_one_fit_per_state_serves_every_window_and_loads_as_a_fresh_fit():
+    window, pure = HeadPlan(window=4, sinks=2, state="delta", M=8), HeadPlan(state="delta", M=8)
+    shared = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5))
+    shared.signals(switched(LAYERS, KV, BASE, (1, 0), window))
+    loaded = shared.signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert shared.cost.fit_steps == 5
+    fresh = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5)).signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert loaded == pytest.approx(fresh, rel=1e-6)
+    own = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5, fit_target="own"))
+    own.signals(switched(LAYERS, KV, BASE, (1, 0), window))
+    own.signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert own.cost.fit_steps == 10
 
 
 def test_a_timed_sample_scales_to_every_head():
@@ -187,6 +203,7 @@ def test_calibration_shorter_than_a_window_is_one_sentence():
     ({"exact": False, "windows": []}, "needs an option without a linear state"),
     ({"kl_weight": 0.0, "retrieval_weight": 0.0}, "not both 0"),
     ({"states": [0]}, "positive feature dims M"),
+    ({"fit_target": "window"}, "must be 'full'"),
 ])
 def test_a_wrong_budget_is_one_sentence(kw, sentence):
     with pytest.raises(ValueError, match=sentence):

@@ -21,7 +21,8 @@ class MemoryBudgetConfig:
     """``mib`` or ``share`` (one of them) at ``context`` tokens; the menu (``exact``, ``windows`` with
     ``sinks``, each without a state and with a gated-delta state of each M in ``states``, and pure delta
     states when ``pure_states``); the value's weights on the two signals (nats of KL per token, nats of
-    retrieval NLL per answer); ``fit_steps`` of layerwise fitting per linear state measured."""
+    retrieval NLL per answer); ``fit_steps`` of layerwise fitting per linear state measured, each state fitted
+    once for every window (``fit_target="full"``) or per option (``"own"``): dofla.dof.sensitivity."""
 
     mib: float | None = None
     share: float | None = None
@@ -35,6 +36,7 @@ class MemoryBudgetConfig:
     kl_weight: float = 1.0
     retrieval_weight: float = 1.0
     fit_steps: int = 40
+    fit_target: str = "full"  # full: one fit per state, against the full attention, for every window; own
     fit_batch_size: int = 4
     feature_map: str = "learned_prf"
     batch_size: int = 2
@@ -69,6 +71,9 @@ def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     if cfg.kl_weight < 0 or cfg.retrieval_weight < 0 or cfg.kl_weight + cfg.retrieval_weight == 0:
         raise ValueError(f"kl_weight={cfg.kl_weight} and retrieval_weight={cfg.retrieval_weight} must be ≥ 0 and "
                          "not both 0")
+    if cfg.fit_target not in ("full", "own"):
+        raise ValueError(f"fit_target={cfg.fit_target!r} must be 'full' (one fit per state for every window) or "
+                         "'own' (each option fitted with its window)")
     if cfg.fit_steps < 0 or cfg.batch_size < 1 or cfg.fit_batch_size < 1:
         raise ValueError("fit_steps must be ≥ 0 and batch_size, fit_batch_size ≥ 1")
 

@@ -2,8 +2,9 @@
 
 :func:`measurement_counts` is the count :mod:`dofla.dof.sensitivity` spends on the menu of every KV head:
 one baseline student, then per head one student per other option, each run on every calibration batch
-and retrieval prompt; one layerwise fit per option with a linear state (the baseline has none, so a
-switched student fits its one head alone). :func:`timed_estimate` measures the whole menu on a few heads
+and retrieval prompt; one layerwise fit per state (``fit_target="full"``: a state of one M serves every
+window) or per option with a state (``"own"``); the baseline has none, so a switched student fits its one
+head alone. :func:`timed_estimate` measures the whole menu on a few heads
 of a real teacher and scales the seconds to all its heads: every head has the same menu, so a head costs
 about the same anywhere (the baseline student, measured once, is counted in the sample's heads: a slight
 overestimate). The interaction check adds one student (and one per repair and switched head).
@@ -16,10 +17,11 @@ from dofla.models.adapters.support import get_adapter
 
 
 def measurement_counts(layers: int, kv_heads: int, menu: list, base: int, batches: int, prompts: int,
-                       fit_steps: int) -> dict:
+                       fit_steps: int, fit_target: str = "full") -> dict:
     """The students, forwards and fitting steps of measuring ``menu`` at every head (no check)."""
     heads, others = layers * kv_heads, len(menu) - 1
-    fitted = sum(o.state != "none" for i, o in enumerate(menu) if i != base)
+    states = [o for i, o in enumerate(menu) if i != base and o.state != "none"]
+    fitted = len(states if fit_target == "own" else {(o.state, o.M, o.gate) for o in states})
     students = 1 + heads * others
     return {"students": students, "student_forwards": students * (batches + prompts),
             "teacher_forwards": batches + int(fit_steps > 0), "fit_steps": heads * fitted * fit_steps}
@@ -38,7 +40,7 @@ def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list
     per_head = (probe.cost.seconds - setup) / len(sample)
     heads = g.num_layers * g.num_kv_heads
     counts = measurement_counts(g.num_layers, g.num_kv_heads, menu, base, len(probe.batches), len(prompts),
-                                cfg.fit_steps)
+                                cfg.fit_steps, cfg.fit_target)
     return {"sample": {**probe.cost.to_dict(), "heads": len(sample), "setup_seconds": setup},
             "per_head_seconds": per_head,
             "per_student_forward_seconds": (probe.cost.seconds - setup - probe.cost.fit_seconds)

@@ -11,9 +11,11 @@ no fitting (a window with sinks, no state); option o at head h is measured as th
 alone switched to o, and its value is the drop in each signal from the baseline student. That is one
 student and (batches + prompts) forwards per head and non-baseline option, and the baseline once. A
 linear state is measured after brief layerwise fitting of its features on the teacher's own activations
-of the same calibration sequences (``fit_steps``; the layerwise stage's output loss, with the head's
-window and sinks): an unfitted state measures its random start, not what training reaches, so it would
-be undervalued against windows and exact heads that need no training. DoF does not size the states here:
+of the same calibration sequences (``fit_steps``; the layerwise stage's output loss): an unfitted state
+measures its random start, not what training reaches, so it would be undervalued against windows and exact
+heads that need no training. By default (``fit_target="full"``) a head's state of one M is fitted once,
+against the teacher's full attention (no window, no sinks), and serves every window it is paired with: a
+quarter of the default menu's fits; ``"own"`` fits each option with its own window and sinks. DoF does not size the states here:
 the trained quality per M is what the knapsack must trade against bytes, and the fit measures it directly
 (the ``dof_head`` allocation remains the training-free alternative). Heads measured one at a time need not
 add up; :mod:`dofla.dof.allocator` re-measures the chosen plan and reports the gap.
@@ -73,6 +75,7 @@ class Probe:
         self.geometry = get_adapter(teacher).geometry(teacher.config)
         self.device = next(teacher.parameters()).device
         self.cost = Cost()
+        self._fits: dict[tuple, dict] = {}  # fitted features by (layer, KV heads, state, M, gate[, window])
         start = time.perf_counter()
         with torch.no_grad():
             self.batches = [b.to(self.device) for b in tokens.split(cfg.batch_size)]
@@ -91,19 +94,28 @@ class Probe:
         if self.cfg.fit_steps:
             for i, layer in enumerate(model.student_attentions()):
                 for part, heads, kv in _trainable_parts(layer):
-                    self._fit(part, i, heads, kv)
+                    self._fit(part, i, heads, kv, plan.layers[i][kv[0]])
         return model.eval()
 
-    def _fit(self, part, layer: int, heads: list[int], kv: list[int]) -> None:
+    def _fit(self, part, layer: int, heads: list[int], kv: list[int], head) -> None:
+        """Fit ``part`` (KV heads ``kv`` of ``layer``, of plan ``head``), or load the same fit made before
+        (module docstring: ``fit_target``)."""
+        full = self.cfg.fit_target == "full"
+        key = (layer, tuple(kv), head.state, head.M, head.gate, None if full else (part.window, part.sinks))
+        if key in self._fits:
+            part.feature_map.load_state_dict(self._fits[key])
+            return
         q, k, v = self.captured[layer]
         cfg = LayerTrainConfig(steps=self.cfg.fit_steps, batch_size=self.cfg.fit_batch_size, loss="output",
                                eval_every=self.cfg.fit_steps, warmup_steps=min(5, self.cfg.fit_steps),
-                               window=part.window, sinks=part.sinks, seed=self.cfg.seed, heldout_fraction=0.25,
-                               log_every=10 ** 9, checkpoint_every=10 ** 9)
+                               window=0 if full else part.window, sinks=0 if full else part.sinks,
+                               seed=self.cfg.seed, heldout_fraction=0.25, log_every=10 ** 9,
+                               checkpoint_every=10 ** 9)
         start = time.perf_counter()
         with torch.enable_grad():
             train_layer(part.feature_map, q[:, heads], k[:, kv], cfg, v=v[:, kv], desc=f"fit layer {layer}",
                         layer=layer)
+        self._fits[key] = {n: t.detach().clone() for n, t in part.feature_map.state_dict().items()}
         self.cost.fit_steps += self.cfg.fit_steps
         self.cost.fit_seconds += time.perf_counter() - start
 
