@@ -185,6 +185,16 @@ def test_a_budget_above_everything_keeps_every_head_exact_on_kl_and_repairs_keep
     assert record["interaction"]["measured_value"] == max(c["measured_value"] for c in record["checks"])
 
 
+def test_a_repair_that_returns_a_plan_measured_already_stops():
+    """A budget that fits one plan alone (every head at the smallest state): the repair re-solves to it."""
+    teacher = _teacher()
+    smallest = HeadPlan(state="delta", M=4)
+    budget = LAYERS * KV * option_bytes(smallest, _geometry(teacher), 64)
+    plan, record = allocate(teacher, _cfg(share=None, mib=budget / MIB), TOKENS, [], repair_rounds=3)
+    assert all(h == smallest for layer in plan.layers for h in layer) and record["slack_bytes"] == 0
+    assert len(record["checks"]) == 1 and record["cost"]["students"] == 1 + LAYERS * KV * 5 + 1 + LAYERS * KV
+
+
 def test_a_budget_below_the_cheapest_plan_is_refused_before_any_measurement():
     with pytest.raises(ValueError, match=r"below the cheapest plan's .* MiB"):
         allocate(_teacher(), _cfg(share=None, mib=1e-4), TOKENS[:, :3], [])  # too short to measure: never reached

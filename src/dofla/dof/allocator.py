@@ -8,8 +8,8 @@ interaction check. Its measured value (the weighted drop of both signals from th
 the sum of the single-head values says how far the heads' gains add up. With ``repair_rounds`` > 0, a
 greedy repair follows: each round measures every switched head of the best plan so far in context (that
 plan with the head put back at the baseline), takes the head whose in-context value falls furthest below
-its single-head value, puts that in-context value in its place, solves again and measures the new plan;
-the best plan measured is kept.
+its single-head value, puts that in-context value in its place, solves again and measures the new plan
+(it stops when the solver returns a plan measured already); the best plan measured is kept.
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
         if values is None:
             break
         choice = solve(values, sizes, budget)
+        if any(h["options"] == list(choice.options) for h in history):
+            break  # measured already: the repair has nothing new to try
         history.append(_check(probe, menu, choice, measured["base"], cfg))
     best = max(history, key=lambda h: h["measured_value"])
     plan = _plan(menu, best["options"], geometry)
