@@ -21,6 +21,7 @@ from dofla.dof.softmax_layers import passkey_prompts
 from dofla.eval.longctx import answer_nll
 from dofla.models import convert, get_adapter
 from dofla.models.plan import ALL, HeadPlan, StudentPlan
+from dofla.models.tiny import build_tiny_model
 from dofla.train.distill import kl_to_teacher
 
 D, LAYERS, KV = 16, 2, 2
@@ -198,6 +199,11 @@ def test_a_repair_that_returns_a_plan_measured_already_stops():
 def test_a_budget_below_the_cheapest_plan_is_refused_before_any_measurement():
     with pytest.raises(ValueError, match=r"below the cheapest plan's .* MiB"):
         allocate(_teacher(), _cfg(share=None, mib=1e-4), TOKENS[:, :3], [])  # too short to measure: never reached
+
+
+def test_a_teacher_with_sliding_window_layers_is_one_sentence():
+    with pytest.raises(ValueError, match=r"the teacher's layers \[1\] attend over a sliding window of their own"):
+        allocate(build_tiny_model("qwen2"), _cfg(), TOKENS, [])
 
 
 def test_calibration_shorter_than_a_window_is_one_sentence():

@@ -26,6 +26,10 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
     """The plan that spends ``cfg``'s budget best on calibration ``tokens`` (S, L) and retrieval ``prompts``
     (training split), and its JSON-able record."""
     geometry = get_adapter(teacher).geometry(teacher.config)
+    local = [i for i, w in enumerate(geometry.layer_windows) if w is not None]
+    if local:  # their heads are already a window in the teacher: a menu would offer what they cannot be
+        raise ValueError(f"the teacher's layers {local} attend over a sliding window of their own; the budget "
+                         "allocator plans teachers whose every layer attends globally, choose such a teacher")
     menu = default_menu(cfg) if menu is None else list(menu)
     check_menu(menu, geometry)
     budget = budget_bytes(cfg, geometry)
