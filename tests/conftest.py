@@ -101,6 +101,7 @@ SLOW = {
     "tests/component/test_gpucheck.py": ("test_on_the_cpu_every_cell_and_precision_is_checked_at_tiny_shapes",
                                          "test_the_sweeps_add_up_every_cell_and_the_teachers_grid",
                                          "test_the_gpu_tests_run_and_are_skipped_here"),
+    "tests/component/test_budget_allocator.py": ("test_a_linear_state_is_measured_after_fitting_its_features",),
     "tests/unit/test_record_fingerprint.py": ("test_a_tree_with_uncommitted_changes_is_marked_with_the_changed_paths",),
     "tests/unit/test_loop.py": ("test_a_run_killed_by_sigkill_resumes_to_the_same_bits",),
     "tests/unit/test_over_runs.py": ("test_the_command_reads_negative_differences_and_refuses_a_percent_level",

@@ -1,0 +1,126 @@
+"""One memory budget spent head by head: measure every menu option at every KV head, solve the knapsack,
+check the chosen plan on the model, and record all of it (``allocation.json``).
+
+:func:`allocate` refuses a budget below the cheapest plan before any model runs, measures
+(:func:`dofla.dof.sensitivity.measure_menu`), solves exactly (:func:`dofla.dof.knapsack.solve`, each head's
+bytes from :func:`dofla.dof.menu.option_bytes`), then re-measures the chosen plan as one student: the
+interaction check. Its measured value (the weighted drop of both signals from the baseline student) beside
+the sum of the single-head values says how far the heads' gains add up. With ``repair_rounds`` > 0, a
+greedy repair follows: each round measures every switched head of the best plan so far in context (that
+plan with the head put back at the baseline), takes the head whose in-context value falls furthest below
+its single-head value, puts that in-context value in its place, solves again and measures the new plan
+(it stops when the solver returns a plan measured already); the best plan measured is kept.
+"""
+from __future__ import annotations
+
+from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
+from dofla.dof.knapsack import MIB, Choice, check_instance, solve
+from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
+from dofla.dof.sensitivity import Probe, head_values, measure_menu
+from dofla.models.adapters.support import get_adapter
+from dofla.models.plan import StudentPlan
+
+
+def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list | None = None,
+             repair_rounds: int = 0) -> tuple[StudentPlan, dict]:
+    """The plan that spends ``cfg``'s budget best on calibration ``tokens`` (S, L) and retrieval ``prompts``
+    (training split), and its JSON-able record."""
+    geometry = get_adapter(teacher).geometry(teacher.config)
+    local = [i for i, w in enumerate(geometry.layer_windows) if w is not None]
+    if local:  # their heads are already a window in the teacher: a menu would offer what they cannot be
+        raise ValueError(f"the teacher's layers {local} attend over a sliding window of their own; the budget "
+                         "allocator plans teachers whose every layer attends globally, choose such a teacher")
+    menu = default_menu(cfg) if menu is None else list(menu)
+    check_menu(menu, geometry)
+    budget = budget_bytes(cfg, geometry)
+    heads = geometry.num_layers * geometry.num_kv_heads
+    sizes = [[option_bytes(o, geometry, cfg.context, cfg.kv_bytes) for o in menu]] * heads
+    check_instance([[0.0] * len(menu)] * heads, sizes, budget)  # before any model runs
+    probe = Probe(teacher, tokens, prompts, cfg)
+    base = baseline_index(menu, geometry, cfg.context, cfg.kv_bytes)
+    measured = measure_menu(probe, menu, base)
+    values = head_values(measured, cfg.kl_weight, cfg.retrieval_weight)
+    choice = solve(values, sizes, budget)
+    checked = _check(probe, menu, choice, measured["base"], cfg)
+    history = [checked]
+    for _ in range(repair_rounds):
+        values = _repaired(probe, menu, base, values, history, measured["base"], cfg)
+        if values is None:
+            break
+        choice = solve(values, sizes, budget)
+        if any(h["options"] == list(choice.options) for h in history):
+            break  # measured already: the repair has nothing new to try
+        history.append(_check(probe, menu, choice, measured["base"], cfg))
+    best = max(history, key=lambda h: h["measured_value"])
+    plan = _plan(menu, best["options"], geometry)
+    return plan, _record(cfg, geometry, menu, base, budget, measured, best, history, plan, probe)
+
+
+def _plan(menu: list, options, geometry) -> StudentPlan:
+    per_layer = geometry.num_kv_heads
+    return StudentPlan([tuple(menu[o] for o in options[i * per_layer:(i + 1) * per_layer])
+                        for i in range(geometry.num_layers)])
+
+
+def _value(signals: dict, base: dict, cfg) -> float:
+    return cfg.kl_weight * (base["kl"] - signals["kl"]) + cfg.retrieval_weight * (base["nll"] - signals["nll"])
+
+
+def _check(probe: Probe, menu: list, choice: Choice, base: dict, cfg) -> dict:
+    """The chosen plan measured as one student beside the sum of its heads' single-head values."""
+    signals = probe.signals(_plan(menu, choice.options, probe.geometry))
+    measured = _value(signals, base, cfg)
+    return {"options": list(choice.options), "status": choice.status, "summed_bytes": choice.bytes,
+            "predicted_value": choice.value, "measured_value": measured, "gap": measured - choice.value,
+            "kl": signals["kl"], "nll": signals["nll"]}
+
+
+def _repaired(probe, menu, base: int, values: list, history: list, reference: dict, cfg) -> list | None:
+    """The values with the worst-adding head's single-head value replaced by its value in context; None when
+    the best plan switches no head or every head adds up."""
+    best = max(history, key=lambda h: h["measured_value"])
+    switched = [h for h, o in enumerate(best["options"]) if o != base]
+    if not switched:
+        return None
+    shortfall = {}
+    for h in switched:
+        without = list(best["options"])
+        without[h] = base
+        signals = probe.signals(_plan(menu, without, probe.geometry))
+        in_context = best["measured_value"] - _value(signals, reference, cfg)
+        shortfall[h] = (values[h][best["options"][h]] - in_context, in_context)
+    worst = max(shortfall, key=lambda h: (shortfall[h][0], -h))
+    if shortfall[worst][0] <= 0:
+        return None
+    values = [list(v) for v in values]
+    values[worst][best["options"][worst]] = shortfall[worst][1]
+    return values
+
+
+def _record(cfg, geometry, menu, base, budget, measured, best, history, plan, probe) -> dict:
+    """allocation.json: the budget, every head's option with its measured gains and bytes, the slack, the
+    solver's status, the interaction check (and repairs), and the measurement's cost."""
+    weights = {"kl": cfg.kl_weight, "retrieval": cfg.retrieval_weight}
+    heads = []
+    for h, o in enumerate(best["options"]):
+        layer, kv = divmod(h, geometry.num_kv_heads)
+        signals = measured["signals"][h][o]
+        heads.append({"layer": layer, "kv_head": kv, "option": label(menu[o]), "plan": menu[o].to_dict(),
+                      "bytes": option_bytes(menu[o], geometry, cfg.context, cfg.kv_bytes),
+                      "kl_gain": measured["base"]["kl"] - signals["kl"],
+                      "nll_gain": measured["base"]["nll"] - signals["nll"],
+                      "value": _value(signals, measured["base"], cfg)})
+    used = plan_bytes(plan, geometry, cfg.context, cfg.kv_bytes)
+    return {
+        "budget": {"bytes": budget, "mib": budget / MIB, "context": cfg.context, "kv_bytes": cfg.kv_bytes,
+                   "given": {"mib": cfg.mib, "share": cfg.share},
+                   "teacher_kv_bytes": teacher_kv_bytes(geometry, cfg.context, cfg.kv_bytes)},
+        "plan_bytes": used, "summed_bytes": best["summed_bytes"], "slack_bytes": budget - used,
+        "solver": {"name": "scipy.optimize.milp (HiGHS)", "status": best["status"]},
+        "weights": weights, "baseline": label(menu[base]), "menu": [label(o) for o in menu],
+        "base_signals": measured["base"], "heads": heads,
+        "values": head_values(measured, cfg.kl_weight, cfg.retrieval_weight),
+        "interaction": {k: best[k] for k in ("predicted_value", "measured_value", "gap", "kl", "nll")},
+        "checks": [{k: h[k] for k in ("options", "predicted_value", "measured_value", "gap")} for h in history],
+        "cost": probe.cost.to_dict(), "plan": plan.to_list(),
+    }

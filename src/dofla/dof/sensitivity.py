@@ -1,0 +1,184 @@
+"""Each menu option's measured value at each KV head: what switching that one head to it buys.
+
+The two signals are what a user loses when heads stop being exact: the model's KL(teacher ‖ student) per
+predicted token on calibration sequences (from the training split: the caller hands them in, never the
+held-out text), and a retrieval signal, the nats the student spends on the answers of passkey prompts
+(:func:`dofla.dof.softmax_layers.passkey_prompts`, the eval probe's format with other keys and depths)
+or, without a tokenizer, on a span copied from far back (:func:`copy_prompts`).
+
+Design, for an affordable measurement: every head starts at the baseline, the cheapest option that needs
+no fitting (a window with sinks, no state); option o at head h is measured as the student with that head
+alone switched to o, and its value is the drop in each signal from the baseline student. That is one
+student and (batches + prompts) forwards per head and non-baseline option, and the baseline once. A
+linear state is measured after brief layerwise fitting of its features on the teacher's own activations
+of the same calibration sequences (``fit_steps``; the layerwise stage's output loss): an unfitted state
+measures its random start, not what training reaches, so it would be undervalued against windows and exact
+heads that need no training. By default (``fit_target="full"``) a head's state of one M is fitted once,
+against the teacher's full attention (no window, no sinks), and serves every window it is paired with: a
+quarter of the default menu's fits; ``"own"`` fits each option with its own window and sinks. DoF does not size the states here:
+the trained quality per M is what the knapsack must trade against bytes, and the fit measures it directly
+(the ``dof_head`` allocation remains the training-free alternative). Heads measured one at a time need not
+add up; :mod:`dofla.dof.allocator` re-measures the chosen plan and reports the gap.
+
+The teacher's logits are computed once per calibration batch and kept for every student; the students
+share the teacher's weights (only their attention modules are new), so measuring costs no model copies.
+:class:`Cost` counts the forwards, the students, the fitting steps and the seconds.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dofla.dof.softmax_layers import copy_probe
+from dofla.eval.longctx import answer_nll
+from dofla.models.adapters.support import get_adapter
+from dofla.models.capture import capture_qkv
+from dofla.models.mixed_attention import MixedAttention
+from dofla.models.plan import StudentPlan
+from dofla.models.student import convert
+from dofla.train.distill import kl_to_teacher
+from dofla.train.layerwise import LayerTrainConfig, train_layer
+
+
+@dataclass
+class Cost:
+    """What a measurement spent: forwards of the teacher and of the students (one batch or prompt each),
+    students built, layerwise fitting steps, and wall-clock seconds (the fits' share apart)."""
+
+    seconds: float = 0.0
+    teacher_forwards: int = 0
+    student_forwards: int = 0
+    students: int = 0
+    fit_steps: int = 0
+    fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def copy_prompts(tokens: torch.Tensor, start: int = 8, span: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(prompt (1, P), answer (1, A)) per row of ``tokens``: the row with its span [start, start + span)
+    repeated at the end, the repeat as the answer (:func:`dofla.dof.softmax_layers.copy_probe`)."""
+    probe, span = copy_probe(tokens, start, span)
+    return [(row[None, :-span], row[None, -span:]) for row in probe]
+
+
+class Probe:
+    """A teacher, calibration ``tokens`` (S, L) and retrieval ``prompts``: builds, fits and measures students
+    of any plan, and counts what that costs (``cost``)."""
+
+    def __init__(self, teacher, tokens: torch.Tensor, prompts: list, cfg):
+        self.teacher, self.prompts, self.cfg = teacher.eval(), prompts, cfg
+        self.geometry = get_adapter(teacher).geometry(teacher.config)
+        self.device = next(teacher.parameters()).device
+        self.cost = Cost()
+        self._fits: dict[tuple, dict] = {}  # fitted features by (layer, KV heads, state, M, gate[, window])
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.batches = [b.to(self.device) for b in tokens.split(cfg.batch_size)]
+            self.targets = [teacher(input_ids=b, use_cache=False).logits for b in self.batches]
+            self.cost.teacher_forwards += len(self.batches)
+            self.captured = capture_qkv(teacher, tokens.to(self.device)) if cfg.fit_steps else None
+            self.cost.teacher_forwards += int(cfg.fit_steps > 0)
+        self.cost.seconds += time.perf_counter() - start
+
+    def student(self, plan: StudentPlan):
+        """The student of ``plan`` on the teacher's weights (shared, not copied), its linear states fitted."""
+        shared = {id(p): p for p in self.teacher.parameters()}  # deepcopy keeps these: no weight copies
+        model = convert(copy.deepcopy(self.teacher, memo=shared), feature_map=self.cfg.feature_map,
+                        seed=self.cfg.seed, plan=plan)
+        self.cost.students += 1
+        if self.cfg.fit_steps:
+            for i, layer in enumerate(model.student_attentions()):
+                for part, heads, kv in _trainable_parts(layer):
+                    self._fit(part, i, heads, kv, plan.layers[i][kv[0]])
+        return model.eval()
+
+    def _fit(self, part, layer: int, heads: list[int], kv: list[int], head) -> None:
+        """Fit ``part`` (KV heads ``kv`` of ``layer``, of plan ``head``), or load the same fit made before
+        (module docstring: ``fit_target``)."""
+        full = self.cfg.fit_target == "full"
+        key = (layer, tuple(kv), head.state, head.M, head.gate, None if full else (part.window, part.sinks))
+        if key in self._fits:
+            part.feature_map.load_state_dict(self._fits[key])
+            return
+        q, k, v = self.captured[layer]
+        cfg = LayerTrainConfig(steps=self.cfg.fit_steps, batch_size=self.cfg.fit_batch_size, loss="output",
+                               eval_every=self.cfg.fit_steps, warmup_steps=min(5, self.cfg.fit_steps),
+                               window=0 if full else part.window, sinks=0 if full else part.sinks,
+                               seed=self.cfg.seed, heldout_fraction=0.25, log_every=10 ** 9,
+                               checkpoint_every=10 ** 9)
+        start = time.perf_counter()
+        with torch.enable_grad():
+            train_layer(part.feature_map, q[:, heads], k[:, kv], cfg, v=v[:, kv], desc=f"fit layer {layer}",
+                        layer=layer)
+        self._fits[key] = {n: t.detach().clone() for n, t in part.feature_map.state_dict().items()}
+        self.cost.fit_steps += self.cfg.fit_steps
+        self.cost.fit_seconds += time.perf_counter() - start
+
+    @torch.no_grad()
+    def signals(self, plan: StudentPlan) -> dict:
+        """{"kl": KL per predicted token on the calibration batches, "nll": mean answer nats per prompt}."""
+        start = time.perf_counter()
+        model = self.student(plan)
+        kl, count = 0.0, 0
+        for batch, target in zip(self.batches, self.targets):
+            kl += kl_to_teacher(model(input_ids=batch, use_cache=False).logits, target).item() * batch.numel()
+            count += batch.numel()
+        nll = sum(answer_nll(model, p.to(self.device), a.to(self.device)) for p, a in self.prompts)
+        self.cost.student_forwards += len(self.batches) + len(self.prompts)
+        self.cost.seconds += time.perf_counter() - start
+        return {"kl": kl / count, "nll": nll / max(len(self.prompts), 1)}
+
+
+def _trainable_parts(layer) -> list:
+    """(part, query heads, KV heads) of each part of a layer with features to fit."""
+    if isinstance(layer, MixedAttention):
+        return layer.trainable_parts()
+    if layer.feature_map is None:
+        return []
+    return [(layer, list(range(layer.num_heads)), list(range(layer.num_kv_heads)))]
+
+
+def switched(layers: int, kv_heads: int, base, at: tuple[int, int], option) -> StudentPlan:
+    """Every head at ``base`` but head ``at`` = (layer, KV head) at ``option``."""
+    plan = [[base] * kv_heads for _ in range(layers)]
+    plan[at[0]][at[1]] = option
+    return StudentPlan([tuple(layer) for layer in plan])
+
+
+def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None) -> dict:
+    """Each option's signals at each KV head, one head switched from the baseline option ``menu[base]``.
+
+    Returns {"base": signals of the all-baseline student, "signals": [[{"kl", "nll"} per option] per head]}
+    with heads in order (layer, KV head); the baseline option's entry is the base student's, not remeasured.
+    ``heads`` (layer, KV head) pairs measures those alone (the others' entries are None): a sample to time.
+    """
+    g = probe.geometry
+    longest = max((o.window + o.sinks for o in menu if not o.exact), default=0)
+    length = probe.batches[0].shape[1]
+    if length <= longest:
+        raise ValueError(f"calibration sequences of {length} tokens cannot tell a window of {longest} tokens "
+                         "(with sinks) from exact; give longer sequences or drop that window from the menu")
+    layers = switched(g.num_layers, g.num_kv_heads, menu[base], (0, 0), menu[base])
+    reference = probe.signals(layers)
+    signals = []
+    for i in range(g.num_layers):
+        for j in range(g.num_kv_heads):
+            if heads is not None and (i, j) not in heads:
+                signals.append(None)
+                continue
+            signals.append([reference if o == base else
+                            probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], (i, j), option))
+                            for o, option in enumerate(menu)])
+    return {"base": reference, "signals": signals}
+
+
+def head_values(measured: dict, kl_weight: float, retrieval_weight: float) -> list[list[float]]:
+    """Each option's value at each head: the weighted drop of both signals from the baseline student."""
+    base = measured["base"]
+    return [[kl_weight * (base["kl"] - s["kl"]) + retrieval_weight * (base["nll"] - s["nll"]) for s in head]
+            for head in measured["signals"]]

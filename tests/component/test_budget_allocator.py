@@ -1,0 +1,226 @@
+"""The memory-budget allocator on a tiny Llama (two layers of two KV heads, four query heads each): the budget
+and the menu's bytes, each head's measured signals against a plain reference, the fitted linear states, the
+solved plan within the budget with its record, the interaction check and the repair, and the user errors."""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dofla.dof.allocator import allocate
+from dofla.dof.budget_cost import measurement_counts, timed_estimate
+from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
+from dofla.dof.knapsack import MIB, brute_force
+from dofla.dof.menu import default_menu, label, option_bytes
+from dofla.dof.sensitivity import Probe, copy_prompts, switched
+from dofla.dof.softmax_layers import passkey_prompts
+from dofla.eval.longctx import answer_nll
+from dofla.models import convert, get_adapter
+from dofla.models.plan import ALL, HeadPlan, StudentPlan
+from dofla.models.tiny import build_tiny_model
+from dofla.train.distill import kl_to_teacher
+
+D, LAYERS, KV = 16, 2, 2
+BASE = HeadPlan(window=4, sinks=2)
+
+
+def _teacher() -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=257, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
+                         num_key_value_heads=KV, head_dim=D, intermediate_size=64, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=256)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _geometry(teacher):
+    return get_adapter(teacher).geometry(teacher.config)
+
+
+def _cfg(**kw) -> MemoryBudgetConfig:
+    return MemoryBudgetConfig(**{"share": 0.5, "context": 64, "windows": [4], "sinks": 2, "states": [4, 8],
+                                 "fit_steps": 2, **kw})
+
+
+TOKENS = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def allocated(byte_tokenizer):
+    prompts = passkey_prompts(byte_tokenizer, 120, 2, seed=0)
+    plan, record = allocate(_teacher(), _cfg(), TOKENS, prompts)
+    return plan, record, prompts
+
+
+def test_the_default_menu_is_exact_windows_with_and_without_delta_states_and_pure_states():
+    labels = [label(o) for o in default_menu(MemoryBudgetConfig(mib=32))]
+    assert len(labels) == 1 + 3 * 5 + 4 and labels[:3] == ["exact", "w64+s4", "w64+s4+delta32"]
+    assert labels[-1] == "delta256" and "w1024+s4+delta256" in labels
+
+
+def test_the_budget_is_bytes_at_its_context_and_the_heads_bytes_bound_the_plans():
+    teacher = _teacher()
+    g = _geometry(teacher)
+    kv = 2 * LAYERS * KV * 64 * D * 4  # a key and a value per KV head, layer and token, in float32
+    assert teacher_kv_bytes(g, 64) == kv and budget_bytes(_cfg(share=0.25), g) == kv // 4
+    assert budget_bytes(_cfg(share=None, mib=1.5), g) == int(1.5 * MIB)
+    menu = default_menu(_cfg())
+    for options in itertools.product(range(len(menu)), repeat=2):  # every pair of options in one layer
+        plan = StudentPlan([tuple(menu[o] for o in options), (BASE, BASE)])
+        summed = sum(option_bytes(h, g, 64) for layer in plan.layers for h in layer)
+        assert plan_bytes(plan, g, 64) <= summed
+        if len({menu[o] for o in options}) == 2:  # different structures: nothing shared, the sum exactly
+            assert plan_bytes(StudentPlan([plan.layers[0], (BASE, menu[0])]), g, 64) == \
+                sum(option_bytes(h, g, 64) for h in (*plan.layers[0], BASE, menu[0]))
+
+
+def test_a_heads_signals_are_the_plain_students():
+    """The probe (the teacher's weights shared, its logits kept) against a fresh copy converted and run plainly."""
+    teacher, prompts = _teacher(), copy_prompts(TOKENS)
+    probe = Probe(teacher, TOKENS, prompts, _cfg(fit_steps=0))
+    plan = switched(LAYERS, KV, BASE, (1, 0), HeadPlan(window=4, sinks=2, state="delta", M=8))
+    fast = probe.signals(plan)
+    student = convert(copy.deepcopy(teacher), feature_map="learned_prf", seed=0, plan=plan).eval()
+    with torch.no_grad():
+        kl = sum(kl_to_teacher(student(b).logits, teacher(b).logits).item() for b in TOKENS.split(2)) / 2
+        nll = sum(answer_nll(student, p, a) for p, a in prompts) / len(prompts)
+    assert fast["kl"] == pytest.approx(kl, rel=1e-5) and fast["nll"] == pytest.approx(nll, rel=1e-5)
+    exact = StudentPlan([(HeadPlan(window=ALL),) * KV] * LAYERS)
+    assert probe.signals(exact)["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert probe.cost.students == 2 and probe.cost.student_forwards == 2 * (2 + len(prompts))
+
+
+def test_a_linear_state_is_measured_after_fitting_its_features():
+    delta = HeadPlan(state="delta", M=8)
+    every = switched(LAYERS, KV, delta, (0, 0), delta)
+    unfitted = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=0)).signals(every)["kl"]
+    probe = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=20))
+    assert probe.signals(every)["kl"] < 0.5 * unfitted
+    assert probe.cost.fit_steps == 20 * LAYERS  # one part per layer: its KV heads share a structure
+
+
+def test_the_plan_is_the_knapsacks_optimum_within_the_budget_and_recorded(allocated):
+    plan, record, prompts = allocated
+    teacher = _teacher()
+    g, menu = _geometry(teacher), default_menu(_cfg())
+    budget = budget_bytes(_cfg(), g)
+    assert record["budget"]["bytes"] == budget and 0 <= record["slack_bytes"] == budget - plan_bytes(plan, g, 64)
+    assert record["plan_bytes"] <= record["summed_bytes"] <= budget
+    sizes = [[option_bytes(o, g, 64) for o in menu]] * (LAYERS * KV)
+    reference = brute_force(record["values"], sizes, budget)
+    assert record["interaction"]["predicted_value"] == pytest.approx(reference.value, abs=1e-9)
+    assert [h["option"] for h in record["heads"]] == [label(h) for layer in plan.layers for h in layer]
+    assert record["solver"]["status"] == "optimal" and json.loads(json.dumps(record)) == record
+    students = 1 + LAYERS * KV * (len(menu) - 1) + 1  # the baseline, each head's other options, the check
+    assert record["cost"]["students"] == students
+    assert record["cost"]["student_forwards"] == students * (2 + len(prompts)) and record["cost"]["seconds"] > 0
+    counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
+    check = {"students": 1, "student_forwards": 2 + len(prompts), "teacher_forwards": 0,
+             "fit_steps": 2 * len(_trainable_groups(plan))}
+    assert {k: record["cost"][k] for k in counts} == {k: counts[k] + check[k] for k in counts}
+
+
+def _trainable_groups(plan) -> list:
+    """The parts the check's student fits anew: per layer, each structure with a linear state that two or more
+    heads share (a single head's state was fitted when it was measured, and is loaded)."""
+    return [s for layer in plan.layers for s in {h.structure for h in layer if h.state != "none"}
+            if sum(h.structure == s for h in layer) > 1]
+
+
+def test_one_fit_per_state_serves_every_window_and_loads_as_a_fresh_fit():
+    window, pure = HeadPlan(window=4, sinks=2, state="delta", M=8), HeadPlan(state="delta", M=8)
+    shared = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5))
+    shared.signals(switched(LAYERS, KV, BASE, (1, 0), window))
+    loaded = shared.signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert shared.cost.fit_steps == 5
+    fresh = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5)).signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert loaded == pytest.approx(fresh, rel=1e-6)
+    own = Probe(_teacher(), TOKENS, [], _cfg(fit_steps=5, fit_target="own"))
+    own.signals(switched(LAYERS, KV, BASE, (1, 0), window))
+    own.signals(switched(LAYERS, KV, BASE, (1, 0), pure))
+    assert own.cost.fit_steps == 10
+
+
+def test_a_timed_sample_scales_to_every_head():
+    teacher, prompts = _teacher(), copy_prompts(TOKENS)
+    menu = default_menu(_cfg())
+    estimate = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(1, 1)])
+    assert estimate["sample"]["students"] == 1 + (len(menu) - 1)
+    seconds = estimate["sample"]["setup_seconds"] + LAYERS * KV * estimate["per_head_seconds"]
+    counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
+    assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "seconds": pytest.approx(seconds)}
+    assert 0 < estimate["per_student_forward_seconds"] and 0 < estimate["per_fit_step_seconds"]
+
+
+def test_the_interaction_check_is_the_chosen_plan_measured_again(allocated):
+    plan, record, prompts = allocated
+    probe = Probe(_teacher(), TOKENS, prompts, _cfg())
+    base, chosen = probe.signals(switched(LAYERS, KV, BASE, (0, 0), BASE)), probe.signals(plan)
+    measured = (base["kl"] - chosen["kl"]) + (base["nll"] - chosen["nll"])
+    assert record["interaction"]["measured_value"] == pytest.approx(measured, rel=1e-6, abs=1e-9)
+    assert record["interaction"]["gap"] == pytest.approx(measured - record["interaction"]["predicted_value"])
+
+
+def test_one_switched_head_adds_up_exactly():
+    """A budget that lets one head leave the baseline: the plan is a single-head measurement, no gap."""
+    teacher = _teacher()
+    g = _geometry(teacher)
+    cheapest = HeadPlan(window=4, sinks=2, state="delta", M=4)  # the cheapest option above the baseline
+    one = 3 * option_bytes(BASE, g, 64) + option_bytes(cheapest, g, 64)
+    cfg = _cfg(share=None, mib=one / MIB, pure_states=False, retrieval_weight=0.0)
+    plan, record = allocate(teacher, cfg, TOKENS, [])
+    assert [label(o) for o in default_menu(cfg)] == ["exact", "w4+s2", "w4+s2+delta4", "w4+s2+delta8"]
+    assert sum(h["option"] != label(BASE) for h in record["heads"]) == 1
+    assert record["interaction"]["gap"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_budget_above_everything_keeps_every_head_exact_on_kl_and_repairs_keep_the_best():
+    plan, record = allocate(_teacher(), _cfg(share=2.0, retrieval_weight=0.0), TOKENS, [], repair_rounds=2)
+    assert all(max(v) == v[[label(o) for o in default_menu(_cfg())].index(h["option"])]
+               for v, h in zip(record["values"], record["heads"]))  # nothing binds: each head's best option
+    assert all(h.exact for layer in plan.layers for h in layer)
+    assert record["interaction"]["measured_value"] == max(c["measured_value"] for c in record["checks"])
+
+
+def test_a_repair_that_returns_a_plan_measured_already_stops():
+    """A budget that fits one plan alone (every head at the smallest state): the repair re-solves to it."""
+    teacher = _teacher()
+    smallest = HeadPlan(state="delta", M=4)
+    budget = LAYERS * KV * option_bytes(smallest, _geometry(teacher), 64)
+    plan, record = allocate(teacher, _cfg(share=None, mib=budget / MIB), TOKENS, [], repair_rounds=3)
+    assert all(h == smallest for layer in plan.layers for h in layer) and record["slack_bytes"] == 0
+    assert len(record["checks"]) == 1 and record["cost"]["students"] == 1 + LAYERS * KV * 5 + 1 + LAYERS * KV
+
+
+def test_a_budget_below_the_cheapest_plan_is_refused_before_any_measurement():
+    with pytest.raises(ValueError, match=r"below the cheapest plan's .* MiB"):
+        allocate(_teacher(), _cfg(share=None, mib=1e-4), TOKENS[:, :3], [])  # too short to measure: never reached
+
+
+def test_a_teacher_with_sliding_window_layers_is_one_sentence():
+    with pytest.raises(ValueError, match=r"the teacher's layers \[1\] attend over a sliding window of their own"):
+        allocate(build_tiny_model("qwen2"), _cfg(), TOKENS, [])
+
+
+def test_calibration_shorter_than_a_window_is_one_sentence():
+    with pytest.raises(ValueError, match="cannot tell a window of 6 tokens"):
+        allocate(_teacher(), _cfg(), TOKENS[:, :6], [])
+
+
+@pytest.mark.parametrize("kw, sentence", [
+    ({"mib": 8.0}, "exactly one of them"),
+    ({"share": None}, "exactly one of them"),
+    ({"share": -0.1}, "positive share of the teacher's KV cache"),
+    ({"context": 0}, "context=0 must be a positive number of tokens"),
+    ({"exact": False, "windows": []}, "needs an option without a linear state"),
+    ({"kl_weight": 0.0, "retrieval_weight": 0.0}, "not both 0"),
+    ({"states": [0]}, "positive feature dims M"),
+    ({"fit_target": "window"}, "must be 'full'"),
+])
+def test_a_wrong_budget_is_one_sentence(kw, sentence):
+    with pytest.raises(ValueError, match=sentence):
+        _cfg(**kw)

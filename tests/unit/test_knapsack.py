@@ -1,0 +1,50 @@
+"""The budget's knapsack: the MILP fast path against brute force on small random instances, and its edges."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dofla.dof.knapsack import MIB, brute_force, solve
+
+
+def _instance(seed: int):
+    rng = random.Random(seed)
+    heads = rng.randint(1, 5)
+    values = [[rng.uniform(-1, 3) for _ in range(rng.randint(1, 4))] for _ in range(heads)]
+    sizes = [[rng.randint(1, 50) for _ in v] for v in values]
+    cheapest, dearest = sum(min(s) for s in sizes), sum(max(s) for s in sizes)
+    return values, sizes, rng.randint(cheapest, dearest)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_solver_finds_the_brute_force_optimum(seed):
+    values, sizes, budget = _instance(seed)
+    fast, plain = solve(values, sizes, budget), brute_force(values, sizes, budget)
+    assert fast.value == pytest.approx(plain.value, abs=1e-9)
+    assert fast.bytes <= budget and fast.status == "optimal"
+    assert len(fast.options) == len(values)
+    assert fast.value == pytest.approx(sum(v[o] for v, o in zip(values, fast.options)), abs=1e-12)
+
+
+def test_a_budget_on_the_byte_boundary_is_spent_exactly():
+    values, sizes = [[0.0, 5.0], [0.0, 4.0], [0.0, 3.0]], [[1, 10], [1, 7], [1, 6]]
+    choice = solve(values, sizes, 17)  # 10 + 6 + 1 = 17: heads 0 and 2 (8.0) beat heads 0 and 1 (18 bytes)
+    assert choice.options == (1, 0, 1) and choice.bytes == 17 and choice.value == 8.0
+
+
+def test_a_budget_below_the_cheapest_plan_is_one_sentence():
+    with pytest.raises(ValueError, match=r"below the cheapest plan's .* MiB \(every head at its smallest option\)"):
+        solve([[1.0, 2.0], [1.0]], [[MIB, 2 * MIB], [MIB]], 2 * MIB - 1)
+
+
+def test_a_budget_above_everything_takes_each_heads_best_option():
+    exact = 2  # the dearest and best-valued option of every head
+    values = [[0.0, 0.4, 1.0], [0.0, 0.9, 2.0], [0.0, 0.1, 0.3]]
+    sizes = [[3, 30, 300]] * 3
+    assert solve(values, sizes, 10 ** 9).options == (exact,) * 3
+
+
+def test_a_malformed_instance_is_one_sentence():
+    with pytest.raises(ValueError, match="as many measured values as option sizes"):
+        solve([[1.0, 2.0]], [[1]], 10)
