@@ -16,6 +16,7 @@ import torch
 
 from dofla import distributed
 from dofla.config import RunConfig
+from dofla.dof.config import BUDGET_POLICY
 from dofla.eval.probes import long_tokens
 from dofla.eval.suite import plan_tasks
 from dofla.models import get_adapter, load_teacher
@@ -29,7 +30,8 @@ from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
 from dofla.stages.results import TrainResult
-from dofla.stages.students import check_given_plan, layer_dir, linear_layers, plan_dims, plan_memory
+from dofla.stages.students import (allocated_plan_path, check_budget_run, check_given_plan, layer_dir, linear_layers,
+                                   plan_dims, plan_memory)
 from dofla.tracking import NullTracker
 from dofla.validate import stage_plan, validate_against_model, validate_config, validate_output_dir
 from dofla.world import train_split, validate_world
@@ -70,9 +72,14 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
             estimate = distributed.main_first(dof.run, ctx, activations, linear_layers(cfg, ctx.geometry))
     # Feature dims per layer under the budget.
     dims = plan_dims(cfg, ctx.geometry) or [0] * ctx.geometry.num_layers  # a plan's, or training-free: none
+    allocation = None  # allocation=budget's record
     if "allocate" in plan:
         with timer("allocate"):
-            dims = distributed.main_first(allocate.run, ctx, estimate, activations).dims
+            if cfg.allocation.policy == BUDGET_POLICY:  # a plan per KV head: the later stages read it as attention.plan
+                ctx, allocation = allocated(ctx, tokens)
+                cfg, dims = ctx.cfg, plan_dims(ctx.cfg, ctx.geometry)
+            else:
+                dims = distributed.main_first(allocate.run, ctx, estimate, activations).dims
     if "allocate" in plan or "train" not in plan:
         report.log_allocation(tracker, estimate, dims)
     if "train" not in plan and "assemble" not in plan:
@@ -121,8 +128,10 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
         metrics = evaluation.run(ctx, student, tokens, tasks).metrics
     metrics.update(data_budget(ctx, tokens, trained, activations))
     metrics.update(softmax_layers.metrics(student))
-    if cfg.attention.plan is not None and cfg.eval.memory_contexts:  # a plan given whole: what it predicts
+    if cfg.attention.plan is not None and cfg.eval.memory_contexts:  # a plan (given or allocated): what it predicts
         metrics.update(plan_memory(student, cfg.eval.memory_contexts))
+    if cfg.allocation.policy == BUDGET_POLICY and "allocate" in plan:
+        metrics.update(budget_metrics(allocation, timer.seconds))
     if distilled:
         metrics["distill/tokens"] = int(result.tokens)
         metrics.update(distill_endpoints(out_dir))
@@ -144,6 +153,8 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
     the eval task plan or None).
     """
     validate_config(cfg)
+    check_budget_run(cfg)
+    cfg = with_budget_context(cfg)
     # a plan given whole (attention.plan), against the teacher's config: its layers and heads
     check_given_plan(cfg, teacher_config(cfg.model.source, cfg.model.revision, cfg.model.tiny_layers))
     cfg = resolve_precision(cfg)
@@ -157,6 +168,36 @@ def check_before_loading(cfg: RunConfig, out_dir: Path):
         others = cfg.eval.perplexity or cfg.eval.attention_error or cfg.eval.mqar
         tasks = plan_tasks(cfg.eval, out_dir, others_requested=others)
     return cfg, plan, source, tasks
+
+
+def with_budget_context(cfg: RunConfig) -> RunConfig:
+    """Under ``allocation=budget``, ``eval.memory_contexts`` with ``budget.context`` added: the eval measures
+    the decode memory the budget is about."""
+    contexts = list(cfg.eval.memory_contexts)
+    if cfg.allocation.policy != BUDGET_POLICY or cfg.budget.context in contexts:
+        return cfg
+    return replace(cfg, eval=replace(cfg.eval, memory_contexts=[*contexts, cfg.budget.context]))
+
+
+def allocated(ctx: RunContext, tokens: RunData) -> tuple[RunContext, dict]:
+    """``allocation=budget``'s plan measured and chosen on the training tokens (:func:`allocate.run_budget`),
+    and the context whose ``attention.plan`` is that plan's file (so the plan's stages and keys follow it)."""
+    _, record = distributed.main_first(allocate.run_budget, ctx, tokens.train_tokens)
+    attention = replace(ctx.cfg.attention, plan=str(allocated_plan_path(ctx.out_dir)))
+    return replace(ctx, cfg=replace(ctx.cfg, attention=attention)), record
+
+
+def budget_metrics(record: dict, seconds: dict) -> dict:
+    """The budget and the plan's bytes at ``budget.context`` (beside the eval's measured
+    ``memory/student/decode_mib/T<context>``), and what the allocation cost beside the training's time."""
+    context, cost = record["budget"]["context"], record["cost"]["seconds"]
+    training = seconds.get("train", 0.0) + seconds.get("distill", 0.0)
+    metrics = {f"memory/budget_mib/T{context}": record["budget"]["mib"],
+               f"allocation/plan_mib/T{context}": record["plan_bytes"] / 2**20,
+               "allocation/slack_mib": record["slack_bytes"] / 2**20, "allocation/cost_s": cost}
+    if training:  # absent when nothing trained in this run (layers reused)
+        metrics["allocation/share_of_training"] = cost / training
+    return metrics
 
 
 def resolve_precision(cfg: RunConfig) -> RunConfig:

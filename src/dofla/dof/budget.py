@@ -58,6 +58,18 @@ class MemoryBudgetConfig:
         check_budget_config(self)
 
 
+# the budget section's fields that are MemoryBudgetConfig's own (the rest: the run's calibration and repairs)
+MEMORY_FIELDS = ("mib", "share", "context", "kv_bytes", "exact", "windows", "sinks", "states", "pure_states",
+                 "kl_weight", "retrieval_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed")
+
+
+def memory_budget(cfg: RunConfig) -> MemoryBudgetConfig:
+    """The run's ``budget=memory`` section as the allocator's config; its linear states are fitted with the
+    run's feature map (the student's). Raises ValueError (one sentence) for a bad value."""
+    b = cfg.budget
+    return MemoryBudgetConfig(**{k: getattr(b, k) for k in MEMORY_FIELDS}, feature_map=cfg.feature_map.name)
+
+
 def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     """One sentence per user error, before any model loads."""
     if (cfg.mib is None) == (cfg.share is None):

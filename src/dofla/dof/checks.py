@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
 from dofla.dof.allocate import ALLOCATION_POLICIES
-from dofla.dof.budget import feature_budget
-from dofla.errors import require
+from dofla.dof.budget import feature_budget, memory_budget
+from dofla.dof.config import BUDGET_POLICY, MEMORY_BUDGET
+from dofla.errors import ConfigError, require
 from dofla.value_checks import one_of, positive
 
 if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes this package's sections
@@ -21,7 +22,7 @@ SOFTMAX_RANKS = ("kl", "kl_greedy", "attention_error", "retrieval", "passkey")
 def validate_allocation(cfg: RunConfig) -> None:
     """Every check of ``cfg.allocation`` and ``cfg.budget`` that needs no model."""
     a = cfg.allocation
-    one_of("allocation.policy", a.policy, ALLOCATION_POLICIES.names())
+    one_of("allocation.policy", a.policy, (*ALLOCATION_POLICIES.names(), BUDGET_POLICY))
     one_of("allocation.gram_norm", a.gram_norm, GRAM_NORMS)
     one_of("allocation.head_aggregate", a.head_aggregate, HEAD_AGGREGATES)
     for key, value in [("allocation.lam", a.lam), ("allocation.num_samples", a.num_samples),
@@ -41,6 +42,35 @@ def validate_allocation(cfg: RunConfig) -> None:
                 f"allocation.measured_dims={list(a.measured_dims)} must be a list of positive feature counts")
         positive("allocation.measured_steps", a.measured_steps)
     _validate_softmax_layers(cfg)
+    _validate_memory_budget(cfg)
+
+
+def _validate_memory_budget(cfg: RunConfig) -> None:
+    """allocation=budget and budget=memory go together; the budget's values; what the allocated plan needs."""
+    budget, b = cfg.allocation.policy == BUDGET_POLICY, cfg.budget
+    require(not budget or b.name == MEMORY_BUDGET, f"allocation=budget spends a memory budget, not budget={b.name}; "
+            "add budget=memory with budget.mib=<MiB> (or budget.share=<share of the teacher's KV cache>)")
+    require(budget or b.name != MEMORY_BUDGET, f"budget=memory is spent by allocation=budget alone, not "
+            f"allocation.policy={cfg.allocation.policy}; add allocation=budget (or choose a feature budget)")
+    if not budget:
+        return
+    require(cfg.attention.plan is None, f"attention.plan={cfg.attention.plan} gives the plan that allocation=budget "
+            "would choose; drop one of them")
+    try:
+        memory_budget(cfg)
+    except ValueError as error:
+        raise ConfigError(f"budget=memory: {error}") from None
+    require(not b.states or cfg.loss.name in ("output", "direct"), f"budget.states={list(b.states)} offers "
+            f"gated-delta heads, which have no kernel for loss={cfg.loss.name} to compare; use loss=output or "
+            "loss=direct (or budget.states=[] for windows and exact heads alone)")
+    for key in ("calibration_seqs", "prompts", "prompt_length"):
+        positive(f"budget.{key}", getattr(b, key))
+    require(b.repair_rounds >= 0, f"budget.repair_rounds={b.repair_rounds} must be 0 (the check alone) or more")
+    longest = max(b.windows, default=0) + b.sinks
+    require(cfg.data.seq_len > longest and b.prompt_length > longest, f"the allocator's calibration sequences "
+            f"(data.seq_len={cfg.data.seq_len}) and passkey prompts (budget.prompt_length={b.prompt_length}) must be "
+            f"longer than the largest window and its sinks ({longest} tokens) to tell it from the others; raise "
+            "them or shorten budget.windows")
 
 
 def _validate_softmax_layers(cfg: RunConfig) -> None:

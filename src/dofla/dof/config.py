@@ -35,8 +35,38 @@ class AllocationConfig:
                                         "softmax_rank": "kl"})
 
 
+BUDGET_POLICY = "budget"  # allocation=budget: the memory-budget allocator (dofla.dof.allocator), per KV head
+MEMORY_BUDGET = "memory"  # budget=memory: the budget it spends, in bytes of decode state
+
+
 @dataclass
 class BudgetConfig:
+    """The feature budget C of the per-layer policies (``name``, ``value``, ``multiple``), or, for
+    ``budget=memory`` (``allocation=budget``), a memory budget: the fields after ``multiple`` map onto
+    :class:`dofla.dof.budget.MemoryBudgetConfig` (:func:`dofla.dof.budget.memory_budget`), plus the
+    allocator's repair rounds and its calibration: ``calibration_seqs`` training sequences and ``prompts``
+    passkey prompts of ``prompt_length`` tokens."""
+
     name: str = "head_dim"
     value: Optional[float] = None  # mean feature dimension per layer; None = multiple × head size
     multiple: float = 1.0
+    mib: Optional[float] = None  # memory: MiB of decode state per sequence at context tokens ...
+    share: Optional[float] = None  # ... or this share of the teacher's KV cache at context
+    context: int = 8192
+    kv_bytes: int = 4
+    exact: bool = True
+    windows: List[int] = field(default_factory=lambda: [64, 256, 1024])
+    sinks: int = 4
+    states: List[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    pure_states: bool = True
+    kl_weight: float = 1.0
+    retrieval_weight: float = 1.0
+    fit_steps: int = 40
+    fit_target: str = "full"
+    fit_batch_size: int = 4
+    batch_size: int = 2
+    seed: int = 0
+    repair_rounds: int = 0
+    calibration_seqs: int = 8
+    prompts: int = 8
+    prompt_length: int = 2048

@@ -1,18 +1,32 @@
-"""The allocate stage: feature dims per layer from the policy and budget -> allocation.json."""
+"""The allocate stage: feature dims per layer from the policy and budget -> allocation.json; or, for
+``allocation=budget``, every KV head's plan under a memory budget (:func:`run_budget`)."""
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import json
+import logging
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, choose_dims
-from dofla.dof.budget import feature_budget
+from dofla.dof.allocator import allocate as allocate_budget
+from dofla.dof.budget import feature_budget, memory_budget
+from dofla.dof.knapsack import MIB
+from dofla.dof.softmax_layers import passkey_prompts
 from dofla.dof.oracle import measured_allocation
 from dofla.feature_maps import mean_dim
-from dofla.record import write_json
+from dofla.models.plan import StudentPlan
+from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext
 from dofla.stages.results import Allocation, DofResult
-from dofla.stages.students import layer_train_config, linear_layers
+from dofla.stages.keys import teacher_settings
+from dofla.stages.students import allocated_plan_path, layer_train_config, linear_layers
+
+logger = logging.getLogger(__name__)
+# added to budget.seed for the allocator's passkey prompts: keys and depths of their own, apart from the
+# softmax-layer ranking's and the eval's
+PROMPT_SALT = 7_919
 
 
 def run(ctx: RunContext, dof: DofResult | None, cache=None) -> Allocation:
@@ -53,3 +67,42 @@ def allocate(cfg: RunConfig, dof: DofResult | None, geometry, out_dir: Path, cac
     }
     write_json(out_dir / "allocation.json", record)
     return Allocation(dims, record)
+
+
+def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
+    """``allocation=budget``: the plan that spends ``budget=memory`` best, measured on the first
+    ``budget.calibration_seqs`` sequences of the run's training tokens ``train_tokens`` (S, L) (never the
+    held-out text) and ``budget.prompts`` passkey prompts -> ``allocation.json`` (the allocator's record, its
+    settings, the plan) and the plan file the later stages read (:func:`allocated_plan_path`). Reused when
+    ``allocation.json`` holds the same settings: the teacher, the memory budget and the calibration text."""
+    cfg, b = ctx.cfg, ctx.cfg.budget
+    memory = memory_budget(cfg)
+    calibration = train_tokens[:b.calibration_seqs]
+    prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
+    settings = {"teacher": teacher_settings(cfg), "budget": asdict(memory), "repair_rounds": b.repair_rounds,
+                "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
+    path = ctx.out_dir / "allocation.json"
+    record = read_json(path)
+    if record is not None and record.get("settings") == settings:
+        logger.info(f"dofla: allocation=budget: reused {path.name} (measured in {record['cost']['seconds']:.1f} s)")
+    else:
+        plan, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds)
+        record = {**record, "settings": settings, "calibration": {"sequences": int(calibration.shape[0]),
+                  "seq_len": int(calibration.shape[1]), "prompts": len(prompts), "prompt_length": b.prompt_length}}
+        write_json(path, record)
+        cost = record["cost"]
+        logger.info(f"dofla: allocation=budget: measured {cost['students']} students in {cost['seconds']:.1f} s "
+                    f"({cost['fit_seconds']:.1f} s fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a "
+                    f"{record['budget']['mib']:.3f} MiB budget at {memory.context} tokens")
+    plan = StudentPlan.from_list(record["plan"])
+    write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
+    return plan, record
+
+
+def _digest(tensors: list) -> str:
+    """A hash of token tensors' shapes and values."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(json.dumps(list(t.shape)).encode())
+        h.update(t.detach().cpu().long().numpy().tobytes())
+    return "sha256:" + h.hexdigest()

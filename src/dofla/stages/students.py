@@ -14,6 +14,7 @@ from dofla.artifacts import settings_digest
 from dofla.attention.forms import get_form
 from dofla.attention.tuning import FILE, best_chunk_size
 from dofla.config import RunConfig, StepConfig
+from dofla.dof.config import BUDGET_POLICY
 from dofla.errors import ConfigError, require
 from dofla.feature_maps import build_layer_feature_map
 from dofla.feature_maps.blocks import feature_dims
@@ -63,6 +64,24 @@ def check_given_plan(cfg: RunConfig, config=None, geometry=None) -> None:
             check_plan(plan, geometry)
     except ValueError as error:
         raise ConfigError(f"attention.plan={a.plan}: {error}") from None
+
+
+def check_budget_run(cfg: RunConfig) -> None:
+    """``allocation=budget``'s checks on the settings its plan replaces, one sentence each (as a plan given
+    whole: :func:`check_given_plan`; its own values: :mod:`dofla.dof.checks`)."""
+    if cfg.allocation.policy != BUDGET_POLICY:
+        return
+    a = cfg.attention
+    changed = [f"attention.{k}={getattr(a, k)}" for k, v in PLAN_REPLACES.items() if getattr(a, k) != v]
+    require(not changed, f"allocation=budget chooses every head's form, window, sinks, state and M; drop "
+            f"{', '.join(changed)}")
+    require(not cfg.allocation.softmax_layers and cfg.feature_map.name != "softmax",
+            "allocation=budget chooses which heads stay exact; drop allocation.softmax_layers and feature_map=softmax")
+
+
+def allocated_plan_path(out_dir: Path) -> Path:
+    """Where the allocate stage writes the plan ``allocation=budget`` chose (read as ``attention.plan``)."""
+    return out_dir / "plan.json"
 
 
 def plan_dims(cfg: RunConfig, geometry) -> list | None:
