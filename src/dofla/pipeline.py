@@ -195,7 +195,7 @@ def budget_metrics(record: dict, seconds: dict) -> dict:
     metrics = {f"memory/budget_mib/T{context}": record["budget"]["mib"],
                f"allocation/plan_mib/T{context}": record["plan_bytes"] / 2**20,
                "allocation/slack_mib": record["slack_bytes"] / 2**20, "allocation/cost_s": cost}
-    if training:  # absent when nothing trained in this run (layers reused)
+    if training and not record["reused"]:  # absent unless both were spent in this run (not reused)
         metrics["allocation/share_of_training"] = cost / training
     return metrics
 

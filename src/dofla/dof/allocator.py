@@ -6,19 +6,32 @@ check the chosen plan on the model, and record all of it (``allocation.json``).
 bytes from :func:`dofla.dof.menu.option_bytes`), then re-measures the chosen plan as one student: the
 interaction check. Its measured value (the weighted drop of both signals from the baseline student) beside
 the sum of the single-head values says how far the heads' gains add up. With ``repair_rounds`` > 0, a
-greedy repair follows: each round measures every switched head of the best plan so far in context (that
+greedy repair follows: each repair measures every switched head of the best plan measured yet in context (that
 plan with the head put back at the baseline), takes the head whose in-context value falls furthest below
 its single-head value, puts that in-context value in its place, solves again and measures the new plan
 (it stops when the solver returns a plan measured already); the best plan measured is kept.
+
+``allocation=budget`` is registered as an allocation policy here: it reads no DoF and gives no per-layer
+dims; the allocate stage calls :func:`allocate` for it (:func:`dofla.stages.allocate.run_budget`).
 """
 from __future__ import annotations
 
+from dofla.dof.allocate import ALLOCATION_POLICIES, AllocationPolicy, AllocationRequest
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
+from dofla.dof.config import BUDGET_POLICY
 from dofla.dof.knapsack import MIB, Choice, check_instance, solve
 from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
 from dofla.dof.sensitivity import Probe, head_values, measure_menu
 from dofla.models.adapters.support import get_adapter
 from dofla.models.plan import StudentPlan
+
+
+def _per_layer_dims(request: AllocationRequest) -> tuple[list, dict]:
+    raise ValueError("allocation=budget chooses a plan per KV head, not feature dims per layer: the allocate "
+                     "stage runs it (dofla.stages.allocate.run_budget)")
+
+
+ALLOCATION_POLICIES.register(BUDGET_POLICY)(AllocationPolicy(BUDGET_POLICY, _per_layer_dims, reads_dof=False))
 
 
 def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list | None = None,

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from dofla.dof.algorithm import GRAM_NORMS, HEAD_AGGREGATES
 from dofla.dof.allocate import ALLOCATION_POLICIES
+from dofla.dof.allocator import BUDGET_POLICY  # noqa: F401 - registers allocation=budget
 from dofla.dof.budget import feature_budget, memory_budget
-from dofla.dof.config import BUDGET_POLICY, MEMORY_BUDGET
+from dofla.dof.config import MEMORY_BUDGET
 from dofla.errors import ConfigError, require
 from dofla.value_checks import one_of, positive
 
@@ -22,7 +23,7 @@ SOFTMAX_RANKS = ("kl", "kl_greedy", "attention_error", "retrieval", "passkey")
 def validate_allocation(cfg: RunConfig) -> None:
     """Every check of ``cfg.allocation`` and ``cfg.budget`` that needs no model."""
     a = cfg.allocation
-    one_of("allocation.policy", a.policy, (*ALLOCATION_POLICIES.names(), BUDGET_POLICY))
+    one_of("allocation.policy", a.policy, ALLOCATION_POLICIES.names())
     one_of("allocation.gram_norm", a.gram_norm, GRAM_NORMS)
     one_of("allocation.head_aggregate", a.head_aggregate, HEAD_AGGREGATES)
     for key, value in [("allocation.lam", a.lam), ("allocation.num_samples", a.num_samples),

@@ -74,7 +74,8 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     ``budget.calibration_seqs`` sequences of the run's training tokens ``train_tokens`` (S, L) (never the
     held-out text) and ``budget.prompts`` passkey prompts -> ``allocation.json`` (the allocator's record, its
     settings, the plan) and the plan file the later stages read (:func:`allocated_plan_path`). Reused when
-    ``allocation.json`` holds the same settings: the teacher, the memory budget and the calibration text."""
+    ``allocation.json`` holds the same settings: the teacher, the memory budget and the calibration text
+    (the returned record then says ``reused``)."""
     cfg, b = ctx.cfg, ctx.cfg.budget
     memory = memory_budget(cfg)
     calibration = train_tokens[:b.calibration_seqs]
@@ -84,8 +85,10 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     path = ctx.out_dir / "allocation.json"
     record = read_json(path)
     if record is not None and record.get("settings") == settings:
+        reused = True
         logger.info(f"dofla: allocation=budget: reused {path.name} (measured in {record['cost']['seconds']:.1f} s)")
     else:
+        reused = False
         plan, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds)
         record = {**record, "settings": settings, "calibration": {"sequences": int(calibration.shape[0]),
                   "seq_len": int(calibration.shape[1]), "prompts": len(prompts), "prompt_length": b.prompt_length}}
@@ -96,7 +99,7 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
                     f"{record['budget']['mib']:.3f} MiB budget at {memory.context} tokens")
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
-    return plan, record
+    return plan, {**record, "reused": reused}
 
 
 def _digest(tensors: list) -> str:

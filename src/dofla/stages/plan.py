@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from dofla.attention.forms import get_form, selectable
 from dofla.config import RunConfig
 from dofla.dof.allocate import reads_dof
-from dofla.dof.config import BUDGET_POLICY
 from dofla.errors import require
 from dofla.train.distill import DistillSchedule
 
@@ -37,8 +36,7 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
                 "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
-        # allocation=budget measures the teacher on training tokens itself: no DoF
-        "allocate": ("dof",) if reads_dof(cfg.allocation.policy) and cfg.allocation.policy != BUDGET_POLICY else (),
+        "allocate": ("dof",) if reads_dof(cfg.allocation.policy) else (),
         "train": ("cache", "allocate"),  # direct needs only the cache's key (dofla.stages.train)
         "assemble": ("allocate", "train"),
         "distill": ("assemble",),
