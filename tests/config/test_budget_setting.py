@@ -4,6 +4,7 @@ eval measures decode memory at the budget's context, and the existing budgets ke
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -13,6 +14,7 @@ from dofla.dof.budget import memory_budget
 from dofla.errors import ConfigError
 from dofla.models.plan import ALL
 from dofla.pipeline import check_before_loading
+from dofla.report.seeds import settings_key
 from dofla.stages.plan import stage_plan
 
 BUDGET = ["allocation=budget", "budget=memory", "budget.mib=1", "budget.context=256", "loss=output",
@@ -85,3 +87,10 @@ def test_a_plan_given_whole_and_the_allocator_are_exclusive(tmp_path):
 def test_windows_and_exact_heads_alone_need_no_output_loss(tmp_path):
     check_before_loading(_cfg(tmp_path, *BUDGET[:4], "budget.windows=[4,8]", "budget.states=[]",
                               "budget.prompt_length=120"), tmp_path / "run")
+
+
+def test_runs_recorded_before_the_memory_fields_still_group_with_their_seeds(tmp_path):
+    now = asdict(_cfg(tmp_path).budget)
+    before = {k: now[k] for k in ("name", "value", "multiple")}
+    assert settings_key({"budget": before}) == settings_key({"budget": now})
+    assert settings_key({"budget": before}) != settings_key({"budget": {**now, "mib": 32}})

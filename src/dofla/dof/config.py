@@ -70,3 +70,11 @@ class BudgetConfig:
     calibration_seqs: int = 8
     prompts: int = 8
     prompt_length: int = 2048
+
+    # no artifact key reads this section whole (the allocate stage keys its own); the memory fields came
+    # later, so runs recorded without them compare at these values (dofla.report.seeds)
+    KEYS: ClassVar[Keys] = Keys(legacy={
+        "mib": None, "share": None, "context": 8192, "kv_bytes": 4, "exact": True, "windows": [64, 256, 1024],
+        "sinks": 4, "states": [32, 64, 128, 256], "pure_states": True, "kl_weight": 1.0, "retrieval_weight": 1.0,
+        "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "repair_rounds": 0,
+        "calibration_seqs": 8, "prompts": 8, "prompt_length": 2048})
