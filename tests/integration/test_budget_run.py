@@ -1,7 +1,7 @@
 """``allocation=budget budget=memory`` through the real ``dofla`` command on a tiny Llama of four KV heads and
-a tiny menu: the allocator measures every option at every KV head on training tokens, spends the budget, and
-the chosen student trains layerwise and then with KL, decodes in the memory its plan predicts (within the
-budget), and a rerun reuses the allocation."""
+a tiny menu, trained from the cache and from a stream: the allocator measures every option at every KV head
+on training tokens and spends the budget, the chosen student trains layerwise and then with KL and decodes in
+the memory its plan predicts (within the budget), and a rerun reuses the allocation."""
 from __future__ import annotations
 
 import json
@@ -20,70 +20,81 @@ CONTEXT = 128
 # smallest state (8 × 256), so the solver must give some heads a state
 MIB = 0.0027
 KV_HEADS, LAYERS = 4, 2
+SOURCES = ("cache", "stream")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def runs(tmp_path_factory):
+    """Both training sources in one CLI start, twice (the second finds every artifact)."""
     root = tmp_path_factory.mktemp("budget_run")
     teacher = root / "teacher"
     _teacher().save_pretrained(teacher)
     build_byte_tokenizer().save_pretrained(teacher)
-    args = ["experiment=smoke_tiny", f"model.source={teacher}", "allocation=budget", "budget=memory",
+    args = ["-m", "experiment=smoke_tiny", f"model.source={teacher}", "allocation=budget", "budget=memory",
             f"budget.mib={MIB}", f"budget.context={CONTEXT}", "budget.windows=[4,8]", "budget.sinks=2",
             "budget.states=[4,8]", "budget.fit_steps=2", "budget.calibration_seqs=2", "budget.prompts=2",
             "budget.prompt_length=120", "loss=output", "distill=kl", "distill.tokens=2048",
-            f"hydra.run.dir={root / 'run'}", f"paths.cache_dir={root / 'cache'}"]
+            f"train.source={','.join(SOURCES)}", f"hydra.sweep.dir={root / 'runs'}",
+            "hydra.sweep.subdir=${train.source}", f"paths.cache_dir={root / 'cache'}"]
     first = run_cli(*args)
     assert first.returncode == 0, first.stderr[-3000:]
-    allocation = (root / "run" / "allocation.json").read_text()
+    allocations = {s: json.loads((root / "runs" / s / "allocation.json").read_text()) for s in SOURCES}
     second = run_cli(*args)
     assert second.returncode == 0, second.stderr[-3000:]
-    return {"dir": root / "run", "allocation": json.loads(allocation), "first": first, "second": second,
-            "allocation_again": json.loads((root / "run" / "allocation.json").read_text())}
+    return {source: {"dir": root / "runs" / source, "allocation": allocations[source], "first": first,
+                     "second": second,
+                     "allocation_again": json.loads((root / "runs" / source / "allocation.json").read_text())}
+            for source in SOURCES}
 
 
-def test_one_option_per_kv_head_within_the_budget(run):
-    record = run["allocation"]
-    assert [(h["layer"], h["kv_head"]) for h in record["heads"]] == [(i, k) for i in range(LAYERS)
-                                                                      for k in range(KV_HEADS)]
-    assert all(h["option"] in record["menu"] for h in record["heads"])
-    assert len(record["menu"]) == 9  # exact, w4, w8 each bare and with delta 4 and 8, delta 4 and 8
-    assert record["budget"]["context"] == CONTEXT and record["solver"]["status"] == "optimal"
-    assert record["budget"]["bytes"] == int(MIB * 2**20) and record["budget"]["given"] == {"mib": MIB, "share": None}
-    assert record["baseline"] == "w4+s2" and record["budget"]["bytes"] < LAYERS * KV_HEADS * 384
-    assert any(h["plan"].get("state", "none") != "none" for h in record["heads"])  # forced by the budget
-    assert 0 < record["plan_bytes"] <= record["budget"]["bytes"]
-    assert record["slack_bytes"] == record["budget"]["bytes"] - record["plan_bytes"]
-    assert record["cost"]["seconds"] > 0 and record["cost"]["students"] >= LAYERS * KV_HEADS * 8
-    assert record["calibration"] == {"sequences": 2, "seq_len": 64, "prompts": 2, "prompt_length": 120}
-    plan = StudentPlan.from_list(record["plan"])
-    assert json.loads((run["dir"] / "plan.json").read_text()) == plan.to_list()
-    assert "dofla: allocation=budget: measured" in run["first"].stdout
+def test_one_option_per_kv_head_within_the_budget(runs):
+    for run in runs.values():  # both runs of each CLI start
+        record = run["allocation"]
+        assert [(h["layer"], h["kv_head"]) for h in record["heads"]] == [(i, k) for i in range(LAYERS)
+                                                                          for k in range(KV_HEADS)]
+        assert all(h["option"] in record["menu"] for h in record["heads"])
+        assert len(record["menu"]) == 9  # exact, w4, w8 each bare and with delta 4 and 8, delta 4 and 8
+        assert record["budget"]["context"] == CONTEXT and record["solver"]["status"] == "optimal"
+        assert record["budget"]["bytes"] == int(MIB * 2**20)
+        assert record["budget"]["given"] == {"mib": MIB, "share": None}
+        assert record["baseline"] == "w4+s2" and record["budget"]["bytes"] < LAYERS * KV_HEADS * 384
+        assert any(h["plan"].get("state", "none") != "none" for h in record["heads"])  # forced by the budget
+        assert 0 < record["plan_bytes"] <= record["budget"]["bytes"]
+        assert record["slack_bytes"] == record["budget"]["bytes"] - record["plan_bytes"]
+        assert record["cost"]["seconds"] > 0 and record["cost"]["students"] >= LAYERS * KV_HEADS * 8
+        assert record["calibration"] == {"sequences": 2, "seq_len": 64, "prompts": 2, "prompt_length": 120}
+        plan = StudentPlan.from_list(record["plan"])
+        assert json.loads((run["dir"] / "plan.json").read_text()) == plan.to_list()
+        assert run["first"].stdout.count("dofla: allocation=budget: measured") == 2
 
 
-def test_the_chosen_student_trains_layerwise_and_with_kl(run):
-    record, metrics = run["allocation"], json.loads((run["dir"] / "metrics.json").read_text())
-    with_state = sorted({h["layer"] for h in record["heads"] if h["plan"].get("state", "none") != "none"})
-    summary = json.loads((run["dir"] / "train_summary.json").read_text())
-    assert sorted(summary) == [f"layer_{i:02d}" for i in with_state]
-    assembled, distilled = load_student(run["dir"] / "student"), load_student(run["dir"] / "student_distilled")
-    assert distilled.config.dofla["plan"] == assembled.config.dofla["plan"] == record["plan"]
-    before = dict(assembled.named_parameters())
-    moved = [name for name, p in distilled.named_parameters() if ".dofla." in name and not torch.equal(p, before[name])]
-    assert metrics["distill/tokens"] == 2048 and {int(name.split(".layers.")[1].split(".")[0]) for name in moved} \
-        == set(with_state)  # KL moved the features of every layer with a state
-    assert metrics["allocation/cost_s"] == record["cost"]["seconds"]
+def test_the_chosen_student_trains_layerwise_and_with_kl(runs):
+    for source, run in runs.items():  # both runs of each CLI start
+        assert json.loads((run["dir"] / "run.json").read_text())["train_source"] == source
+        record, metrics = run["allocation"], json.loads((run["dir"] / "metrics.json").read_text())
+        with_state = sorted({h["layer"] for h in record["heads"] if h["plan"].get("state", "none") != "none"})
+        summary = json.loads((run["dir"] / "train_summary.json").read_text())
+        assert sorted(summary) == [f"layer_{i:02d}" for i in with_state]
+        assembled, distilled = load_student(run["dir"] / "student"), load_student(run["dir"] / "student_distilled")
+        assert distilled.config.dofla["plan"] == assembled.config.dofla["plan"] == record["plan"]
+        before = dict(assembled.named_parameters())
+        moved = {int(name.split(".layers.")[1].split(".")[0]) for name, p in distilled.named_parameters()
+                 if ".dofla." in name and not torch.equal(p, before[name])}
+        assert metrics["distill/tokens"] == 2048 and moved == set(with_state)  # KL moved every layer's state
+        assert metrics["allocation/cost_s"] == record["cost"]["seconds"]
 
 
-def test_measured_decode_memory_is_the_plans_and_within_the_budget(run):
-    record, metrics = run["allocation"], json.loads((run["dir"] / "metrics.json").read_text())
-    measured = metrics[f"memory/student/decode_mib/T{CONTEXT}"]
-    assert measured == metrics[f"memory/student/plan_mib/T{CONTEXT}"] == record["plan_bytes"] / 2**20
-    assert measured == metrics[f"allocation/plan_mib/T{CONTEXT}"] <= metrics[f"memory/budget_mib/T{CONTEXT}"]
-    assert metrics[f"memory/budget_mib/T{CONTEXT}"] == record["budget"]["mib"]
+def test_measured_decode_memory_is_the_plans_and_within_the_budget(runs):
+    for run in runs.values():  # both runs of each CLI start
+        record, metrics = run["allocation"], json.loads((run["dir"] / "metrics.json").read_text())
+        measured = metrics[f"memory/student/decode_mib/T{CONTEXT}"]
+        assert measured == metrics[f"memory/student/plan_mib/T{CONTEXT}"] == record["plan_bytes"] / 2**20
+        assert measured == metrics[f"allocation/plan_mib/T{CONTEXT}"] <= metrics[f"memory/budget_mib/T{CONTEXT}"]
+        assert metrics[f"memory/budget_mib/T{CONTEXT}"] == record["budget"]["mib"]
 
 
-def test_a_rerun_reuses_the_allocation(run):
-    assert run["allocation_again"] == run["allocation"]
-    assert "dofla: allocation=budget: reused allocation.json" in run["second"].stdout
-    assert "dofla: allocation=budget: measured" not in run["second"].stdout
+def test_a_rerun_reuses_the_allocation(runs):
+    for run in runs.values():  # both runs of each CLI start
+        assert run["allocation_again"] == run["allocation"]
+        assert run["second"].stdout.count("dofla: allocation=budget: reused allocation.json") == 2
+        assert "dofla: allocation=budget: measured" not in run["second"].stdout
