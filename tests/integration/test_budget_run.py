@@ -34,16 +34,17 @@ def runs(tmp_path_factory):
             f"budget.mib={MIB}", f"budget.context={CONTEXT}", "budget.windows=[4,8]", "budget.sinks=2",
             "budget.states=[4,8]", "budget.fit_steps=2", "budget.calibration_seqs=2", "budget.prompts=2",
             "budget.prompt_length=120", "loss=output", "distill=kl", "distill.tokens=2048",
-            f"train.source={','.join(SOURCES)}", f"hydra.sweep.dir={root / 'runs'}",
-            "hydra.sweep.subdir=${train.source}", f"paths.cache_dir={root / 'cache'}"]
-    first = run_cli(*args)
+            f"train.source={','.join(SOURCES)}", "hydra.sweep.subdir=${train.source}",
+            f"paths.cache_dir={root / 'cache'}"]
+    first = run_cli(*args, f"hydra.sweep.dir={root / 'runs'}")
     assert first.returncode == 0, first.stderr[-3000:]
     allocations = {s: json.loads((root / "runs" / s / "allocation.json").read_text()) for s in SOURCES}
-    second = run_cli(*args)
-    assert second.returncode == 0, second.stderr[-3000:]
+    again = run_cli(*args, f"hydra.sweep.dir={root / 'runs'}")  # the same directories: every artifact found
+    assert again.returncode == 0, again.stderr[-3000:]
+    elsewhere = run_cli(*args, f"hydra.sweep.dir={root / 'elsewhere'}")  # the shared allocation found
+    assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
     return {source: {"dir": root / "runs" / source, "allocation": allocations[source], "first": first,
-                     "second": second,
-                     "allocation_again": json.loads((root / "runs" / source / "allocation.json").read_text())}
+                     "again": again, "elsewhere": elsewhere, "other_dir": root / "elsewhere" / source}
             for source in SOURCES}
 
 
@@ -65,7 +66,10 @@ def test_one_option_per_kv_head_within_the_budget(runs):
         assert record["calibration"] == {"sequences": 2, "seq_len": 64, "prompts": 2, "prompt_length": 120}
         plan = StudentPlan.from_list(record["plan"])
         assert json.loads((run["dir"] / "plan.json").read_text()) == plan.to_list()
-        assert run["first"].stdout.count("dofla: allocation=budget: measured") == 2
+    # the stream's calibration sequences are the cache's (the same training text): its job finds the allocation
+    first = runs["cache"]["first"].stdout
+    assert first.count("dofla: allocation=budget: measured") == 1 and first.count("allocation=budget: reused") == 1
+    assert runs["cache"]["allocation"] == runs["stream"]["allocation"]
 
 
 def test_the_chosen_student_trains_layerwise_and_with_kl(runs):
@@ -93,8 +97,13 @@ def test_measured_decode_memory_is_the_plans_and_within_the_budget(runs):
         assert metrics[f"memory/budget_mib/T{CONTEXT}"] == record["budget"]["mib"]
 
 
-def test_a_rerun_reuses_the_allocation(runs):
+def test_a_rerun_reuses_the_allocation_and_another_run_of_the_same_settings_shares_it(runs):
     for run in runs.values():  # both runs of each CLI start
-        assert run["allocation_again"] == run["allocation"]
-        assert run["second"].stdout.count("dofla: allocation=budget: reused allocation.json") == 2
-        assert "dofla: allocation=budget: measured" not in run["second"].stdout
+        for start, directory in (("again", run["dir"]), ("elsewhere", run["other_dir"])):
+            assert json.loads((directory / "allocation.json").read_text()) == run["allocation"]
+            assert json.loads((directory / "plan.json").read_text()) == run["allocation"]["plan"]
+            assert run[start].stdout.count("dofla: allocation=budget: reused") == 2, start
+            assert "dofla: allocation=budget: measured" not in run[start].stdout
+        metrics = json.loads((run["other_dir"] / "metrics.json").read_text())
+        assert metrics["allocation/cost_s"] == run["allocation"]["cost"]["seconds"]
+        assert "allocation/share_of_training" not in metrics  # measured by another run

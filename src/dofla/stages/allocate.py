@@ -21,6 +21,7 @@ from dofla.record import read_json, write_json
 from dofla.stages.context import RunContext
 from dofla.stages.results import Allocation, DofResult
 from dofla.stages.keys import teacher_settings
+from dofla.stages.sources import cache_root
 from dofla.stages.students import allocated_plan_path, layer_train_config, linear_layers
 
 logger = logging.getLogger(__name__)
@@ -73,33 +74,37 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     """``allocation=budget``: the plan that spends ``budget=memory`` best, measured on the first
     ``budget.calibration_seqs`` sequences of the run's training tokens ``train_tokens`` (S, L) (never the
     held-out text) and ``budget.prompts`` passkey prompts -> ``allocation.json`` (the allocator's record, its
-    settings, the plan) and the plan file the later stages read (:func:`allocated_plan_path`). Reused when
-    ``allocation.json`` holds the same settings: the teacher, the memory budget and the calibration text
-    (the returned record then says ``reused``)."""
+    settings, the plan) and the plan file the later stages read (:func:`allocated_plan_path`).
+
+    Keyed on the teacher, the memory budget and the calibration text (its settings): reused from the run's
+    ``allocation.json`` or, for another run of the same settings, from ``allocations/`` beside the activation
+    caches (the returned record then says ``reused``)."""
     cfg, b = ctx.cfg, ctx.cfg.budget
     memory = memory_budget(cfg)
     calibration = train_tokens[:b.calibration_seqs]
     prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
     settings = {"teacher": teacher_settings(cfg), "budget": asdict(memory), "repair_rounds": b.repair_rounds,
                 "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
-    path = ctx.out_dir / "allocation.json"
-    record = read_json(path)
-    if record is not None and record.get("settings") == settings:
-        reused = True
-        logger.info(f"dofla: allocation=budget: reused {path.name} (measured in {record['cost']['seconds']:.1f} s)")
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    own, shared = ctx.out_dir / "allocation.json", cache_root(cfg) / "allocations" / f"budget-{digest}.json"
+    found = next(((path, record) for path in (own, shared) if (record := read_json(path)) is not None
+                  and record.get("settings") == settings), None)
+    if found is not None:
+        record = found[1]
+        logger.info(f"dofla: allocation=budget: reused {found[0]} (measured in {record['cost']['seconds']:.1f} s)")
     else:
-        reused = False
-        plan, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds)
+        _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds)
         record = {**record, "settings": settings, "calibration": {"sequences": int(calibration.shape[0]),
                   "seq_len": int(calibration.shape[1]), "prompts": len(prompts), "prompt_length": b.prompt_length}}
-        write_json(path, record)
+        write_json(shared, record)
         cost = record["cost"]
         logger.info(f"dofla: allocation=budget: measured {cost['students']} students in {cost['seconds']:.1f} s "
                     f"({cost['fit_seconds']:.1f} s fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a "
                     f"{record['budget']['mib']:.3f} MiB budget at {memory.context} tokens")
+    write_json(own, record)
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
-    return plan, {**record, "reused": reused}
+    return plan, {**record, "reused": found is not None}
 
 
 def _digest(tensors: list) -> str:
