@@ -174,7 +174,8 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
                                     "the lines above say why for each")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     result = TaskResults(skipped=skipped)
-    with hub_offline(not reachable), saved_tokenizer(tokenizer) as tokenizer_dir:
+    synthetic = any(builds_own_data(manager_for(task, dirs), task) for task in runnable)
+    with hub_offline(not reachable), (saved_tokenizer(tokenizer) if synthetic else contextlib.nullcontext()) as tokenizer_dir:
         for task in runnable:
             manager = manager_for(task, dirs)
             try:
