@@ -20,8 +20,13 @@ COMPAT_TESTS := tests/component/test_student.py tests/component/test_student_att
 	tests/integration/test_pipeline.py
 COMPAT_VENV ?= .venv-compat
 COMPAT_PINS ?=
+# The oldest lm-eval dofla runs on (pyproject's eval extra): the first release with the task index
+# dofla reads (lm_eval.tasks._index, _yaml_loader); 0.4.11 fails every task at import. make compat-floor
+# tests it: the lock with lm-eval at the floor, the tests that drive lm-eval.
+LM_EVAL_FLOOR ?= 0.4.12
+LM_EVAL_TESTS := tests/component/test_downstream.py tests/component/test_finetune_protocol.py
 
-.PHONY: install run test test-fast test-all test-long bench lock compat clean-venv
+.PHONY: install run test test-fast test-all test-long bench lock compat compat-floor clean-venv
 
 install: $(VENV)/.installed
 
@@ -83,6 +88,13 @@ compat:
 		echo "compat: FAILED against the versions above; users are unaffected (make run installs $(LOCK)),"; \
 		echo "compat: but dofla must be fixed for them or pyproject.toml must cap the release that broke it"; \
 		exit 1; }
+
+# compat at the lm-eval floor: the lock's versions for everything else (a constraints file, since the
+# lock's own lm-eval pin would conflict with the floor's), in $(COMPAT_VENV)-floor
+compat-floor:
+	pins=$$(mktemp) && grep -viE '^lm[-_]eval==' $(LOCK) > $$pins && echo 'lm_eval==$(LM_EVAL_FLOOR)' >> $$pins \
+		&& $(MAKE) compat COMPAT_VENV=$(COMPAT_VENV)-floor COMPAT_PINS="-c $$pins" COMPAT_TESTS="$(LM_EVAL_TESTS)"; \
+		rc=$$?; rm -f $$pins; exit $$rc
 
 clean-venv:
 	rm -rf $(VENV)

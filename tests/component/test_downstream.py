@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import pytest
 import torch
 import yaml
 
-from dofla.eval.downstream import DOWNSTREAM7, DownstreamUnavailable, evaluate_tasks
+from dofla.eval.downstream import DOWNSTREAM7, DownstreamUnavailable, availability, evaluate_tasks, row_metrics
 from dofla.eval.mmlu_dev import mmlu_dev_questions, write_mmlu_dev_task
 from dofla.eval.mqar import id_ranges, make_mqar_batch, mqar_accuracy, mqar_curve, mqar_hits
 from dofla.eval.task_finetune import FinetuneProtocolConfig, pad_batch, run_finetune_protocol
@@ -67,6 +68,92 @@ def test_real_tasks_offline_are_skipped_in_one_sentence(task_dir, teacher_studen
     assert len(lines) == 2 * len(DOWNSTREAM7)
     assert all(ln.endswith("run once with network access to cache it") for ln in lines)
     assert "downstream task mmlu skipped: its dataset cais/mmlu (57 configs)" in "\n".join(lines)
+
+
+def write_generation_task(root) -> str:
+    """A local generate_until task scored by exact match under a regex filter (a GSM8K-style answer)."""
+    docs = root / "gen.jsonl"
+    docs.write_text("".join(json.dumps({"question": f"{i} plus one is", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    config = {"task": "gen_local", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(docs)}},
+              "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{question}}",
+              "doc_to_target": "{{answer}}", "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
+              "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+              "filter_list": [{"name": "strict-match", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"},
+                                                                  {"function": "take_first"}]}]}
+    (root / "gen_local.yaml").write_text(yaml.safe_dump(config))
+    return "gen_local"
+
+
+def test_generation_metrics_are_kept_beside_accuracy(tmp_path, task_dir, teacher_student, byte_tokenizer):
+    task = write_generation_task(tmp_path)
+    result = evaluate_tasks(teacher_student[0], byte_tokenizer, [task, "piqa_local"], limit=4,
+                            task_dirs=[tmp_path, task_dir])
+    assert result.ran == [task, "piqa_local"]
+    assert set(result.metrics) == {f"downstream/{task}/exact_match,strict-match",
+                                   "downstream/piqa_local/acc", "downstream/piqa_local/acc_norm",
+                                   "downstream/piqa_local/version", "downstream/avg_acc"}
+    assert 0.0 <= result.metrics[f"downstream/{task}/exact_match,strict-match"] <= 1.0
+    assert result.metrics["downstream/avg_acc"] == result.acc("piqa_local")  # a task without acc is not averaged
+
+
+def test_row_metrics_keep_numbers_and_name_filters():
+    row = {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1, "exact_match,flexible-extract": 1,
+           "bleu,none": "N/A", "1024,none": 0.25, "sample_len": 8, "version": 2.0}
+    assert row_metrics("t", row) == {"downstream/t/acc": 0.5, "downstream/t/exact_match,flexible-extract": 1.0,
+                                     "downstream/t/1024": 0.25, "downstream/t/version": 2.0}
+
+
+def write_synthetic_task(root, generator: str) -> str:
+    """A local task that builds its documents in ``gen.py`` (as RULER's do), no dataset named."""
+    (root / "gen.py").write_text(generator)
+    (root / "synth_local.yaml").write_text(
+        "task: synth_local\ndataset_path: ''\ncustom_dataset: !function gen.make\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: '{{text}}'\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs: {until: ['\\n'], max_gen_toks: 2}\n"
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n")
+    return "synth_local"
+
+
+def test_task_without_its_generator_package_is_one_sentence(tmp_path):
+    task = write_synthetic_task(tmp_path, "import dofla_absent_package\n\ndef make(**kwargs):\n    return {}\n")
+    runnable, skipped, _ = availability([task], (str(tmp_path),))
+    assert runnable == [] and skipped[task].startswith(f"downstream task {task} skipped: its code needs a package")
+    assert "No module named 'dofla_absent_package'" in skipped[task] and skipped[task].count(". ") == 0
+
+
+@pytest.fixture
+def offline_empty_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+
+
+@pytest.mark.slow  # lm-eval's whole task index and 500 generated documents per length: 1-2 min
+def test_ruler_needle_task_runs_offline_at_the_lengths_asked(offline_empty_cache, byte_tokenizer):
+    """lm-eval's own niah_single_1 builds its haystack from fixed sentences: no hub probe, no download;
+    its documents are generated with the model's tokenizer at each length the model's context holds."""
+    pytest.importorskip("wonderwords", reason="RULER's generators need wonderwords (lm-eval's ruler extra)")
+    teacher = build_tiny_model("llama", seed=0)
+    # RoPE: no learned positions. RULER's shortest prompt with five haystack sentences is ~900 bytes (one
+    # token each here) plus 128 generated tokens: 1024 is the least length lm-eval 0.4.12 fills.
+    teacher.config.max_position_embeddings = 1536
+    student = convert(copy.deepcopy(teacher), feature_map="learned_prf")
+    assert availability(["niah_single_1", "niah_single_2"], ())[:2] == (["niah_single_1"], {
+        "niah_single_2": "downstream task niah_single_2 skipped: its dataset baber/paul_graham_essays cannot "
+                         "be downloaded (no network or hub access) and is not in the local HF cache; run once "
+                         "with network access to cache it"})
+    for model in (teacher, student):
+        result = evaluate_tasks(model, byte_tokenizer, ["niah_single_1"], limit=2, batch_size=2,
+                                seq_lengths=[1024, 1536, 2048])
+        assert result.ran == ["niah_single_1"] and not result.skipped
+        # one score per length that fits; RULER's -1 for its unused default length (4096) is not a score
+        assert set(result.metrics) == {"downstream/niah_single_1/1024", "downstream/niah_single_1/1536",
+                                       "downstream/niah_single_1/version"}
+        assert all(0.0 <= result.metrics[f"downstream/niah_single_1/{n}"] <= 1.0 for n in (1024, 1536))
+    short = evaluate_tasks(teacher, byte_tokenizer, ["niah_single_1"], limit=2, seq_lengths=[4096])
+    assert short.ran == [] and short.skipped == {"niah_single_1": (
+        "downstream task niah_single_1 skipped: none of its lengths [4096] fits the model's context of 1536 "
+        "tokens; ask for shorter ones")}
 
 
 def test_missing_local_data_file_is_skipped(tmp_path, teacher_student, byte_tokenizer):

@@ -6,7 +6,7 @@ check the chosen plan on the model, and record all of it (``allocation.json``).
 bytes from :func:`dofla.dof.menu.option_bytes`), then re-measures the chosen plan as one student: the
 interaction check. Its measured value (the weighted drop of both signals from the baseline student) beside
 the sum of the single-head values says how far the heads' gains add up. With ``repair_rounds`` > 0, a
-greedy repair follows: each repair measures every switched head of the best plan measured yet in context (that
+greedy repair follows: each repair step measures every switched head of the best plan found in context (that
 plan with the head put back at the baseline), takes the head whose in-context value falls furthest below
 its single-head value, puts that in-context value in its place, solves again and measures the new plan
 (it stops when the solver returns a plan measured already); the best plan measured is kept.

@@ -3,7 +3,9 @@
 The paper's seven tasks are lm-eval's defaults (``DOWNSTREAM7``). Before lm-eval is asked, each
 task's datasets are checked in a child process with a timeout, so a machine without hub access
 skips what it cannot have with one sentence per task instead of hanging in ``datasets`` retries.
-Local tasks (YAML files in ``task_dirs`` with ``dataset_path: json``) run the same code path.
+Local tasks (YAML files in ``task_dirs`` with ``dataset_path: json``) run the same code path. Tasks
+that build their own data (RULER's needle tasks) need no probe and run at the lengths the model
+reaches (:mod:`dofla.eval.synthetic_tasks`); every numeric metric lm-eval reports is kept.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pathlib import Path
 import huggingface_hub.constants as hub_constants
 
 from dofla.eval.mmlu_dev import write_mmlu_dev_task
+from dofla.eval.synthetic_tasks import RULER_LENGTHS, length_manager, length_metrics, reachable_lengths, saved_tokenizer
+from dofla.eval.task_specs import DatasetSpec, builds_own_data, code_problem, dataset_specs
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ TRAIN_EXAMPLES = {"piqa": 16_113, "logiqa": 7_376, "arc_easy": 2_251, "arc_chall
                   "winogrande": 40_398, "mmlu": 99_842, "wsc": 554}
 PACKAGED_BUILDERS = {"json", "csv", "parquet", "text", "arrow"}
 PROBE_SCRIPT = Path(__file__).with_name("dataset_probe.py")
-__all__ = ["DOWNSTREAM7", "DownstreamUnavailable", "TaskResults", "evaluate_tasks", "write_mmlu_dev_task"]
+__all__ = ["DOWNSTREAM7", "DatasetSpec", "dataset_specs", "DownstreamUnavailable", "TaskResults", "evaluate_tasks", "write_mmlu_dev_task"]
 
 
 class DownstreamUnavailable(RuntimeError):
@@ -42,7 +46,8 @@ class DownstreamUnavailable(RuntimeError):
 
 @dataclass
 class TaskResults:
-    """Flat metrics ``downstream/<task>/acc|acc_norm`` and ``downstream/avg_acc``, plus skips."""
+    """Flat metrics ``downstream/<task>/<metric>`` (every numeric metric lm-eval reports) and
+    ``downstream/avg_acc`` (over the tasks reporting ``acc``), plus skips."""
 
     metrics: dict[str, float] = field(default_factory=dict)
     ran: list[str] = field(default_factory=list)
@@ -50,16 +55,6 @@ class TaskResults:
 
     def acc(self, task: str) -> float:
         return self.metrics[f"downstream/{task}/acc"]
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    path: str
-    name: str | None = None
-    data_files: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        return self.path if self.name is None else f"{self.path} ({self.name})"
 
 
 @lru_cache(maxsize=8)
@@ -77,41 +72,6 @@ def manager_for(task: str, task_dirs: tuple[str, ...]):
         if task in local.task_index:
             return local
     return task_manager((), include_defaults=True)
-
-
-def dataset_specs(manager, task: str) -> list[DatasetSpec]:
-    """Every dataset a task (or group, e.g. ``mmlu``'s 57 subjects) reads, from its YAML alone."""
-    from lm_eval.tasks._index import Kind  # lazy: lm-eval (the eval extra) takes seconds to import
-    from lm_eval.tasks._yaml_loader import load_yaml  # lazy: lm-eval (the eval extra) takes seconds to import
-
-    entry = manager.task_index.get(task)
-    if entry is None:
-        raise KeyError(f"unknown lm-eval task {task!r}")
-    if entry.kind in (Kind.GROUP, Kind.TAG):
-        members = _group_members(manager, task, entry)
-        return list(dict.fromkeys(s for m in members for s in dataset_specs(manager, m)))
-    cfg = load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else dict(entry.cfg or {})
-    return [_spec_from_config(cfg, entry.yaml_path)]
-
-
-def _group_members(manager, task: str, entry) -> list[str]:
-    from lm_eval.tasks._index import Kind  # lazy: lm-eval (the eval extra) takes seconds to import
-
-    if entry.kind == Kind.TAG:
-        return [n for n, e in manager.task_index.items() if task in e.tags]
-    items = entry.cfg.get("task", []) if entry.cfg else []
-    return [m if isinstance(m, str) else m.get("task") for m in items if m]
-
-
-def _spec_from_config(cfg: dict, yaml_path: Path | None) -> DatasetSpec:
-    files = (cfg.get("dataset_kwargs") or {}).get("data_files") or ()
-    if isinstance(files, dict):
-        files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
-    elif isinstance(files, str):
-        files = [files]
-    base = yaml_path.parent if yaml_path else Path.cwd()
-    files = tuple(str(f if Path(f).is_absolute() else base / f) for f in files)
-    return DatasetSpec(str(cfg.get("dataset_path")), cfg.get("dataset_name"), files)
 
 
 def probe_hub_datasets(specs: list[DatasetSpec], timeout_s: float = 60.0) -> tuple[bool, dict]:
@@ -135,7 +95,7 @@ def availability(tasks: list[str], task_dirs: tuple[str, ...], timeout_s: float 
     reachable, available = probe_hub_datasets(list(dict.fromkeys(hub)), timeout_s)
     runnable, skipped = [], {}
     for task, task_specs in specs.items():
-        reason = _missing_reason(task, task_specs, available)
+        reason = code_problem(manager_for(task, task_dirs), task) or _missing_reason(task, task_specs, available)
         if reason:
             skipped[task] = reason
         else:
@@ -194,11 +154,14 @@ def run_lm_eval(lm, task: str, manager, limit: int | None) -> dict:
 
 def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
                    task_dirs: list[Path] = (), probe_timeout_s: float = 60.0,
-                   hub_reachable: bool | None = None) -> TaskResults:
-    """Zero-shot acc / acc_norm per task on ``model``; tasks whose data cannot be had are skipped.
+                   hub_reachable: bool | None = None, seq_lengths: list[int] | None = None) -> TaskResults:
+    """Zero-shot scores per task on ``model``: every numeric metric lm-eval reports
+    (:func:`row_metrics`); tasks whose data cannot be had are skipped.
 
     ``hub_reachable`` given means the caller already ran :func:`availability` and ``tasks`` are
-    the runnable ones (no second probe). Raises ``DownstreamUnavailable`` when none can run.
+    the runnable ones (no second probe). A task that builds its own data (RULER) runs at each of
+    ``seq_lengths`` (None: RULER's lengths) that fits the model's context, ``limit`` documents each.
+    Raises ``DownstreamUnavailable`` when none can run.
     """
     from lm_eval.models.huggingface import HFLM  # lazy: lm-eval (the eval extra) takes seconds to import
 
@@ -211,24 +174,54 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], limit: int | None = None,
         logger.warning(reason)
     if not runnable:
         raise DownstreamUnavailable(f"none of the downstream tasks {list(tasks)} can run here: "
-                                    "their datasets are neither reachable nor cached")
+                                    "the lines above say why for each")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     result = TaskResults(skipped=skipped)
-    with hub_offline(not reachable):
+    synthetic = any(builds_own_data(manager_for(task, dirs), task) for task in runnable)
+    with hub_offline(not reachable), (saved_tokenizer(tokenizer) if synthetic else contextlib.nullcontext()) as tokenizer_dir:
         for task in runnable:
+            manager = manager_for(task, dirs)
             try:
-                row = run_lm_eval(lm, task, manager_for(task, dirs), limit)
+                rows = _task_rows(lm, task, manager, limit, seq_lengths, tokenizer_dir)
             except (ConnectionError, FileNotFoundError) as err:  # a cache that went stale since the probe
-                result.skipped[task] = f"downstream task {task} skipped: its data could not be loaded ({err})"
-                logger.warning(result.skipped[task])
+                rows = f"downstream task {task} skipped: its data could not be loaded ({err})"
+            if isinstance(rows, str):
+                result.skipped[task] = rows
+                logger.warning(rows)
                 continue
-            for metric in ("acc", "acc_norm"):
-                if f"{metric},none" in row:
-                    result.metrics[f"downstream/{task}/{metric}"] = float(row[f"{metric},none"])
-            if "version" in row:
-                result.metrics[f"downstream/{task}/version"] = row["version"]
+            for row in rows:
+                result.metrics.update(row_metrics(task, row))
             result.ran.append(task)
     accs = [result.acc(t) for t in result.ran if f"downstream/{t}/acc" in result.metrics]
     if accs:
         result.metrics["downstream/avg_acc"] = sum(accs) / len(accs)
     return result
+
+
+def _task_rows(lm, task: str, manager, limit: int | None, seq_lengths, tokenizer_dir: str) -> list[dict] | str:
+    """lm-eval's result rows for one task: one row, or one per length for a task that builds its own
+    data; a string (the one-sentence reason) when no length fits the model."""
+    if not builds_own_data(manager, task):
+        return [run_lm_eval(lm, task, manager, limit)]
+    lengths = reachable_lengths(lm.max_length, seq_lengths)
+    if not lengths:
+        return (f"downstream task {task} skipped: none of its lengths {list(seq_lengths or RULER_LENGTHS)} "
+                f"fits the model's context of {lm.max_length} tokens; ask for shorter ones")
+    yaml_path = manager.task_index[task].yaml_path
+    return [length_metrics(run_lm_eval(lm, task, length_manager(yaml_path, tokenizer_dir, n), limit))
+            for n in lengths]
+
+
+def row_metrics(task: str, row: dict) -> dict[str, float]:
+    """``downstream/<task>/<metric>`` for every numeric ``metric,filter`` of lm-eval's row (the
+    filter named only when it is not ``none``: ``acc``, ``exact_match,strict-match``, RULER's
+    ``1024``), standard errors left out, and ``downstream/<task>/version`` when reported."""
+    out = {}
+    for key, value in row.items():
+        metric, comma, filt = key.partition(",")
+        if not comma or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[f"downstream/{task}/{metric if filt == 'none' else key}"] = float(value)
+    if "version" in row:
+        out[f"downstream/{task}/version"] = row["version"]
+    return out

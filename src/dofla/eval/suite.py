@@ -1,7 +1,8 @@
 """The eval stage's task part: which lm-eval tasks can run (decided before any model loads),
 zero-shot scores of teacher and student, the paper's fine-tune protocol, and the MQAR probe.
 
-Metric names: ``tasks/<who>/<task>/acc|acc_norm``, ``tasks/<who>/avg_acc`` (who = teacher |
+Metric names: ``tasks/<who>/<task>/<metric>`` (every numeric metric lm-eval reports: ``acc``,
+``acc_norm``, ``contains``, RULER's per-length ``1024``, ...), ``tasks/<who>/avg_acc`` (who = teacher |
 student), ``finetuned/<who>/<task>/acc`` and ``finetuned/lr/<task>`` for the protocol,
 ``mqar/<who>/T<len>`` for recall. Skipped tasks go to ``tasks_skipped.json`` with their reason
 (keyed ``finetune/<task>`` when only the protocol skipped it).
@@ -26,8 +27,11 @@ from dofla.record import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
-# `eval.tasks=[downstream7]` stands for the paper's seven tasks.
-ALIASES = {"downstream7": DOWNSTREAM7}
+# lm-eval's recall tasks: RULER's single-needle retrieval (synthetic, at the lengths the model reaches)
+# and the in-context extraction tasks the gated delta-rule papers report (hub data, skipped without it)
+RECALL_SUITE = ("niah_single_1", "niah_single_2", "niah_single_3", "swde", "fda", "squad_completion")
+# `eval.tasks=[downstream7]` stands for the paper's seven tasks, `eval.tasks=[recall_suite]` for the above.
+ALIASES = {"downstream7": DOWNSTREAM7, "recall_suite": RECALL_SUITE}
 
 
 class TaskPlanError(DoflaError, ValueError):
@@ -75,9 +79,9 @@ def plan_tasks(ev: EvalConfig, out_dir: Path, others_requested: bool) -> TaskPla
     for reason in skipped.values():
         logger.warning(reason)
     if not runnable and not others_requested:
-        raise TaskPlanError(f"none of eval.tasks {tasks} can run here (their datasets are neither "
-                            "reachable nor cached) and nothing else was asked for; run once with network "
-                            "access, or use eval.tasks=[mmlu_dev_offline], which needs no download")
+        raise TaskPlanError(f"none of eval.tasks {tasks} can run here (the lines above say why for each) "
+                            "and nothing else was asked for; run once with network access, or use "
+                            "eval.tasks=[mmlu_dev_offline], which needs no download")
     return TaskPlan(runnable, skipped, dirs_t, reachable)
 
 
