@@ -67,7 +67,7 @@ def test_installed_dofla_composes_the_checkouts_config(installed):
 
 def test_installed_help_lists_the_config_groups(installed):
     out = _run(["-m", "dofla", "--help"], installed["cwd"], installed["site"])
-    assert "allocation: dof, dof_clip" in out and "powered by Hydra" not in out.splitlines()[0]
+    assert "allocation: budget, dof, dof_clip" in out and "powered by Hydra" not in out.splitlines()[0]
 
 
 def test_every_config_directory_is_a_declared_package():
