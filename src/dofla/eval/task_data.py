@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from dofla.eval.downstream import DownstreamUnavailable, manager_for
+from dofla.train.continuation_step import pad_batch  # noqa: F401 - API: the fine-tune protocol pads with it
 
 
 def training_pairs(task: str, model, tokenizer, task_dirs: tuple[str, ...] = (),
@@ -69,20 +68,6 @@ def gold_text(task, doc, description: bool = True) -> tuple[str, str]:
     gold = choices[target] if isinstance(target, int) else target
     context = task.fewshot_context(doc, num_fewshot=0) if description else task.doc_to_text(doc)
     return context, f"{delimiter}{gold}"
-
-
-def pad_batch(pairs, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels), right-padded: with causal attention the padding never reaches a real
-    token, so no attention mask is needed (linear-attention students may ignore one anyway)."""
-    rows = []
-    for context, continuation in pairs:
-        ids = (context + continuation)[-max_length:]  # drop the oldest context tokens first
-        n_target = min(len(continuation), len(ids) - 1)
-        rows.append((ids, [-100] * (len(ids) - n_target) + ids[len(ids) - n_target :]))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
-    return input_ids, labels
 
 
 def train_data_problem(data, task: str | None = None) -> str | None:
