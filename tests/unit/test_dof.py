@@ -200,7 +200,7 @@ def test_invalid_head_allocation_inputs_raise(args):
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: dof, dof_clip, dof_head, fix, fix_max, given, measured"):
+    with pytest.raises(KeyError, match="did you mean 'dof_clip'.*valid: budget, dof, dof_clip, dof_head, fix, fix_max, given, measured"):
         allocate_dims([1.0], 64, "dof_clp", 64)
 
 
