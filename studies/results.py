@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
 from studies.dof_tables import dof_allocation
+from studies.dof_tokens import dof_tokens, tokens_curve, tokens_figure
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share_cell, signed, values
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,12 +168,13 @@ def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
 
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
-PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar}
+PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar,
+         "dof_tokens": dof_tokens, "tokens_curve": tokens_curve}
 SOURCES = {"headline": ("headline", "dof_allocation"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
-           "headline_rerun": ("headline_rerun", "headline")}
-PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline"}
-# A page's figure, drawn from the same records whenever its blocks are rewritten (README shows it too).
-FIGURES = {"headline": ROOT / "docs" / "results" / "figures" / "headline_frontier.png"}
+           "headline_rerun": ("headline_rerun", "headline"),
+           "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
+           "tokens_curve": ("dof_tokens", "headline")}
+PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 
 def frontier_figure(records: list[RunRecord], path: Path) -> Path | None:
@@ -184,6 +186,13 @@ def frontier_figure(records: list[RunRecord], path: Path) -> Path | None:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     return frontier_plot(points, path)
+
+
+FIGURE_DIR = ROOT / "docs" / "results" / "figures"
+# A page's figure and how it is drawn from the page's records whenever its blocks are rewritten (README shows
+# the frontier too); the drawing returns None while the records cannot make it.
+FIGURES = {"headline": (FIGURE_DIR / "headline_frontier.png", frontier_figure),
+           "tokens_curve": (FIGURE_DIR / "tokens_curve.png", tokens_figure)}
 
 
 def page_path(name: str) -> Path:
@@ -225,8 +234,9 @@ def run(page: str, check: bool, records_root: Path = RECORDS) -> list[str]:
                              if f == file and blocks[f, name] and f"<!-- results: {page} {name} -->" not in text]
         if not check and changed:
             path.write_text(text)
-    if not check and page in FIGURES and (differ or not FIGURES[page].exists()):
-        frontier_figure([r for source in sources for r in source], FIGURES[page])
+    if not check and page in FIGURES and (differ or not FIGURES[page][0].exists()):
+        path, draw = FIGURES[page]
+        draw([r for source in sources for r in source], path)
     return differ
 
 

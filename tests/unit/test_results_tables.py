@@ -246,7 +246,7 @@ def test_the_committed_pages_are_what_the_committed_records_give(page):
     if page != "headline":
         return
     if any("memory/student/decode_mib/T2048" in r.metrics for r in load_records(results.RECORDS / "headline")):
-        assert results.FIGURES["headline"].is_file()  # README and the page show it
+        assert results.FIGURES["headline"][0].is_file()  # README and the page show it
 
 
 def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_order(tmp_path):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Reproduces the tokens study on docs/results/dof_allocation.md and docs/results/headline.md: the pure
+# linear students trained on more KL text (distill.tokens, 4x the headline's 65,536 by default), each
+# preset under each policy, each data order. Every run is scored twice from the same trained student: on
+# the test split (records in docs/results/runs/dof_tokens_test/) and on the dev split, where the
+# 65,536-token records of docs/results/runs/headline/ and dof_allocation/ were scored, so the tokens curve
+# compares like with like (records in docs/results/runs/dof_tokens/). The split is in no trained
+# artifact's key: the second scoring reads the trained student and only evaluates.
+# About 45 min per run at 262,144 tokens on 2 CPU cores (layerwise 4 min, KL 31 min at ~140 tokens/s,
+# two evaluations 10 min). TOKENS, SEEDS, PRESETS, POLICIES: e.g. TOKENS=1048576 SEEDS=0.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-multirun_sweeps/dof_tokens}
+TOKENS=${TOKENS:-262144}
+SEEDS=${SEEDS:-0 1 2}
+PRESETS=${PRESETS:-linear_delta_kl}
+POLICIES=${POLICIES:-fix dof}
+for seed in $SEEDS; do
+  for preset in $PRESETS; do
+    for policy in $POLICIES; do
+      run=$OUT/${preset}_${policy}_t${TOKENS}_s$seed
+      common=(experiment=$preset allocation=$policy seed=$seed distill.tokens=$TOKENS train.layer_dir=$OUT/layers
+              'eval.passkey_lengths=[]' hydra.run.dir=$run)
+      dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15
+      python -m studies.records $run --into docs/results/runs/dof_tokens_test
+      dofla "${common[@]}"
+      python -m studies.records $run --into docs/results/runs/dof_tokens
+    done
+  done
+done
