@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dofla.report import RunRecord, paired_interval
+from dofla.report import RunRecord, crossed_interval, paired_interval, share_interval
 from studies.tables import common_orders, markdown, paired, quality, signed, teacher, values
 
 PURE = (("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"), ("pure linear: gated delta rule", "linear_delta_kl"))
@@ -54,10 +54,22 @@ def tokens_table(found: dict) -> str:
     for (preset, tokens, part, pol), runs in found.items():
         ppl, delta, far = quality(runs)
         rows.append([f"`{preset}`", f"{tokens:,}", part, f"`{pol}`", ", ".join(str(r.seed) for r in runs),
-                     f"{ppl:.2f}", f"{math.exp(delta.mean):.2f}×", signed(delta), far])
+                     f"{ppl:.2f}", f"{math.exp(delta.mean):.2f}×", signed(delta), far, *agreement(runs)])
     header = ["student", "KL tokens", "held-out split", "policy", "data orders", "held-out ppl", "× teacher",
-              "loss − teacher (nats)", "at positions 1,024–2,047"]
+              "loss − teacher (nats)", "at positions 1,024–2,047", "first generated token = teacher's",
+              "greedy tokens matched (of 32)"]
     return markdown(header, rows) if rows else ""
+
+
+def agreement(runs: list[RunRecord]) -> tuple[str, str]:
+    """The generation-scored agreement cells (– where not measured): the share of prompts whose first greedy
+    token is the teacher's (Wilson's interval over the pooled prompts) and the mean matched prefix of the
+    greedy continuations (95 % over runs and prompts)."""
+    first, prefix = values(runs, "agreement/first_token"), values(runs, "agreement/prefix_len")
+    if first is None or prefix is None:
+        return "–", "–"
+    got = share_interval(first)
+    return f"{got} ({got.hits}/{got.trials})", signed(crossed_interval(prefix)).lstrip("+")
 
 
 def comparisons(found: dict) -> str:

@@ -5,7 +5,8 @@
 # the test split (records in docs/results/runs/dof_tokens_test/) and on the dev split, where the
 # 65,536-token records of docs/results/runs/headline/ and dof_allocation/ were scored, so the tokens curve
 # compares like with like (records in docs/results/runs/dof_tokens/). The split is in no trained
-# artifact's key: the second scoring reads the trained student and only evaluates.
+# artifact's key: the second scoring reads the trained student and only evaluates. The test scoring adds the
+# generation-scored agreement with the teacher (64 held-out prompts of 64 tokens, 32 greedy tokens each).
 # About 45 min per run at 262,144 tokens on 2 CPU cores (layerwise 4 min, KL 31 min at ~140 tokens/s,
 # two evaluations 10 min). TOKENS, SEEDS, PRESETS, POLICIES: e.g. TOKENS=1048576 SEEDS=0.
 set -euo pipefail
@@ -21,7 +22,7 @@ for seed in $SEEDS; do
       run=$OUT/${preset}_${policy}_t${TOKENS}_s$seed
       common=(experiment=$preset allocation=$policy seed=$seed distill.tokens=$TOKENS train.layer_dir=$OUT/layers
               'eval.passkey_lengths=[]' hydra.run.dir=$run)
-      dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15
+      dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
       python -m studies.records $run --into docs/results/runs/dof_tokens_test
       dofla "${common[@]}"
       python -m studies.records $run --into docs/results/runs/dof_tokens

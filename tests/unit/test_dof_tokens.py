@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from dofla.report import load_records, paired_interval
+from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.report import crossed_interval, load_records, paired_interval, share_interval
 from studies import records, results
 from studies.dof_tokens import tokens_figure
 from tests.unit.test_results_tables import SEQS, fake_run
@@ -20,6 +21,10 @@ def run_with(root, name, preset, seed, shift, policy, tokens, split=None):
     record["config"]["distill"] = {"tokens": tokens}
     record["config"]["data"] = {"heldout_split": split} if split else {}
     (run / "run.json").write_text(json.dumps(record))
+    if split == "test":  # the test scoring measures generation agreement too
+        first, prefix = [float(i % 3 > 0) for i in range(8)], [float((i + seed) % 5) for i in range(8)]
+        Measurements(run / MEASUREMENTS, main=True).get("agreement", {}, lambda: {
+            "agreement/first_token": 0.0, "seq/agreement/first_token": first, "seq/agreement/prefix_len": prefix})
     return run
 
 
@@ -49,7 +54,13 @@ def test_each_token_count_and_split_gets_its_rows_and_its_dof_against_fix(tmp_pa
     dev = [r for r in load_records(root / "dof_tokens") if r.config["allocation"]["policy"] == "fix"]
     ppl = math.exp(sum(sum(r.sequences["heldout/student"]) for r in dev) / (2 * SEQS))
     assert any(row.startswith(f"| `linear_delta_kl` | 262,144 | dev | `fix` | 0, 1 | {ppl:.2f} |") for row in table)
-    assert any(row.startswith("| `linear_delta_kl` | 262,144 | test | `dof` | 0, 1 |") for row in table)
+    (test_dof,) = [row for row in table if row.startswith("| `linear_delta_kl` | 262,144 | test | `dof` | 0, 1 |")]
+    runs = [r for r in load_records(root / "dof_tokens_test") if r.config["allocation"]["policy"] == "dof"]
+    first = share_interval([r.sequences["agreement/first_token"] for r in runs])
+    prefix = crossed_interval([r.sequences["agreement/prefix_len"] for r in runs])
+    assert (first.hits, first.trials) == (10, 16)
+    assert test_dof.endswith(f" | {first} (10/16) | {prefix.mean:.3f} ± {prefix.half_width:.3f} |")
+    assert all(row.endswith(" | – | – |") for row in table[2:] if "| dev |" in row)  # not measured there
     comparisons = blocks[("dof_tokens", "comparisons")]
     dof = sorted((r for r in load_records(root / "dof_tokens_test") if r.config["allocation"]["policy"] == "dof"),
                  key=lambda r: r.seed)
