@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from dofla.artifacts import file_sha256
+from dofla.config import RunConfig
+from dofla.eval.suite import TaskPlan, teacher_file
+from dofla.models import loading
 from dofla.models.loading import EMBEDDED, _embedded_gguf_path, converted_dir, gguf_sha256, teacher_identity
 from dofla.record import git_state, torch_build
+from dofla.stages.keys import cache_fields, teacher_settings
 
 
 def test_the_fingerprint_names_the_torch_build_and_the_threads_in_use():
@@ -90,3 +94,22 @@ def test_the_record_names_the_teacher_and_the_embedded_ones_file_hash(name, tmp_
         assert identity["sha256"] == file_sha256(_embedded_gguf_path())
         assert "Q4_1" in identity["weights"] and "dequantised to float32" in identity["weights"]
         assert identity["file"].endswith(".Q4_1.gguf")
+
+
+def test_another_embedded_gguf_changes_every_key_the_teacher_enters(tmp_path, monkeypatch):
+    """The file the keys were made from leaves them as they were; a new file (another package release)
+    gives the activation cache, the teacher's scores and its task scores keys of their own."""
+    monkeypatch.setenv("DOFLA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = RunConfig()
+    cfg.model.source = EMBEDDED
+    assert file_sha256(_embedded_gguf_path()) == loading.EMBEDDED_SHA256
+    assert loading.weights_fields(EMBEDDED) == {} and loading.weights_fields("tiny:llama") == {}
+    plan = TaskPlan(runnable=["hellaswag"], skipped={}, task_dirs=())
+    before = cache_fields(cfg, "text"), teacher_settings(cfg), teacher_file(tmp_path, plan, cfg, "teacher_tasks")
+    other = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    other.write_bytes(b"GGUF another release")
+    monkeypatch.setattr(loading, "_embedded_gguf_path", lambda: other)
+    assert loading.weights_fields(EMBEDDED) == {"weights_sha256": file_sha256(other)}
+    after = cache_fields(cfg, "text"), teacher_settings(cfg), teacher_file(tmp_path, plan, cfg, "teacher_tasks")
+    assert all(a != b for a, b in zip(after, before))
+    assert after[0]["weights_sha256"] == after[1]["weights_sha256"] == file_sha256(other)

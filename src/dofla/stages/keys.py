@@ -21,6 +21,7 @@ from dataclasses import asdict, fields
 from dofla.artifacts import canonical
 from dofla.attention.forms import FORMS
 from dofla.config import LEGACY_VALUES, RunConfig, section_keys
+from dofla.models.loading import weights_fields
 from dofla.models.plan import read_plan
 from dofla.precision import teacher_dtype
 
@@ -55,7 +56,8 @@ def section(cfg: RunConfig, name: str, legacy: bool = False) -> dict:
 def cache_fields(cfg: RunConfig, fingerprint: str, num_tokens: int | None = None) -> dict:
     """What determines the activation cache (its key names the data every later artifact came from)."""
     fields_ = {"model": cfg.model.source, "revision": cfg.model.revision, "data": fingerprint,
-               "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16"}
+               "seq_len": cfg.data.seq_len, "num_tokens": num_tokens or cfg.data.num_tokens, "dtype": "float16",
+               **weights_fields(cfg.model.source)}
     if cfg.model.source.startswith("tiny:"):
         fields_["model_seed"], fields_["tiny_layers"] = cfg.seed, cfg.model.tiny_layers
     if cfg.data.shuffle_seed is not None:  # which sequences were cached
@@ -181,6 +183,7 @@ def finetune_settings(cfg: RunConfig, student: dict | None) -> dict:
 
 def teacher_settings(cfg: RunConfig) -> dict:
     """The teacher as an evaluated model: its source and revision (and, for a tiny random model, the
-    seed that built it)."""
+    seed that built it; for the embedded model, its GGUF's hash when the file is a new one:
+    :func:`dofla.models.loading.weights_fields`)."""
     tiny = cfg.model.source.startswith("tiny:")
-    return {"model": section(cfg, "model"), "seed": cfg.seed if tiny else None}
+    return {"model": section(cfg, "model"), "seed": cfg.seed if tiny else None, **weights_fields(cfg.model.source)}
