@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from dofla.dof.knapsack import MIB, brute_force, solve
+import itertools
+
+from dofla.dof.knapsack import MIB, brute_force, random_choice, solve
 
 
 def _instance(seed: int):
@@ -48,3 +50,24 @@ def test_a_budget_above_everything_takes_each_heads_best_option():
 def test_a_malformed_instance_is_one_sentence():
     with pytest.raises(ValueError, match="as many measured values as option sizes"):
         solve([[1.0, 2.0]], [[1]], 10)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_random_plan_stays_within_the_budget_and_comes_close_to_its_target(seed):
+    _, sizes, budget = _instance(seed)
+    target = (sum(min(s) for s in sizes) + budget) // 2
+    choice = random_choice(sizes, budget, seed=seed, target=target)
+    assert choice.bytes <= budget and choice.value == 0.0 and choice.status.startswith("random")
+    assert choice.bytes == sum(s[o] for s, o in zip(sizes, choice.options))
+    # every byte count a plan within the budget can take: the draws find one as close as the best few
+    reachable = sorted({sum(s[o] for s, o in zip(sizes, options))
+                        for options in itertools.product(*(range(len(s)) for s in sizes))
+                        if sum(s[o] for s, o in zip(sizes, options)) <= budget}, key=lambda b: abs(b - target))
+    assert abs(choice.bytes - target) <= abs(reachable[min(2, len(reachable) - 1)] - target)
+
+
+def test_random_plans_follow_their_seed():
+    sizes = [[1, 4, 9]] * 12
+    a, b, c = (random_choice(sizes, 60, seed=s, target=40) for s in (0, 0, 1))
+    assert a == b and a.options != c.options
+    assert len({o for o in a.options}) > 1  # a draw mixes options, it is not the cheapest plan

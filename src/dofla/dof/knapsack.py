@@ -5,7 +5,8 @@ the budget, the summed measured value as large as possible.
 ``scipy.optimize.milp`` (one binary variable per head and option, one equality per head, one byte
 constraint, no relative gap allowed). :func:`brute_force` is its plain reference: every combination,
 for the small instances the tests compare them on. Bytes are integers, so a solution the solver accepts
-within its tolerance is checked against the budget exactly.
+within its tolerance is checked against the budget exactly. :func:`random_choice` is the ablation's plan:
+options drawn at random within the budget, no measured value consulted.
 """
 from __future__ import annotations
 
@@ -70,6 +71,31 @@ def brute_force(values: list[list[float]], sizes: list[list[int]], budget: int) 
         if best is None or total > best[0]:
             best = (total, options)
     return _choice(values, sizes, budget, best[1], "optimal")
+
+
+def random_choice(sizes: list[list[int]], budget: int, seed: int, target: int | None = None,
+                  draws: int = 256) -> Choice:
+    """A plan drawn at random within ``budget`` bytes, for the ablation that asks what measurement buys at the
+    same bytes: each draw visits the heads in a random order and gives each an option drawn uniformly among
+    those that leave every later head its cheapest option; of ``draws`` draws the one closest to ``target``
+    bytes (default: the budget) is kept. Its value is 0: nothing was measured."""
+    zeros = [[0.0] * len(s) for s in sizes]
+    check_instance(zeros, sizes, budget)
+    rng = np.random.default_rng(seed)
+    cheapest = [min(s) for s in sizes]
+    target = budget if target is None else min(target, budget)
+    best = None
+    for _ in range(draws):
+        options, left, floor = [0] * len(sizes), budget, sum(cheapest)
+        for h in rng.permutation(len(sizes)):
+            floor -= cheapest[h]  # what the heads after this one need at least
+            fits = [o for o, size in enumerate(sizes[h]) if size <= left - floor]
+            options[h] = int(rng.choice(fits))
+            left -= sizes[h][options[h]]
+        used = budget - left
+        if best is None or abs(used - target) < abs(best[0] - target):
+            best = (used, tuple(options))
+    return _choice(zeros, sizes, budget, best[1], f"random (seed {seed}, {draws} draws)")
 
 
 def _choice(values, sizes, budget, options, status) -> Choice:
