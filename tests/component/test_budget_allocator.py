@@ -155,11 +155,13 @@ def test_a_timed_sample_scales_to_every_head():
     inputs = 2 + len(prompts)  # the baseline runs both layers, the head of layer 1 its own layer alone
     assert sample["layer_forwards"] == inputs * (LAYERS + (len(menu) - 1) * 1)
     counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
-    seconds = sample["setup_seconds"] + estimate["per_layer_forward_seconds"] * counts["layer_forwards"] + \
-        estimate["per_fit_step_seconds"] * counts["fit_steps"] + estimate["per_student_build_seconds"] * counts["students"]
+    rates = {k: estimate[f"per_{k}_seconds"] for k in ("layer_forward", "student_forward", "fit_step", "student_build")}
+    seconds = sample["setup_seconds"] + rates["layer_forward"] * counts["layer_forwards"] + \
+        rates["student_forward"] * counts["student_forwards"] + rates["fit_step"] * counts["fit_steps"] + \
+        rates["student_build"] * counts["students"]
     assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "seconds": pytest.approx(seconds)}
-    assert estimate["per_layer_forward_seconds"] == pytest.approx(sample["forward_seconds"] / sample["layer_forwards"])
-    assert 0 < estimate["per_fit_step_seconds"] and 0 < estimate["per_student_build_seconds"]
+    assert rates["layer_forward"] == pytest.approx(sample["layer_seconds"] / sample["layer_forwards"])
+    assert 0 < sample["layer_seconds"] < sample["forward_seconds"] < sample["seconds"] and min(rates.values()) > 0
     # a sample of every head spends exactly the counts
     whole = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(i, j) for i in range(LAYERS) for j in range(KV)])
     assert {k: whole["sample"][k] for k in counts} == counts

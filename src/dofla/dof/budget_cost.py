@@ -8,10 +8,11 @@ head alone. Its decoder layer forwards: every student runs all L layers on every
 ``reuse_prefix``, the baseline all of them and a student switched at layer l the L - l from l on.
 
 :func:`timed_estimate` measures the whole menu on a few heads of a real teacher and scales each part of
-the sample's seconds by its count for the whole model: the students' forwards per layer forward (with
-``reuse_prefix`` a head of an early layer costs more than one of a late layer, so a per-head scale would
-depend on which layers were sampled), the fits per fitting step, and the rest (building the students) per
-student. The interaction check adds one student (and one per repair and switched head).
+the sample's seconds by its count for the whole model: the time inside the decoder layers per layer
+forward (with ``reuse_prefix`` a head of an early layer costs more than one of a late layer, so a per-head
+scale would depend on which layers were sampled), the rest of the forwards (embeddings, head and loss: on
+SmolLM2's 49,152-token vocabulary a large share) per student forward, the fits per fitting step, and the
+rest (building the students) per student. The interaction check adds one student (and one per repair and switched head).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def measurement_counts(layers: int, kv_heads: int, menu: list, base: int, batche
 def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list[tuple[int, int]]) -> dict:
     """Measure ``menu`` at the ``sample`` heads of ``teacher`` and scale the seconds to every head.
 
-    Returns the sample's cost, its per-head seconds, its seconds per layer forward, per fitting step and per
-    student built, and the estimate for the whole model (the exact counts of :func:`measurement_counts` and
+    Returns the sample's cost, its per-head seconds, its seconds per layer forward, per student forward
+    (outside the layers), per fitting step and per student built, and the estimate for the whole model (the exact counts of :func:`measurement_counts` and
     the seconds they scale to)."""
     g = get_adapter(teacher).geometry(teacher.config)
     probe = Probe(teacher, tokens, prompts, cfg)
@@ -46,14 +47,16 @@ def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list
     base = baseline_index(menu, g, cfg.context, cfg.kv_bytes)
     measure_menu(probe, menu, base, heads=sample)
     cost = probe.cost
-    rates = {"per_layer_forward_seconds": cost.forward_seconds / cost.layer_forwards,
+    rates = {"per_layer_forward_seconds": cost.layer_seconds / cost.layer_forwards,
+             "per_student_forward_seconds": (cost.forward_seconds - cost.layer_seconds) / cost.student_forwards,
              "per_fit_step_seconds": cost.fit_seconds / max(cost.fit_steps, 1),
              "per_student_build_seconds": (cost.seconds - setup - cost.forward_seconds - cost.fit_seconds)
              / cost.students}
     counts = measurement_counts(g.num_layers, g.num_kv_heads, menu, base, len(probe.batches), len(prompts),
                                 cfg.fit_steps, cfg.fit_target, cfg.reuse_prefix)
     seconds = setup + sum(rates[f"per_{unit}_seconds"] * counts[key] for unit, key in (
-        ("layer_forward", "layer_forwards"), ("fit_step", "fit_steps"), ("student_build", "students")))
+        ("layer_forward", "layer_forwards"), ("student_forward", "student_forwards"), ("fit_step", "fit_steps"),
+        ("student_build", "students")))
     return {"sample": {**cost.to_dict(), "heads": len(sample), "setup_seconds": setup},
             "per_head_seconds": (cost.seconds - setup) / len(sample), **rates,
             "estimate": {**counts, "heads": g.num_layers * g.num_kv_heads, "seconds": seconds}}

@@ -15,6 +15,7 @@ The decoder layers are found through the adapter's attention modules (:func:`dec
 from __future__ import annotations
 
 import functools
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -55,6 +56,27 @@ def recording(layers: list[nn.Module]) -> Iterator[list[list]]:
     handles = [layer.register_forward_hook(functools.partial(_keep, records[i])) for i, layer in enumerate(layers)]
     try:
         yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def timing(layers: list[nn.Module]) -> Iterator[list[float]]:
+    """Yields ``[seconds]``: the wall-clock seconds spent inside ``layers``' forwards run inside the block (the
+    rest of a forward, the embeddings, the head and the loss, is a cost per forward, not per layer)."""
+    spent, started = [0.0], [0.0]
+
+    def start(module, args):
+        started[0] = time.perf_counter()
+
+    def stop(module, args, output):
+        spent[0] += time.perf_counter() - started[0]
+
+    handles = [h for layer in layers for h in (layer.register_forward_pre_hook(start),
+                                               layer.register_forward_hook(stop))]
+    try:
+        yield spent
     finally:
         for handle in handles:
             handle.remove()

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dofla.dof.replay import decoder_layers, recording, replaying
+from dofla.dof.replay import decoder_layers, recording, replaying, timing
 from dofla.dof.softmax_layers import copy_probe
 from dofla.eval.longctx import answer_nll
 from dofla.models.adapters.support import get_adapter
@@ -57,13 +57,14 @@ from dofla.train.layerwise import LayerTrainConfig, train_layer
 class Cost:
     """What a measurement spent: forwards of the teacher and of the students (one batch or prompt each, whole
     or from a replayed prefix), the decoder layers the students' forwards ran, students built, layerwise
-    fitting steps, and wall-clock seconds (the forwards' and the fits' shares apart)."""
+    fitting steps, and wall-clock seconds (the forwards' share, of it the decoder layers', and the fits' apart)."""
 
     seconds: float = 0.0
     teacher_forwards: int = 0
     student_forwards: int = 0
     layer_forwards: int = 0  # decoder layers run by the students' forwards (a replayed layer does not run)
     forward_seconds: float = 0.0  # of ``seconds``: the students' forwards
+    layer_seconds: float = 0.0  # of ``forward_seconds``: inside the decoder layers that ran (the rest: embeddings, head, loss)
     students: int = 0
     fit_steps: int = 0
     fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
@@ -148,14 +149,15 @@ class Probe:
         start = time.perf_counter()
         model = self.student(plan)
         first = self._first_change(plan)
-        layers = decoder_layers(model) if record or first else []
+        layers = decoder_layers(model)
         inputs = [(b, t) for b, t in zip(self.batches, self.targets)] + list(self.prompts)
         forward_start = time.perf_counter()
-        with recording(layers if record else []) as records:
+        with recording(layers if record else []) as records, timing(layers[first:]) as spent:
             results = [self._forward(model, layers, first, n, *pair) for n, pair in enumerate(inputs)]
         if record:
             self._keep(plan, records, len(inputs))
         self.cost.forward_seconds += time.perf_counter() - forward_start
+        self.cost.layer_seconds += spent[0]
         self.cost.student_forwards += len(inputs)
         self.cost.layer_forwards += len(inputs) * (self.geometry.num_layers - first)
         self.cost.seconds += time.perf_counter() - start
