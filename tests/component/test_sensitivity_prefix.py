@@ -1,7 +1,8 @@
 """Prefix reuse in the budget allocator's measurement (dofla.dof.replay, ``reuse_prefix``) against the plain
 path that runs every student whole, on tiny random models of three families (Llama with GQA, GPT-2,
 GPT-NeoX) of three layers: the same signals for every head and option (windows, and linear states fitted),
-the same plan from the allocator, and fewer decoder layer forwards, as many as counted."""
+the same plan from the allocator, and fewer decoder layer forwards, as many as counted; a model whose layers
+cannot be replayed refused in one sentence and measured plainly; the timed estimate of either path."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from dofla.dof.allocator import allocate
 from dofla.dof.budget import MemoryBudgetConfig
-from dofla.dof.budget_cost import measurement_counts
+from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.menu import baseline_index, default_menu
 from dofla.dof.replay import decoder_layers, recording, replaying
 from dofla.dof.sensitivity import Probe, copy_prompts, measure_menu
@@ -96,3 +97,26 @@ def test_a_replayed_prefix_gives_the_recorded_logits_and_leaves_the_layers_as_th
         layers[1].mlp.dense_4h_to_h.bias.add_(1.0)
         assert not torch.allclose(model(input_ids=batch).logits, whole)
     assert len(calls) == 2  # the hooks still fire on a replayed layer
+
+
+def test_a_model_without_a_list_of_decoder_layers_is_one_sentence_and_measures_plainly():
+    teacher = build_tiny_model("llama", num_layers=LAYERS)
+    teacher.model.layers = torch.nn.Sequential(*teacher.model.layers)  # the layers run, but from no ModuleList
+    with pytest.raises(ValueError, match="cannot be replayed; set budget.reuse_prefix=false"):
+        _measured(teacher, reuse=True)
+    plain, probe, menu, _ = _measured(teacher, reuse=False)
+    assert len(plain["signals"]) == LAYERS * 2 and probe.cost.layer_seconds == 0
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_timed_estimate_scales_each_part_by_its_count(reuse):
+    teacher = build_tiny_model("gpt2", num_layers=LAYERS)
+    cfg = _cfg(reuse_prefix=reuse)
+    menu = default_menu(cfg)
+    estimate = timed_estimate(teacher, cfg, TOKENS, PROMPTS, menu, [(1, 2)])
+    base = baseline_index(menu, get_adapter(teacher).geometry(teacher.config), cfg.context, cfg.kv_bytes)
+    counts = measurement_counts(LAYERS, 4, menu, base, 2, len(PROMPTS), 3, reuse_prefix=reuse)
+    assert {k: estimate["estimate"][k] for k in counts} == counts
+    sample = estimate["sample"]
+    assert sample["layer_forwards"] == (2 + len(PROMPTS)) * (LAYERS + (len(menu) - 1) * (LAYERS - 1 if reuse else LAYERS))
+    assert (estimate["per_layer_forward_seconds"] > 0) == reuse and estimate["per_student_forward_seconds"] > 0

@@ -12,7 +12,8 @@ the sample's seconds by its count for the whole model: the time inside the decod
 forward (with ``reuse_prefix`` a head of an early layer costs more than one of a late layer, so a per-head
 scale would depend on which layers were sampled), the rest of the forwards (embeddings, head and loss: on
 SmolLM2's 49,152-token vocabulary a large share) per student forward, the fits per fitting step, and the
-rest (building the students) per student. The interaction check adds one student (and one per repair and switched head).
+rest (building the students) per student. Without ``reuse_prefix`` every forward runs all the layers and
+the layers are not timed apart: the whole forward is then the per-forward unit. The interaction check adds one student (and one per repair and switched head).
 """
 from __future__ import annotations
 

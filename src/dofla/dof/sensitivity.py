@@ -64,7 +64,9 @@ class Cost:
     student_forwards: int = 0
     layer_forwards: int = 0  # decoder layers run by the students' forwards (a replayed layer does not run)
     forward_seconds: float = 0.0  # of ``seconds``: the students' forwards
-    layer_seconds: float = 0.0  # of ``forward_seconds``: inside the decoder layers that ran (the rest: embeddings, head, loss)
+    # of ``forward_seconds``: inside the decoder layers that ran (the rest: embeddings, head, loss); timed with
+    # ``reuse_prefix`` alone (0 otherwise: every forward runs all the layers, so the forward is the unit)
+    layer_seconds: float = 0.0
     students: int = 0
     fit_steps: int = 0
     fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
@@ -149,7 +151,7 @@ class Probe:
         start = time.perf_counter()
         model = self.student(plan)
         first = self._first_change(plan)
-        layers = decoder_layers(model)
+        layers = decoder_layers(model) if self.cfg.reuse_prefix else []  # the plain path needs no layer list
         inputs = [(b, t) for b, t in zip(self.batches, self.targets)] + list(self.prompts)
         forward_start = time.perf_counter()
         with recording(layers if record else []) as records, timing(layers[first:]) as spent:
