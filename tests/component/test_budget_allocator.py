@@ -119,8 +119,9 @@ def test_the_plan_is_the_knapsacks_optimum_within_the_budget_and_recorded(alloca
     assert record["cost"]["students"] == students
     assert record["cost"]["student_forwards"] == students * (2 + len(prompts)) and record["cost"]["seconds"] > 0
     counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
+    first = next((i for i, layer in enumerate(plan.layers) if layer != (BASE,) * KV), LAYERS)  # the check's
     check = {"students": 1, "student_forwards": 2 + len(prompts), "teacher_forwards": 0,
-             "fit_steps": 2 * len(_trainable_groups(plan))}
+             "layer_forwards": (2 + len(prompts)) * (LAYERS - first), "fit_steps": 2 * len(_trainable_groups(plan))}
     assert {k: record["cost"][k] for k in counts} == {k: counts[k] + check[k] for k in counts}
 
 
@@ -149,11 +150,21 @@ def test_a_timed_sample_scales_to_every_head():
     teacher, prompts = _teacher(), copy_prompts(TOKENS)
     menu = default_menu(_cfg())
     estimate = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(1, 1)])
-    assert estimate["sample"]["students"] == 1 + (len(menu) - 1)
-    seconds = estimate["sample"]["setup_seconds"] + LAYERS * KV * estimate["per_head_seconds"]
+    sample = estimate["sample"]
+    assert sample["students"] == 1 + (len(menu) - 1)
+    inputs = 2 + len(prompts)  # the baseline runs both layers, the head of layer 1 its own layer alone
+    assert sample["layer_forwards"] == inputs * (LAYERS + (len(menu) - 1) * 1)
     counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
+    rates = {k: estimate[f"per_{k}_seconds"] for k in ("layer_forward", "student_forward", "fit_step", "student_build")}
+    seconds = sample["setup_seconds"] + rates["layer_forward"] * counts["layer_forwards"] + \
+        rates["student_forward"] * counts["student_forwards"] + rates["fit_step"] * counts["fit_steps"] + \
+        rates["student_build"] * counts["students"]
     assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "seconds": pytest.approx(seconds)}
-    assert 0 < estimate["per_student_forward_seconds"] and 0 < estimate["per_fit_step_seconds"]
+    assert rates["layer_forward"] == pytest.approx(sample["layer_seconds"] / sample["layer_forwards"])
+    assert 0 < sample["layer_seconds"] < sample["forward_seconds"] < sample["seconds"] and min(rates.values()) > 0
+    # a sample of every head spends exactly the counts
+    whole = timed_estimate(teacher, _cfg(), TOKENS, prompts, menu, [(i, j) for i in range(LAYERS) for j in range(KV)])
+    assert {k: whole["sample"][k] for k in counts} == counts
 
 
 def test_the_interaction_check_is_the_chosen_plan_measured_again(allocated):

@@ -32,7 +32,9 @@ class MemoryBudgetConfig:
     ``sinks``, each without a state and with a gated-delta state of each M in ``states``, and pure delta
     states when ``pure_states``); the value's weights on the two signals (nats of KL per token, nats of
     retrieval NLL per answer); ``fit_steps`` of layerwise fitting per linear state measured, each state fitted
-    once for every window (``fit_target="full"``) or per option (``"own"``): dofla.dof.sensitivity."""
+    once for every window (``fit_target="full"``) or per option (``"own"``); ``reuse_prefix``: each student
+    runs only the layers from its first one that differs from the baseline, the layers before replayed from
+    the baseline student's recorded forward (False: every student runs whole): dofla.dof.sensitivity."""
 
     mib: float | None = None
     share: float | None = None
@@ -51,6 +53,7 @@ class MemoryBudgetConfig:
     feature_map: str = "learned_prf"
     batch_size: int = 2
     seed: int = 0
+    reuse_prefix: bool = True
 
     def __post_init__(self):
         self.windows = [int(w) for w in self.windows]
@@ -67,7 +70,8 @@ def memory_budget(cfg: RunConfig) -> MemoryBudgetConfig:
     """The run's ``budget=memory`` section as the allocator's config; its linear states are fitted with the
     run's feature map (the student's). Raises ValueError (one sentence) for a bad value."""
     b = cfg.budget
-    return MemoryBudgetConfig(**{k: getattr(b, k) for k in MEMORY_FIELDS}, feature_map=cfg.feature_map.name)
+    return MemoryBudgetConfig(**{k: getattr(b, k) for k in MEMORY_FIELDS}, feature_map=cfg.feature_map.name,
+                              reuse_prefix=getattr(b, "reuse_prefix", True))  # a run section without it: the default
 
 
 def check_budget_config(cfg: MemoryBudgetConfig) -> None:

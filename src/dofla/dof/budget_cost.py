@@ -4,10 +4,16 @@
 one baseline student, then per head one student per other option, each run on every calibration batch
 and retrieval prompt; one layerwise fit per state (``fit_target="full"``: a state of one M serves every
 window) or per option with a state (``"own"``); the baseline has none, so a switched student fits its one
-head alone. :func:`timed_estimate` measures the whole menu on a few heads
-of a real teacher and scales the seconds to all its heads: every head has the same menu, so a head costs
-about the same anywhere (the baseline student, measured once, is counted in the sample's heads: a slight
-overestimate). The interaction check adds one student (and one per repair and switched head).
+head alone. Its decoder layer forwards: every student runs all L layers on every input, or, with
+``reuse_prefix``, the baseline all of them and a student switched at layer l the L - l from l on.
+
+:func:`timed_estimate` measures the whole menu on a few heads of a real teacher and scales each part of
+the sample's seconds by its count for the whole model: the time inside the decoder layers per layer
+forward (with ``reuse_prefix`` a head of an early layer costs more than one of a late layer, so a per-head
+scale would depend on which layers were sampled), the rest of the forwards (embeddings, head and loss: on
+SmolLM2's 49,152-token vocabulary a large share) per student forward, the fits per fitting step, and the
+rest (building the students) per student. Without ``reuse_prefix`` every forward runs all the layers and
+the layers are not timed apart: the whole forward is then the per-forward unit. The interaction check adds one student (and one per repair and switched head).
 """
 from __future__ import annotations
 
@@ -17,33 +23,41 @@ from dofla.models.adapters.support import get_adapter
 
 
 def measurement_counts(layers: int, kv_heads: int, menu: list, base: int, batches: int, prompts: int,
-                       fit_steps: int, fit_target: str = "full") -> dict:
-    """The students, forwards and fitting steps of measuring ``menu`` at every head (no check)."""
-    heads, others = layers * kv_heads, len(menu) - 1
+                       fit_steps: int, fit_target: str = "full", reuse_prefix: bool = True) -> dict:
+    """The students, forwards, decoder layer forwards and fitting steps of measuring ``menu`` at every head."""
+    heads, others, inputs = layers * kv_heads, len(menu) - 1, batches + prompts
     states = [o for i, o in enumerate(menu) if i != base and o.state != "none"]
     fitted = len(states if fit_target == "own" else {(o.state, o.M, o.gate) for o in states})
     students = 1 + heads * others
-    return {"students": students, "student_forwards": students * (batches + prompts),
+    # a head of layer l runs layers l..L-1: summed over the layers, L + (L - 1) + ... + 1 per KV head and option
+    switched_layers = kv_heads * others * (layers * (layers + 1) // 2 if reuse_prefix else layers * layers)
+    return {"students": students, "student_forwards": students * inputs,
+            "layer_forwards": inputs * (layers + switched_layers),
             "teacher_forwards": batches + int(fit_steps > 0), "fit_steps": heads * fitted * fit_steps}
 
 
 def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list[tuple[int, int]]) -> dict:
     """Measure ``menu`` at the ``sample`` heads of ``teacher`` and scale the seconds to every head.
 
-    Returns the sample's cost, its per-head and per-forward seconds, and the estimate for the whole model
-    (seconds and the exact counts of :func:`measurement_counts`)."""
+    Returns the sample's cost, its per-head seconds, its seconds per layer forward, per student forward
+    (outside the layers), per fitting step and per student built, and the estimate for the whole model (the exact counts of :func:`measurement_counts` and
+    the seconds they scale to)."""
     g = get_adapter(teacher).geometry(teacher.config)
     probe = Probe(teacher, tokens, prompts, cfg)
     setup = probe.cost.seconds  # the teacher's logits and activations, once
     base = baseline_index(menu, g, cfg.context, cfg.kv_bytes)
     measure_menu(probe, menu, base, heads=sample)
-    per_head = (probe.cost.seconds - setup) / len(sample)
-    heads = g.num_layers * g.num_kv_heads
+    cost = probe.cost
+    rates = {"per_layer_forward_seconds": cost.layer_seconds / cost.layer_forwards,
+             "per_student_forward_seconds": (cost.forward_seconds - cost.layer_seconds) / cost.student_forwards,
+             "per_fit_step_seconds": cost.fit_seconds / max(cost.fit_steps, 1),
+             "per_student_build_seconds": (cost.seconds - setup - cost.forward_seconds - cost.fit_seconds)
+             / cost.students}
     counts = measurement_counts(g.num_layers, g.num_kv_heads, menu, base, len(probe.batches), len(prompts),
-                                cfg.fit_steps, cfg.fit_target)
-    return {"sample": {**probe.cost.to_dict(), "heads": len(sample), "setup_seconds": setup},
-            "per_head_seconds": per_head,
-            "per_student_forward_seconds": (probe.cost.seconds - setup - probe.cost.fit_seconds)
-            / probe.cost.student_forwards,  # building the student included
-            "per_fit_step_seconds": probe.cost.fit_seconds / max(probe.cost.fit_steps, 1),
-            "estimate": {**counts, "heads": heads, "seconds": setup + per_head * heads}}
+                                cfg.fit_steps, cfg.fit_target, cfg.reuse_prefix)
+    seconds = setup + sum(rates[f"per_{unit}_seconds"] * counts[key] for unit, key in (
+        ("layer_forward", "layer_forwards"), ("student_forward", "student_forwards"), ("fit_step", "fit_steps"),
+        ("student_build", "students")))
+    return {"sample": {**cost.to_dict(), "heads": len(sample), "setup_seconds": setup},
+            "per_head_seconds": (cost.seconds - setup) / len(sample), **rates,
+            "estimate": {**counts, "heads": g.num_layers * g.num_kv_heads, "seconds": seconds}}

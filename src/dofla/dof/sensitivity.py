@@ -22,7 +22,16 @@ add up; :mod:`dofla.dof.allocator` re-measures the chosen plan and reports the g
 
 The teacher's logits are computed once per calibration batch and kept for every student; the students
 share the teacher's weights (only their attention modules are new), so measuring costs no model copies.
-:class:`Cost` counts the forwards, the students, the fitting steps and the seconds.
+:class:`Cost` counts the forwards, the decoder layers they ran, the students, the fitting steps and the seconds.
+
+Prefix reuse (``reuse_prefix``, the default): a student that differs from the baseline from layer l on
+computes layers 0..l-1 exactly as the baseline student does, so the baseline student's forward records every
+decoder layer's output on every calibration batch and prompt (:meth:`Probe.baseline`) and each later student
+runs layers l.. alone from them (:mod:`dofla.dof.replay`): a head of layer l costs L - l layers a forward
+instead of L, about half the measurement's layer forwards on a deep model. The record takes layers ×
+(S × L + the prompts' tokens) × hidden numbers of the model's dtype on the probe's device (SmolLM2-135M with
+8 calibration sequences and 8 prompts of 2,048 tokens: 30 × 32,768 × 576 float32, 2.3 GB) and lives as long
+as the probe. ``reuse_prefix=False`` runs every student whole: the plain reference.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dofla.dof.replay import decoder_layers, recording, replaying, timing
 from dofla.dof.softmax_layers import copy_probe
 from dofla.eval.longctx import answer_nll
 from dofla.models.adapters.support import get_adapter
@@ -45,12 +55,18 @@ from dofla.train.layerwise import LayerTrainConfig, train_layer
 
 @dataclass
 class Cost:
-    """What a measurement spent: forwards of the teacher and of the students (one batch or prompt each),
-    students built, layerwise fitting steps, and wall-clock seconds (the fits' share apart)."""
+    """What a measurement spent: forwards of the teacher and of the students (one batch or prompt each, whole
+    or from a replayed prefix), the decoder layers the students' forwards ran, students built, layerwise
+    fitting steps, and wall-clock seconds (the forwards' share, of it the decoder layers', and the fits' apart)."""
 
     seconds: float = 0.0
     teacher_forwards: int = 0
     student_forwards: int = 0
+    layer_forwards: int = 0  # decoder layers run by the students' forwards (a replayed layer does not run)
+    forward_seconds: float = 0.0  # of ``seconds``: the students' forwards
+    # of ``forward_seconds``: inside the decoder layers that ran (the rest: embeddings, head, loss); timed with
+    # ``reuse_prefix`` alone (0 otherwise: every forward runs all the layers, so the forward is the unit)
+    layer_seconds: float = 0.0
     students: int = 0
     fit_steps: int = 0
     fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
@@ -75,6 +91,7 @@ class Probe:
         self.geometry = get_adapter(teacher).geometry(teacher.config)
         self.device = next(teacher.parameters()).device
         self.cost = Cost()
+        self.base_plan, self.recorded = None, None  # the baseline's plan and its layers' outputs (per input)
         self._fits: dict[tuple, dict] = {}  # fitted features by (layer, KV heads, state, M, gate[, window])
         start = time.perf_counter()
         with torch.no_grad():
@@ -120,18 +137,55 @@ class Probe:
         self.cost.fit_seconds += time.perf_counter() - start
 
     @torch.no_grad()
-    def signals(self, plan: StudentPlan) -> dict:
+    def baseline(self, plan: StudentPlan) -> dict:
+        """:meth:`signals` of the baseline ``plan``; with ``reuse_prefix`` its layers' outputs are recorded
+        for the students measured after it (module docstring)."""
+        if not self.cfg.reuse_prefix:
+            return self.signals(plan)
+        self.base_plan, self.recorded = None, None
+        return self.signals(plan, record=True)
+
+    @torch.no_grad()
+    def signals(self, plan: StudentPlan, record: bool = False) -> dict:
         """{"kl": KL per predicted token on the calibration batches, "nll": mean answer nats per prompt}."""
         start = time.perf_counter()
         model = self.student(plan)
-        kl, count = 0.0, 0
-        for batch, target in zip(self.batches, self.targets):
-            kl += kl_to_teacher(model(input_ids=batch, use_cache=False).logits, target).item() * batch.numel()
-            count += batch.numel()
-        nll = sum(answer_nll(model, p.to(self.device), a.to(self.device)) for p, a in self.prompts)
-        self.cost.student_forwards += len(self.batches) + len(self.prompts)
+        first = self._first_change(plan)
+        layers = decoder_layers(model) if self.cfg.reuse_prefix else []  # the plain path needs no layer list
+        inputs = [(b, t) for b, t in zip(self.batches, self.targets)] + list(self.prompts)
+        forward_start = time.perf_counter()
+        with recording(layers if record else []) as records, timing(layers[first:]) as spent:
+            results = [self._forward(model, layers, first, n, *pair) for n, pair in enumerate(inputs)]
+        if record:
+            self._keep(plan, records, len(inputs))
+        self.cost.forward_seconds += time.perf_counter() - forward_start
+        self.cost.layer_seconds += spent[0]
+        self.cost.student_forwards += len(inputs)
+        self.cost.layer_forwards += len(inputs) * (self.geometry.num_layers - first)
         self.cost.seconds += time.perf_counter() - start
-        return {"kl": kl / count, "nll": nll / max(len(self.prompts), 1)}
+        kl = sum(results[:len(self.batches)]) / sum(b.numel() for b in self.batches)
+        return {"kl": kl, "nll": sum(results[len(self.batches):]) / max(len(self.prompts), 1)}
+
+    def _forward(self, model, layers, first: int, n: int, tokens, other) -> float:
+        """Input ``n``'s summed KL (a calibration batch, ``other`` its teacher logits) or answer nats (a
+        prompt, ``other`` its answer), layers 0..``first``-1 replayed from the baseline's record."""
+        with replaying(layers, self.recorded[n] if first else [], first):
+            if n < len(self.batches):
+                return kl_to_teacher(model(input_ids=tokens, use_cache=False).logits, other).item() * tokens.numel()
+            return answer_nll(model, tokens.to(self.device), other.to(self.device))
+
+    def _first_change(self, plan: StudentPlan) -> int:
+        """The first layer where ``plan`` leaves the recorded baseline (0 without a record; L: none)."""
+        if self.recorded is None:
+            return 0
+        return next((i for i, (a, b) in enumerate(zip(plan.layers, self.base_plan.layers)) if tuple(a) != tuple(b)),
+                    self.geometry.num_layers)
+
+    def _keep(self, plan: StudentPlan, records: list, inputs: int) -> None:
+        if any(len(r) != inputs for r in records):
+            raise ValueError("the model ran a decoder layer other than once per forward, so its layers cannot be "
+                             "replayed; set budget.reuse_prefix=false")
+        self.base_plan, self.recorded = plan, [[r[n] for r in records] for n in range(inputs)]
 
 
 def _trainable_parts(layer) -> list:
@@ -164,7 +218,7 @@ def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None)
         raise ValueError(f"calibration sequences of {length} tokens cannot tell a window of {longest} tokens "
                          "(with sinks) from exact; give longer sequences or drop that window from the menu")
     layers = switched(g.num_layers, g.num_kv_heads, menu[base], (0, 0), menu[base])
-    reference = probe.signals(layers)
+    reference = probe.baseline(layers)
     signals = []
     for i in range(g.num_layers):
         for j in range(g.num_kv_heads):
