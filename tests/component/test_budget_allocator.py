@@ -159,7 +159,7 @@ def test_a_timed_sample_scales_to_every_head():
     seconds = sample["setup_seconds"] + rates["layer_forward"] * counts["layer_forwards"] + \
         rates["student_forward"] * counts["student_forwards"] + rates["fit_step"] * counts["fit_steps"] + \
         rates["student_build"] * counts["students"]
-    assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "seconds": pytest.approx(seconds)}
+    assert estimate["estimate"] == {**counts, "heads": LAYERS * KV, "units": LAYERS * KV, "seconds": pytest.approx(seconds)}
     assert rates["layer_forward"] == pytest.approx(sample["layer_seconds"] / sample["layer_forwards"])
     assert 0 < sample["layer_seconds"] < sample["forward_seconds"] < sample["seconds"] and min(rates.values()) > 0
     # a sample of every head spends exactly the counts
@@ -231,7 +231,47 @@ def test_calibration_shorter_than_a_window_is_one_sentence():
     ({"kl_weight": 0.0, "retrieval_weight": 0.0}, "not both 0"),
     ({"states": [0]}, "positive feature dims M"),
     ({"fit_target": "window"}, "must be 'full'"),
+    ({"granularity": "group"}, "must be 'head'"),
+    ({"solver": "greedy"}, "must be 'milp'"),
 ])
 def test_a_wrong_budget_is_one_sentence(kw, sentence):
     with pytest.raises(ValueError, match=sentence):
         _cfg(**kw)
+
+
+def test_per_layer_every_kv_head_of_a_layer_takes_its_layers_option_and_the_value_is_the_layer_switched(byte_tokenizer):
+    """granularity=layer: the knapsack's unit is a layer (its KV heads' bytes summed), each option measured as
+    the whole layer switched, the optimum over layers, and a KV-head count fewer students."""
+    prompts = passkey_prompts(byte_tokenizer, 120, 2, seed=0)
+    teacher, cfg = _teacher(), _cfg(granularity="layer")
+    plan, record = allocate(teacher, cfg, TOKENS, prompts)
+    g, menu = _geometry(teacher), default_menu(cfg)
+    assert all(len(set(layer)) == 1 for layer in plan.layers) and record["granularity"] == "layer"
+    assert len(record["values"]) == LAYERS
+    sizes = [[KV * option_bytes(o, g, 64) for o in menu]] * LAYERS
+    reference = brute_force(record["values"], sizes, budget_bytes(cfg, g))
+    assert record["interaction"]["predicted_value"] == pytest.approx(reference.value, abs=1e-9)
+    # a layer's value is the student with that whole layer switched, measured plainly
+    probe = Probe(teacher, TOKENS, prompts, _cfg(granularity="layer", reuse_prefix=False))
+    base = probe.signals(StudentPlan([(BASE,) * KV] * LAYERS))
+    o = next(i for i, option in enumerate(menu) if option.exact)
+    whole = probe.signals(switched(LAYERS, KV, BASE, (1, 0), menu[o], width=KV))
+    assert record["values"][1][o] == pytest.approx((base["kl"] - whole["kl"]) + (base["nll"] - whole["nll"]), abs=1e-5)
+    students = 1 + LAYERS * (len(menu) - 1) + 1
+    counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2, width=KV)
+    assert record["cost"]["students"] == students == counts["students"] + 1
+    assert all(h["value"] == record["values"][h["layer"]][menu.index(plan.layers[h["layer"]][0])]
+               for h in record["heads"])
+
+
+def test_a_random_plan_measures_no_menu_only_itself_and_follows_its_seed(byte_tokenizer):
+    prompts = passkey_prompts(byte_tokenizer, 120, 2, seed=0)
+    teacher = _teacher()
+    plans = [allocate(teacher, _cfg(solver="random", seed=seed), TOKENS, prompts) for seed in (0, 0, 3)]
+    (plan, record), (again, _), (other, _) = plans
+    assert plan == again and plan != other
+    assert record["values"] is None and record["solver"]["name"] == "random"
+    assert record["cost"]["students"] == 2  # the baseline and the drawn plan
+    assert record["plan_bytes"] <= record["budget"]["bytes"] and "value" not in record["heads"][0]
+    measured = Probe(teacher, TOKENS, prompts, _cfg(reuse_prefix=False)).signals(plan)
+    assert record["interaction"]["kl"] == pytest.approx(measured["kl"], abs=1e-5)

@@ -42,6 +42,10 @@ def test_the_memory_section_maps_onto_the_allocators_config(tmp_path):
     assert memory.kl_weight == 0.5 and memory.feature_map == "hedgehog" and cfg.budget.repair_rounds == 2
     shared = memory_budget(_cfg(tmp_path, *BUDGET[:2], "budget.share=0.1", "loss=output"))
     assert shared.share == 0.1 and shared.mib is None and shared.windows == [64, 256, 1024]
+    assert (shared.reuse_prefix, shared.granularity, shared.solver) == (True, "head", "milp")
+    ablation = memory_budget(_cfg(tmp_path, *BUDGET, "budget.reuse_prefix=false", "budget.granularity=layer",
+                                  "budget.solver=random"))
+    assert (ablation.reuse_prefix, ablation.granularity, ablation.solver) == (False, "layer", "random")
 
 
 def test_the_allocation_runs_without_dof_and_eval_measures_memory_at_the_budgets_context(tmp_path):

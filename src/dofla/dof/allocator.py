@@ -11,6 +11,10 @@ plan with the head put back at the baseline), takes the head whose in-context va
 its single-head value, puts that in-context value in its place, solves again and measures the new plan
 (it stops when the solver returns a plan measured already); the best plan measured is kept.
 
+Two settings serve the ablations: ``granularity="layer"`` makes a layer the unit (its KV heads take one option,
+measured switched together: the same budget spent per layer), and ``solver="random"`` draws the plan at the
+budget's bytes (:func:`dofla.dof.knapsack.random_choice`) without measuring the menu; its plan is measured.
+
 ``allocation=budget`` is registered as an allocation policy here: it reads no DoF and gives no per-layer
 dims; the allocate stage calls :func:`allocate` for it (:func:`dofla.stages.allocate.run_budget`).
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dofla.dof.allocate import ALLOCATION_POLICIES, AllocationPolicy, AllocationRequest
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.config import BUDGET_POLICY
-from dofla.dof.knapsack import MIB, Choice, check_instance, solve
+from dofla.dof.knapsack import MIB, Choice, check_instance, random_choice, solve
 from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
 from dofla.dof.sensitivity import Probe, head_values, measure_menu
 from dofla.models.adapters.support import get_adapter
@@ -46,51 +50,73 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
     menu = default_menu(cfg) if menu is None else list(menu)
     check_menu(menu, geometry)
     budget = budget_bytes(cfg, geometry)
-    heads = geometry.num_layers * geometry.num_kv_heads
-    sizes = [[option_bytes(o, geometry, cfg.context, cfg.kv_bytes) for o in menu]] * heads
-    check_instance([[0.0] * len(menu)] * heads, sizes, budget)  # before any model runs
+    width = geometry.num_kv_heads if cfg.granularity == "layer" else 1  # KV heads that choose together
+    count = geometry.num_layers * geometry.num_kv_heads // width
+    sizes = [[width * option_bytes(o, geometry, cfg.context, cfg.kv_bytes) for o in menu]] * count
+    check_instance([[0.0] * len(menu)] * count, sizes, budget)  # before any model runs
     probe = Probe(teacher, tokens, prompts, cfg)
     base = baseline_index(menu, geometry, cfg.context, cfg.kv_bytes)
-    measured = measure_menu(probe, menu, base)
-    values = head_values(measured, cfg.kl_weight, cfg.retrieval_weight)
-    choice = solve(values, sizes, budget)
-    checked = _check(probe, menu, choice, measured["base"], cfg)
-    history = [checked]
+    unit = _Units(menu, geometry, width)
+    if cfg.solver == "random":  # the ablation: nothing of the menu measured, the drawn plan checked alone
+        measured = {"base": probe.baseline(unit.plan([base] * count)), "signals": None}
+        history = [_check(probe, unit, random_choice(sizes, budget, seed=cfg.seed), measured["base"], cfg)]
+    else:
+        measured = measure_menu(probe, menu, base, width=width)
+        history = _solved(probe, unit, base, head_values(measured, cfg.kl_weight, cfg.retrieval_weight), sizes,
+                          budget, measured["base"], cfg, repair_rounds)
+    best = max(history, key=lambda h: h["measured_value"])
+    plan = unit.plan(best["options"])
+    return plan, _record(cfg, unit, base, budget, measured, best, history, plan, probe)
+
+
+def _solved(probe, unit, base: int, values: list, sizes: list, budget: int, reference: dict, cfg,
+            repair_rounds: int) -> list[dict]:
+    """The optimum of the measured values, checked on the model, then each repair's (module docstring)."""
+    history = [_check(probe, unit, solve(values, sizes, budget), reference, cfg)]
     for _ in range(repair_rounds):
-        values = _repaired(probe, menu, base, values, history, measured["base"], cfg)
+        values = _repaired(probe, unit, base, values, history, reference, cfg)
         if values is None:
             break
         choice = solve(values, sizes, budget)
         if any(h["options"] == list(choice.options) for h in history):
             break  # measured already: the repair has nothing new to try
-        history.append(_check(probe, menu, choice, measured["base"], cfg))
-    best = max(history, key=lambda h: h["measured_value"])
-    plan = _plan(menu, best["options"], geometry)
-    return plan, _record(cfg, geometry, menu, base, budget, measured, best, history, plan, probe)
+        history.append(_check(probe, unit, choice, reference, cfg))
+    return history
 
 
-def _plan(menu: list, options, geometry) -> StudentPlan:
-    per_layer = geometry.num_kv_heads
-    return StudentPlan([tuple(menu[o] for o in options[i * per_layer:(i + 1) * per_layer])
-                        for i in range(geometry.num_layers)])
+class _Units:
+    """The units that choose an option (every KV head, or every layer's KV heads together: ``width``) and
+    the plan of one option index per unit."""
+
+    def __init__(self, menu: list, geometry, width: int):
+        self.menu, self.geometry, self.width = menu, geometry, width
+
+    def heads(self, options) -> list[int]:
+        """One option index per KV head, in order (layer, KV head)."""
+        return [o for o in options for _ in range(self.width)]
+
+    def plan(self, options) -> StudentPlan:
+        per_layer, heads = self.geometry.num_kv_heads, self.heads(options)
+        return StudentPlan([tuple(self.menu[o] for o in heads[i * per_layer:(i + 1) * per_layer])
+                            for i in range(self.geometry.num_layers)])
 
 
 def _value(signals: dict, base: dict, cfg) -> float:
     return cfg.kl_weight * (base["kl"] - signals["kl"]) + cfg.retrieval_weight * (base["nll"] - signals["nll"])
 
 
-def _check(probe: Probe, menu: list, choice: Choice, base: dict, cfg) -> dict:
-    """The chosen plan measured as one student beside the sum of its heads' single-head values."""
-    signals = probe.signals(_plan(menu, choice.options, probe.geometry))
+def _check(probe: Probe, unit: _Units, choice: Choice, base: dict, cfg) -> dict:
+    """The chosen plan measured as one student beside the sum of its units' single-unit values."""
+    signals = probe.signals(unit.plan(choice.options))
     measured = _value(signals, base, cfg)
     return {"options": list(choice.options), "status": choice.status, "summed_bytes": choice.bytes,
             "predicted_value": choice.value, "measured_value": measured, "gap": measured - choice.value,
             "kl": signals["kl"], "nll": signals["nll"]}
 
 
-def _repaired(probe, menu, base: int, values: list, history: list, reference: dict, cfg) -> list | None:
-    """The values with the worst-adding head's single-head value replaced by its value in context; None when
-    the best plan switches no head or every head adds up."""
+def _repaired(probe, unit: _Units, base: int, values: list, history: list, reference: dict, cfg) -> list | None:
+    """The values with the worst-adding unit's single-unit value replaced by its value in context; None when
+    the best plan switches no unit or every unit adds up."""
     best = max(history, key=lambda h: h["measured_value"])
     switched = [h for h, o in enumerate(best["options"]) if o != base]
     if not switched:
@@ -99,7 +125,7 @@ def _repaired(probe, menu, base: int, values: list, history: list, reference: di
     for h in switched:
         without = list(best["options"])
         without[h] = base
-        signals = probe.signals(_plan(menu, without, probe.geometry))
+        signals = probe.signals(unit.plan(without))
         in_context = best["measured_value"] - _value(signals, reference, cfg)
         shortfall[h] = (values[h][best["options"][h]] - in_context, in_context)
     worst = max(shortfall, key=lambda h: (shortfall[h][0], -h))
@@ -110,29 +136,32 @@ def _repaired(probe, menu, base: int, values: list, history: list, reference: di
     return values
 
 
-def _record(cfg, geometry, menu, base, budget, measured, best, history, plan, probe) -> dict:
-    """allocation.json: the budget, every head's option with its measured gains and bytes, the slack, the
-    solver's status, the interaction check (and repairs), and the measurement's cost."""
+def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, probe) -> dict:
+    """allocation.json: the budget, every head's option with its bytes and its unit's measured gains (none for
+    a random plan), the slack, the solver's status, the interaction check (and repairs), and the cost."""
+    geometry, menu = unit.geometry, unit.menu
     weights = {"kl": cfg.kl_weight, "retrieval": cfg.retrieval_weight}
     heads = []
-    for h, o in enumerate(best["options"]):
+    for h, o in enumerate(unit.heads(best["options"])):
         layer, kv = divmod(h, geometry.num_kv_heads)
-        signals = measured["signals"][h][o]
-        heads.append({"layer": layer, "kv_head": kv, "option": label(menu[o]), "plan": menu[o].to_dict(),
-                      "bytes": option_bytes(menu[o], geometry, cfg.context, cfg.kv_bytes),
-                      "kl_gain": measured["base"]["kl"] - signals["kl"],
-                      "nll_gain": measured["base"]["nll"] - signals["nll"],
-                      "value": _value(signals, measured["base"], cfg)})
+        head = {"layer": layer, "kv_head": kv, "option": label(menu[o]), "plan": menu[o].to_dict(),
+                "bytes": option_bytes(menu[o], geometry, cfg.context, cfg.kv_bytes)}
+        if measured["signals"] is not None:  # the unit's gains: a layer's heads share their layer's
+            signals = measured["signals"][h // unit.width][o]
+            head.update(kl_gain=measured["base"]["kl"] - signals["kl"], nll_gain=measured["base"]["nll"] - signals["nll"],
+                        value=_value(signals, measured["base"], cfg))
+        heads.append(head)
     used = plan_bytes(plan, geometry, cfg.context, cfg.kv_bytes)
+    values = None if measured["signals"] is None else head_values(measured, cfg.kl_weight, cfg.retrieval_weight)
     return {
         "budget": {"bytes": budget, "mib": budget / MIB, "context": cfg.context, "kv_bytes": cfg.kv_bytes,
                    "given": {"mib": cfg.mib, "share": cfg.share},
                    "teacher_kv_bytes": teacher_kv_bytes(geometry, cfg.context, cfg.kv_bytes)},
         "plan_bytes": used, "summed_bytes": best["summed_bytes"], "slack_bytes": budget - used,
-        "solver": {"name": "scipy.optimize.milp (HiGHS)", "status": best["status"]},
-        "weights": weights, "baseline": label(menu[base]), "menu": [label(o) for o in menu],
-        "base_signals": measured["base"], "heads": heads,
-        "values": head_values(measured, cfg.kl_weight, cfg.retrieval_weight),
+        "solver": {"name": "scipy.optimize.milp (HiGHS)" if cfg.solver == "milp" else "random",
+                   "status": best["status"]},
+        "granularity": cfg.granularity, "weights": weights, "baseline": label(menu[base]),
+        "menu": [label(o) for o in menu], "base_signals": measured["base"], "heads": heads, "values": values,
         "interaction": {k: best[k] for k in ("predicted_value", "measured_value", "gap", "kl", "nll")},
         "checks": [{k: h[k] for k in ("options", "predicted_value", "measured_value", "gap")} for h in history],
         "cost": probe.cost.to_dict(), "plan": plan.to_list(),

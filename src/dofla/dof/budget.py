@@ -34,7 +34,11 @@ class MemoryBudgetConfig:
     retrieval NLL per answer); ``fit_steps`` of layerwise fitting per linear state measured, each state fitted
     once for every window (``fit_target="full"``) or per option (``"own"``); ``reuse_prefix``: each student
     runs only the layers from its first one that differs from the baseline, the layers before replayed from
-    the baseline student's recorded forward (False: every student runs whole): dofla.dof.sensitivity."""
+    the baseline student's recorded forward (False: every student runs whole): dofla.dof.sensitivity;
+    ``granularity``: the unit that chooses an option, a KV head or a whole layer (its KV heads alike: the
+    per-layer ablation, a KV-head count fewer students to measure); ``solver``: ``milp`` solves the knapsack of
+    the measured values exactly, ``random`` draws a plan at the budget's bytes without measuring the menu
+    (the random-plan ablation; the plan itself is still measured)."""
 
     mib: float | None = None
     share: float | None = None
@@ -54,6 +58,8 @@ class MemoryBudgetConfig:
     batch_size: int = 2
     seed: int = 0
     reuse_prefix: bool = True
+    granularity: str = "head"  # head: every KV head chooses its option; layer: all KV heads of a layer one option
+    solver: str = "milp"  # milp: the exact optimum of the measured values; random: the ablation's random plan
 
     def __post_init__(self):
         self.windows = [int(w) for w in self.windows]
@@ -63,15 +69,15 @@ class MemoryBudgetConfig:
 
 # the budget section's fields that are MemoryBudgetConfig's own (the rest: the run's calibration and repairs)
 MEMORY_FIELDS = ("mib", "share", "context", "kv_bytes", "exact", "windows", "sinks", "states", "pure_states",
-                 "kl_weight", "retrieval_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed")
+                 "kl_weight", "retrieval_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed",
+                 "reuse_prefix", "granularity", "solver")
 
 
 def memory_budget(cfg: RunConfig) -> MemoryBudgetConfig:
     """The run's ``budget=memory`` section as the allocator's config; its linear states are fitted with the
     run's feature map (the student's). Raises ValueError (one sentence) for a bad value."""
     b = cfg.budget
-    return MemoryBudgetConfig(**{k: getattr(b, k) for k in MEMORY_FIELDS}, feature_map=cfg.feature_map.name,
-                              reuse_prefix=getattr(b, "reuse_prefix", True))  # a run section without it: the default
+    return MemoryBudgetConfig(**{k: getattr(b, k) for k in MEMORY_FIELDS}, feature_map=cfg.feature_map.name)
 
 
 def check_budget_config(cfg: MemoryBudgetConfig) -> None:
@@ -100,6 +106,12 @@ def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     if cfg.fit_target not in ("full", "own"):
         raise ValueError(f"fit_target={cfg.fit_target!r} must be 'full' (one fit per state for every window) or "
                          "'own' (each option fitted with its window)")
+    if cfg.granularity not in ("head", "layer"):
+        raise ValueError(f"granularity={cfg.granularity!r} must be 'head' (each KV head its option) or 'layer' "
+                         "(a layer's KV heads one option)")
+    if cfg.solver not in ("milp", "random"):
+        raise ValueError(f"solver={cfg.solver!r} must be 'milp' (the measured values' optimum) or 'random' (a random "
+                         "plan at the budget's bytes)")
     if cfg.fit_steps < 0 or cfg.batch_size < 1 or cfg.fit_batch_size < 1:
         raise ValueError("fit_steps must be ≥ 0 and batch_size, fit_batch_size ≥ 1")
 

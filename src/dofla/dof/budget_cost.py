@@ -23,17 +23,18 @@ from dofla.models.adapters.support import get_adapter
 
 
 def measurement_counts(layers: int, kv_heads: int, menu: list, base: int, batches: int, prompts: int,
-                       fit_steps: int, fit_target: str = "full", reuse_prefix: bool = True) -> dict:
-    """The students, forwards, decoder layer forwards and fitting steps of measuring ``menu`` at every head."""
-    heads, others, inputs = layers * kv_heads, len(menu) - 1, batches + prompts
+                       fit_steps: int, fit_target: str = "full", reuse_prefix: bool = True, width: int = 1) -> dict:
+    """The students, forwards, decoder layer forwards and fitting steps of measuring ``menu`` at every unit
+    (a KV head, or ``width`` KV heads switched together: with ``width`` = ``kv_heads`` a layer)."""
+    per_layer, others, inputs = kv_heads // width, len(menu) - 1, batches + prompts
     states = [o for i, o in enumerate(menu) if i != base and o.state != "none"]
     fitted = len(states if fit_target == "own" else {(o.state, o.M, o.gate) for o in states})
-    students = 1 + heads * others
-    # a head of layer l runs layers l..L-1: summed over the layers, L + (L - 1) + ... + 1 per KV head and option
-    switched_layers = kv_heads * others * (layers * (layers + 1) // 2 if reuse_prefix else layers * layers)
+    students = 1 + layers * per_layer * others
+    # a unit of layer l runs layers l..L-1: summed over the layers, L + (L - 1) + ... + 1 per unit and option
+    switched_layers = per_layer * others * (layers * (layers + 1) // 2 if reuse_prefix else layers * layers)
     return {"students": students, "student_forwards": students * inputs,
             "layer_forwards": inputs * (layers + switched_layers),
-            "teacher_forwards": batches + int(fit_steps > 0), "fit_steps": heads * fitted * fit_steps}
+            "teacher_forwards": batches + int(fit_steps > 0), "fit_steps": layers * per_layer * fitted * fit_steps}
 
 
 def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list[tuple[int, int]]) -> dict:
@@ -46,7 +47,8 @@ def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list
     probe = Probe(teacher, tokens, prompts, cfg)
     setup = probe.cost.seconds  # the teacher's logits and activations, once
     base = baseline_index(menu, g, cfg.context, cfg.kv_bytes)
-    measure_menu(probe, menu, base, heads=sample)
+    width = g.num_kv_heads if cfg.granularity == "layer" else 1
+    measure_menu(probe, menu, base, heads=sample, width=width)
     cost = probe.cost
     rates = {"per_layer_forward_seconds": cost.layer_seconds / cost.layer_forwards,
              "per_student_forward_seconds": (cost.forward_seconds - cost.layer_seconds) / cost.student_forwards,
@@ -54,10 +56,11 @@ def timed_estimate(teacher, cfg, tokens, prompts: list, menu: list, sample: list
              "per_student_build_seconds": (cost.seconds - setup - cost.forward_seconds - cost.fit_seconds)
              / cost.students}
     counts = measurement_counts(g.num_layers, g.num_kv_heads, menu, base, len(probe.batches), len(prompts),
-                                cfg.fit_steps, cfg.fit_target, cfg.reuse_prefix)
+                                cfg.fit_steps, cfg.fit_target, cfg.reuse_prefix, width)
     seconds = setup + sum(rates[f"per_{unit}_seconds"] * counts[key] for unit, key in (
         ("layer_forward", "layer_forwards"), ("student_forward", "student_forwards"), ("fit_step", "fit_steps"),
         ("student_build", "students")))
     return {"sample": {**cost.to_dict(), "heads": len(sample), "setup_seconds": setup},
             "per_head_seconds": (cost.seconds - setup) / len(sample), **rates,
-            "estimate": {**counts, "heads": g.num_layers * g.num_kv_heads, "seconds": seconds}}
+            "estimate": {**counts, "heads": g.num_layers * g.num_kv_heads, "units": g.num_layers * g.num_kv_heads // width,
+                         "seconds": seconds}}

@@ -66,6 +66,9 @@ class BudgetConfig:
     fit_batch_size: int = 4
     batch_size: int = 2
     seed: int = 0
+    reuse_prefix: bool = True
+    granularity: str = "head"
+    solver: str = "milp"
     repair_rounds: int = 0
     calibration_seqs: int = 8
     prompts: int = 8
@@ -76,5 +79,6 @@ class BudgetConfig:
     KEYS: ClassVar[Keys] = Keys(legacy={
         "mib": None, "share": None, "context": 8192, "kv_bytes": 4, "exact": True, "windows": [64, 256, 1024],
         "sinks": 4, "states": [32, 64, 128, 256], "pure_states": True, "kl_weight": 1.0, "retrieval_weight": 1.0,
-        "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "repair_rounds": 0,
+        "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "reuse_prefix": True,
+        "granularity": "head", "solver": "milp", "repair_rounds": 0,
         "calibration_seqs": 8, "prompts": 8, "prompt_length": 2048})

@@ -197,19 +197,26 @@ def _trainable_parts(layer) -> list:
     return [(layer, list(range(layer.num_heads)), list(range(layer.num_kv_heads)))]
 
 
-def switched(layers: int, kv_heads: int, base, at: tuple[int, int], option) -> StudentPlan:
-    """Every head at ``base`` but head ``at`` = (layer, KV head) at ``option``."""
+def switched(layers: int, kv_heads: int, base, at: tuple[int, int], option, width: int = 1) -> StudentPlan:
+    """Every head at ``base`` but ``width`` heads from ``at`` = (layer, KV head) on at ``option``."""
     plan = [[base] * kv_heads for _ in range(layers)]
-    plan[at[0]][at[1]] = option
+    plan[at[0]][at[1]:at[1] + width] = [option] * width
     return StudentPlan([tuple(layer) for layer in plan])
 
 
-def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None) -> dict:
-    """Each option's signals at each KV head, one head switched from the baseline option ``menu[base]``.
+def units(geometry, width: int) -> list[tuple[int, int]]:
+    """The (layer, first KV head) of each unit that chooses one option, in order: every KV head (``width``
+    1) or every layer (``width`` = its KV heads)."""
+    return [(i, j) for i in range(geometry.num_layers) for j in range(0, geometry.num_kv_heads, width)]
 
-    Returns {"base": signals of the all-baseline student, "signals": [[{"kl", "nll"} per option] per head]}
-    with heads in order (layer, KV head); the baseline option's entry is the base student's, not remeasured.
-    ``heads`` (layer, KV head) pairs measures those alone (the others' entries are None): a sample to time.
+
+def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None, width: int = 1) -> dict:
+    """Each option's signals at each unit (a KV head, or with ``width`` = the KV heads per layer a whole
+    layer), one unit switched from the baseline option ``menu[base]``.
+
+    Returns {"base": signals of the all-baseline student, "signals": [[{"kl", "nll"} per option] per unit]}
+    with units in order (:func:`units`); the baseline option's entry is the base student's, not remeasured.
+    ``heads`` (layer, first KV head) pairs measures those alone (the others' entries are None): a sample to time.
     """
     g = probe.geometry
     longest = max((o.window + o.sinks for o in menu if not o.exact), default=0)
@@ -220,14 +227,13 @@ def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None)
     layers = switched(g.num_layers, g.num_kv_heads, menu[base], (0, 0), menu[base])
     reference = probe.baseline(layers)
     signals = []
-    for i in range(g.num_layers):
-        for j in range(g.num_kv_heads):
-            if heads is not None and (i, j) not in heads:
-                signals.append(None)
-                continue
-            signals.append([reference if o == base else
-                            probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], (i, j), option))
-                            for o, option in enumerate(menu)])
+    for unit in units(g, width):
+        if heads is not None and unit not in heads:
+            signals.append(None)
+            continue
+        signals.append([reference if o == base else
+                        probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], unit, option, width))
+                        for o, option in enumerate(menu)])
     return {"base": reference, "signals": signals}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, choose_dims
 from dofla.dof.allocator import allocate as allocate_budget
-from dofla.dof.budget import feature_budget, memory_budget
+from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
 from dofla.dof.knapsack import MIB
 from dofla.dof.softmax_layers import passkey_prompts
 from dofla.dof.oracle import measured_allocation
@@ -83,7 +83,10 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     memory = memory_budget(cfg)
     calibration = train_tokens[:b.calibration_seqs]
     prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
-    settings = {"teacher": teacher_settings(cfg), "budget": asdict(memory), "repair_rounds": b.repair_rounds,
+    # reuse_prefix changes how the menu is measured, not what (the two paths agree exactly): out of the key
+    budget = {k: v for k, v in asdict(memory).items() if k != "reuse_prefix"
+              and not (k in ("granularity", "solver") and v == getattr(MemoryBudgetConfig, k))}  # later: legacy
+    settings = {"teacher": teacher_settings(cfg), "budget": budget, "repair_rounds": b.repair_rounds,
                 "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     own, shared = ctx.out_dir / "allocation.json", cache_root(cfg) / "allocations" / f"budget-{digest}.json"
