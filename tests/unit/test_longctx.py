@@ -93,14 +93,26 @@ def test_passkey_probe_runs_greedy_generation_and_scores_the_answer(llama):
         assert 0.0 <= accuracy <= 1.0 and nll > 0.0
 
 
-def test_answer_nll_is_the_sum_of_each_answer_token_read_after_its_own_prefix(llama):
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "student"])
+def test_answer_nll_is_the_sum_of_each_answer_token_read_after_its_own_prefix(arch, llama):
+    """Every family, and a converted student (a window and a delta state per head), computes only the
+    answer's logits and gives what one whole forward per answer token gives."""
+    from dofla.models import convert
+    from dofla.models.plan import HeadPlan, StudentPlan
+
+    if arch == "student":
+        plan = StudentPlan([(HeadPlan(window=8, sinks=2), HeadPlan(state="delta", M=8))] * 2)
+        model = convert(build_tiny_model("llama", seed=0), feature_map="hedgehog", plan=plan).eval()
+    else:
+        model = llama if arch == "llama" else build_tiny_model(arch, seed=0)
     gen = torch.Generator().manual_seed(3)
     prompt, answer = torch.randint(0, 256, (1, 40), generator=gen), torch.randint(0, 256, (1, 6), generator=gen)
     step_by_step = 0.0
-    for i in range(answer.shape[1]):  # one forward per answer token: the plain reference
-        logits = llama(torch.cat([prompt, answer[:, :i]], dim=1)).logits[0, -1]
-        step_by_step -= torch.log_softmax(logits, -1)[answer[0, i]].item()
-    assert answer_nll(llama, prompt, answer) == pytest.approx(step_by_step, rel=1e-4)
+    with torch.no_grad():
+        for i in range(answer.shape[1]):  # one forward per answer token: the plain reference
+            logits = model(torch.cat([prompt, answer[:, :i]], dim=1)).logits[0, -1]
+            step_by_step -= torch.log_softmax(logits, -1)[answer[0, i]].item()
+        assert answer_nll(model, prompt, answer) == pytest.approx(step_by_step, rel=1e-4)
 
 
 def test_per_sequence_losses_are_each_sequences_own_and_average_to_the_pooled_ones(llama):
