@@ -31,7 +31,8 @@ def test_the_card_pins_how_the_lm_eval_numbers_were_made(tmp_path):
     card = write_model_card(student_dir(tmp_path), METRICS, lm_eval=SETTINGS).read_text()
     assert "lm-eval 0.4.13" in card and "zero-shot (`num_fewshot=0`)" in card and "batch size 8" in card
     assert "every document of each task" in card and "no bootstrap" in card
-    assert "| mmlu_dev_offline | not recorded | 0.214 | 0.296 | 0.264 | 0.279 |" in card
+    assert "| mmlu_dev_offline | not recorded | `acc` | 0.214 | 0.264 |" in card
+    assert "| mmlu_dev_offline | not recorded | `acc_norm` | 0.296 | 0.279 |" in card
     assert "- `acc`: the share of questions whose choice of highest log-likelihood is the answer." in card
     assert "- `acc_norm`: the same, each choice's log-likelihood divided by its length in characters." in card
     assert "| held-out perplexity, student | 52.3 |" in card and "avg_acc" not in card
@@ -41,7 +42,18 @@ def test_a_limit_and_a_recorded_task_version_are_stated(tmp_path):
     metrics = {**METRICS, "tasks/student/mmlu_dev_offline/version": 1.0}
     card = write_model_card(student_dir(tmp_path), metrics, lm_eval={**SETTINGS, "limit": 6}).read_text()
     assert "the first 6 documents of each task" in card
-    assert "| mmlu_dev_offline | 1.0 | 0.214 | 0.296 | 0.264 | 0.279 |" in card
+    assert "| mmlu_dev_offline | 1.0 | `acc` | 0.214 | 0.264 |" in card
+
+
+def test_a_recall_tasks_own_metrics_are_shown_beside_the_teachers(tmp_path):
+    metrics = {**METRICS, "tasks/student/niah_single_1/1024": 0.0, "tasks/student/niah_single_1/2048": 0.1,
+               "tasks/teacher/niah_single_1/1024": 1.0}
+    card = write_model_card(student_dir(tmp_path), metrics, lm_eval=SETTINGS).read_text()
+    assert "| niah_single_1 | not recorded | `1024` | 0 | 1 |" in card
+    assert "| niah_single_1 | not recorded | `2048` | 0.1 | – |" in card  # the teacher not scored there
+    assert "- any other metric: the task's own score under lm-eval's name" in card
+    plain = write_model_card(student_dir(tmp_path / "b"), METRICS, lm_eval=SETTINGS).read_text()
+    assert "any other metric" not in plain
 
 
 def test_without_recorded_settings_the_card_says_so(tmp_path):

@@ -190,14 +190,21 @@ def _lm_eval_section(metrics: dict, lm_eval: dict | None) -> list[str]:
              + (f"the first {limit} documents of each task" if limit else
                 "every document of each task" if lm_eval else "documents per task not recorded")
              + ", no bootstrap.", "",
-             "| task | task version | student acc | student acc_norm | teacher acc | teacher acc_norm |",
-             "|---|---|---|---|---|---|"]
+             "| task | task version | metric | student | teacher |", "|---|---|---|---|---|"]
+    known = [m for m, _ in METRIC_MEANINGS]
+    shown = set()
     for task, scores in sorted(student.items()):
         theirs = teacher.get(task, {})
-        cells = [scores.get("acc"), scores.get("acc_norm"), theirs.get("acc"), theirs.get("acc_norm")]
-        lines.append(f"| {task} | {scores.get('version', 'not recorded')} | "
-                     + " | ".join("–" if c is None else _fmt(c) for c in cells) + " |")
-    lines += ["", *(f"- `{metric}`: {meaning}." for metric, meaning in METRIC_MEANINGS)]
+        # acc and acc_norm first, then whatever else the task reports (a recall task's per-length scores)
+        for metric in sorted((m for m in scores if m != "version"), key=lambda m: (m not in known, known.index(m)
+                                                                                   if m in known else 0, m)):
+            shown.add(metric)
+            lines.append(f"| {task} | {scores.get('version', 'not recorded')} | `{metric}` | {_fmt(scores[metric])} | "
+                         f"{'–' if metric not in theirs else _fmt(theirs[metric])} |")
+    lines += ["", *(f"- `{metric}`: {meaning}." for metric, meaning in METRIC_MEANINGS if metric in shown)]
+    if shown - set(known):
+        lines.append("- any other metric: the task's own score under lm-eval's name (`,filter` names a filter other "
+                     "than none; a number is the context length a recall task's score was taken at).")
     return lines
 
 
