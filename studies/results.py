@@ -45,6 +45,7 @@ HEADLINE = (  # (label, preset), in the order of the tables
     ("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"),
     ("hybrid: window + sinks + gated Hedgehog", "hybrid_text"),
     ("recall hybrid: + 6 exact copying layers", "hybrid_recall"),
+    ("control: the hybrid trained on the recall hybrid's copy text", "hybrid_copy"),
     ("pure linear: gated delta rule", "linear_delta_kl"),
     ("hybrid: window + sinks + gated delta", "hybrid_delta"),
 )
@@ -58,6 +59,10 @@ COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the 
     ("recall hybrid − window + sinks, passkey @ 1K (share of prompts)", "hybrid_recall", "window_sinks_kl",
      "passkey/student/T1024", None),
     ("recall hybrid − hybrid, passkey @ 1K (share of prompts)", "hybrid_recall", "hybrid_text",
+     "passkey/student/T1024", None),
+    ("recall hybrid − copy-text control, passkey @ 1K: what the exact layers give", "hybrid_recall", "hybrid_copy",
+     "passkey/student/T1024", None),
+    ("copy-text control − hybrid, passkey @ 1K: what copy training gives", "hybrid_copy", "hybrid_text",
      "passkey/student/T1024", None),
     ("pure linear − window + sinks, held-out loss", "linear_hedgehog_kl", "window_sinks_kl", "heldout/student", None),
     ("gated delta − additive (Hedgehog + gate), held-out loss", "linear_delta_kl", "linear_hedgehog_kl",

@@ -18,6 +18,7 @@ SMALL = ["model=tiny_llama", "train=smoke", "data.seq_len=64", "data.num_tokens=
          "eval.passkey_trials=2"]
 PRESETS = {preset: [] for _, preset in results.HEADLINE}
 PRESETS["hybrid_recall"] = ["allocation.softmax_layers=1", "eval.passkey_lengths=[96,128]", "distill.copy_distance=16"]
+PRESETS["hybrid_copy"] = ["eval.passkey_lengths=[96,128]", "distill.copy_distance=16"]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def test_the_headline_tables_build_from_the_presets_records(runs):
     for _, preset in results.HEADLINE:
         assert f"`{preset}`" in blocks[("headline", "main")]
     assert "hybrid − window + sinks, held-out loss (nats)" in blocks[("headline", "comparisons")]
+    assert "recall hybrid − copy-text control, passkey @ 1K" in blocks[("headline", "comparisons")]
 
 
 def test_the_frontier_puts_every_preset_against_its_decode_memory(runs, tmp_path):
