@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import math
 
-from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.report import crossed_interval, load_records, paired_interval, share_interval
 from studies import records, results
 from studies.dof_tokens import tokens_figure
-from tests.unit.test_results_tables import SEQS, fake_run
+from tests.unit.test_results_tables import SEQS, fake_run, measure
 
 SHIFTS = {("fix", 65536): 1.2, ("dof", 65536): 1.1, ("fix", 262144): 0.8, ("dof", 262144): 0.7}
 
@@ -23,8 +22,8 @@ def run_with(root, name, preset, seed, shift, policy, tokens, split=None):
     (run / "run.json").write_text(json.dumps(record))
     if split == "test":  # the test scoring measures generation agreement too
         first, prefix = [float(i % 3 > 0) for i in range(8)], [float((i + seed) % 5) for i in range(8)]
-        Measurements(run / MEASUREMENTS, main=True).get("agreement", {}, lambda: {
-            "agreement/first_token": 0.0, "seq/agreement/first_token": first, "seq/agreement/prefix_len": prefix})
+        measure(run, "agreement", {"agreement/first_token": 0.0, "seq/agreement/first_token": first,
+                                   "seq/agreement/prefix_len": prefix})
     return run
 
 

@@ -52,3 +52,20 @@ def test_a_shared_measurement_is_computed_once_for_every_run_directory(tmp_path)
 
 def test_split_sequences_separates_lists_by_prefix():
     assert split_sequences({"a": 1.0, "seq/b": [1.0]}) == ({"a": 1.0}, {"seq/b": [1.0]})
+
+
+def test_a_directory_scored_twice_gives_the_sequences_of_the_scoring_its_metrics_hold(tmp_path):
+    """Scored on one split, then on another: both entries stay (a third scoring may reuse either), stored in
+    key order, and the sequences kept for a record are the ones of the metrics.json the last scoring wrote."""
+    store = Measurements(tmp_path / MEASUREMENTS, main=True)
+    first = store.get("perplexity/student", {"split": "test"}, counting([1.0, 3.0])[0])
+    second = store.get("perplexity/student", {"split": "dev"}, counting([5.0, 7.0, 9.0])[0])
+    again = Measurements(tmp_path / MEASUREMENTS, main=True)
+    assert again.per_sequence(second) == {"seq/heldout/x": [5.0, 7.0, 9.0]}
+    assert again.per_sequence(first) == {"seq/heldout/x": [1.0, 3.0]}
+    ambiguous = {**first, **second, "eval/loss": 99.0}  # neither entry's scalars: nothing to keep
+    assert again.per_sequence(ambiguous) == {}
+    store.get("perplexity/other", {"split": "dev"}, lambda: {"seq/heldout/x": [0.0]})  # no scalar tells it apart
+    import pytest
+    with pytest.raises(ValueError, match="cannot tell apart"):
+        Measurements(tmp_path / MEASUREMENTS, main=True).per_sequence(second)

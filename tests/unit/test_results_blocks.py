@@ -7,16 +7,14 @@ import math
 from dofla.report import load_records
 from studies import records, results
 from studies.dof_tables import MAIN_HEADER
-from tests.unit.test_results_tables import SEQS, fake_run
+from tests.unit.test_results_tables import SEQS, fake_run, measure
 
 
 def test_the_orders_block_gives_each_run_of_a_student_with_several(tmp_path):
     for seed in range(2):
         run = fake_run(tmp_path / "runs", f"d_s{seed}", "linear_delta_kl", seed, 1.2)
-        sequences = json.loads((run / "eval_sequences.json").read_text())
         far = {"seq/position/student/1024-2048": [4.0 + seed] * 2, "seq/position/teacher/1024-2048": [2.5, 2.7]}
-        sequences["position"] = far  # the loss-by-position measurement, as the eval stage stores it
-        (run / "eval_sequences.json").write_text(json.dumps(sequences))
+        measure(run, "position", {"position/student/1024-2048": 4.0 + seed, **far})  # the loss by position
     fake_run(tmp_path / "runs", "r_s0", "hybrid_recall", 0, 0.0)  # one run: no rows of its own
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "records")])
     loaded = load_records(tmp_path / "records")

@@ -29,7 +29,7 @@ def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None,
     (run / "run.json").write_text(json.dumps({"config": config, "host": "machine"}))
     if dims is not None:
         (run / "allocation.json").write_text(json.dumps({"policy": policy, "dims": dims}))
-    metrics = {"eval/student_loss": sum(student) / SEQS}
+    metrics = {"eval/student_loss": sum(student) / SEQS, "l": 0.0, "p": 0.0}  # every stored scalar, as the eval writes
     metrics.update({f"memory/student/decode_mib/T{context}": mib for context, mib in (memory or {}).items()})
     (run / "metrics.json").write_text(json.dumps(metrics))
     store = Measurements(run / MEASUREMENTS, main=True)
@@ -40,6 +40,15 @@ def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None,
         store.get("passkey/teacher", {}, lambda: {"p": 0.0, **{f"seq/passkey/teacher/T{n}": h
                                                               for n, h in teacher_passkey.items()}})
     return run
+
+
+def measure(run, name: str, values: dict, settings: dict | None = None) -> None:
+    """Store measurement ``name`` (its scalars and ``seq/`` lists) in ``run`` and add its scalars to
+    metrics.json, as the eval stage does: a record keeps the sequences of what metrics.json holds."""
+    Measurements(run / MEASUREMENTS, main=True).get(name, settings or {}, lambda: values)
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics.update({k: v for k, v in values.items() if not k.startswith("seq/")})
+    (run / "metrics.json").write_text(json.dumps(metrics))
 
 
 def test_records_keep_the_per_sequence_values_and_drop_the_host(tmp_path):
@@ -211,8 +220,7 @@ def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_exa
     shares = {"linear_delta_kl": [0.5, 0.25, 0.25, 0.0], "linear_hedgehog_kl": [0.0, 0.25, 0.0, 0.0]}
     for preset, hits in shares.items():
         run = fake_run(tmp_path / "runs", f"{preset}_mqar_s0", preset, 0, 1.0)
-        Measurements(run / MEASUREMENTS, main=True).get("mqar", {}, lambda hits=hits: {
-            "m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": hits})
+        measure(run, "mqar", {"m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": hits})
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar")])
     table = results.PAGES["mqar"](load_records(tmp_path / "mqar"))[("headline", "table")].splitlines()
     assert table[0] == "| student | runs | held-out ppl | T = 64 (16 pairs) |"
@@ -228,8 +236,8 @@ def test_the_mqar_block_gives_each_students_share_and_pairs_the_two_forms_by_exa
     versus = paired_interval(delta, additive)
     assert table[5] == (f"| gated delta − additive (paired) | 0 | – | {versus.mean:+.3f} ± {versus.half_width:.3f} (text only)"
                         " (per example) |")
-    Measurements(tmp_path / "runs" / "linear_hedgehog_kl_mqar_s0" / MEASUREMENTS, main=True).get(
-        "mqar", {"again": 1}, lambda: {"m": 0.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": [0.0] * 4})
+    measure(tmp_path / "runs" / "linear_hedgehog_kl_mqar_s0", "mqar",  # evaluated again: what metrics.json holds
+            {"m": 1.0, "seq/mqar/teacher/T64": teacher, "seq/mqar/student/T64": [0.0] * 4}, {"again": 1})
     records.main([str(tmp_path / "runs"), "--into", str(tmp_path / "mqar_again")])
     table = results.PAGES["mqar"](load_records(tmp_path / "mqar_again"))[("headline", "table")].splitlines()
     known = paired_share_interval(delta, torch.zeros(1, 4, dtype=torch.float64), per_value=16)

@@ -85,9 +85,21 @@ class Measurements:
             plan.skipped.update(entry["skipped"])
         return dict(entry["metrics"])
 
-    def per_sequence(self) -> dict:
-        """Every stored measurement's per-sequence lists, by metric name (``seq/`` keys)."""
-        return {k: v for sequences in self.sequences.values() for k, v in sequences.items()}
+    def per_sequence(self, metrics: dict | None = None) -> dict:
+        """Every stored measurement's per-sequence lists, by metric name (``seq/`` keys). With ``metrics``
+        (the run's metrics.json), only the measurements whose scalar metrics are all the ones it holds: a
+        directory scored more than once (the dev and then the test split, or other eval settings) keeps
+        every scoring's entries, stored in key order, and only the last scoring's are what metrics.json says."""
+        keys = [key for key, entry in self.entries.items()
+                if metrics is None or all(metrics.get(k) == v for k, v in entry["metrics"].items())]
+        found: dict = {}
+        for key in keys:
+            for name, values in self.sequences.get(key, {}).items():
+                if name in found and found[name] != values:
+                    raise ValueError(f"{self.path.parent} holds two measurements of {name} that its metrics.json "
+                                     "cannot tell apart; evaluate the run again into a fresh directory")
+                found[name] = values
+        return found
 
     @staticmethod
     def _compute(compute: Callable[[], dict], settings: dict, plan) -> tuple[dict, dict]:

@@ -49,7 +49,7 @@ def collect_record(run_dir: Path, into: Path) -> Path:
     run, metrics = read_json(run_dir / "run.json"), read_json(run_dir / "metrics.json")
     if run is None or metrics is None:
         raise FileNotFoundError(f"{run_dir} has no run.json or metrics.json: run it to the end (eval) first")
-    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence()
+    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence(metrics)
     target = Path(into) / run_dir.name
     write_json(target / "run.json", {k: v for k, v in run.items() if k != "host"})
     write_json(target / "metrics.json", metrics)
@@ -94,8 +94,9 @@ def load_records(root: Path) -> list[RunRecord]:
 def run_record(run_dir: Path) -> RunRecord:
     """A finished run directory read as its record would be (without writing one)."""
     run_dir = Path(run_dir)
-    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence()
-    return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], read_json(run_dir / "metrics.json"),
+    metrics = read_json(run_dir / "metrics.json")
+    sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence(metrics)
+    return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], metrics,
                      {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"))
 
 
