@@ -269,3 +269,17 @@ def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_orde
     recorded = math.exp(sum(sources[1][1].sequences["heldout/student"]) / SEQS)
     assert f"| `window_sinks_kl` | 1 | {recorded:.2f} | {recorded * math.exp(1e-3):.2f} | +0.0010 | 0.0010 |" in table
     assert "hybrid_text" not in table and "| 0 |" not in table
+
+
+def test_every_committed_records_sequences_are_those_of_its_metrics():
+    """Each committed record's per-sequence held-out losses and position buckets average to the scalars its
+    metrics.json holds: the sequences come from the scoring the metrics are (not an earlier one)."""
+    checked = 0
+    for root in sorted(p for p in results.RECORDS.iterdir() if p.is_dir()):
+        for record in load_records(root):
+            for name, values in record.sequences.items():
+                scalar = record.metrics.get(f"eval/{name.split('/')[1]}_loss" if name.startswith("heldout/") else name)
+                if (name.startswith("heldout/") or name.startswith("position/")) and scalar is not None:
+                    assert sum(values) / len(values) == pytest.approx(scalar, abs=1e-3), (record.name, name)
+                    checked += 1
+    assert checked > 100
