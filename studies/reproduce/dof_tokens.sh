@@ -7,8 +7,11 @@
 # compares like with like (records in docs/results/runs/dof_tokens/). The split is in no trained
 # artifact's key: the second scoring reads the trained student and only evaluates. The test scoring adds the
 # generation-scored agreement with the teacher (64 held-out prompts of 64 tokens, 32 greedy tokens each).
-# About 45 min per run at 262,144 tokens on 2 CPU cores (layerwise 4 min, KL 31 min at ~140 tokens/s,
-# two evaluations 10 min). TOKENS, SEEDS, PRESETS, POLICIES: e.g. TOKENS=1048576 SEEDS=0.
+# About an hour per policy and order at 262,144 tokens on 2 CPU cores (measured for fix, order 0, while other
+# work shared the cores: layerwise 12 min, KL 44 min at 100 tokens/s, test scoring 4 min, dev scoring 8 min).
+# TOKENS, SEEDS, PRESETS, POLICIES: e.g. SEEDS="1 2" or PRESETS=linear_hedgehog_kl POLICIES=fix. The KJV
+# training split holds 899,912 tokens; after the layerwise stage's 73,728, a KL stage asked for more than
+# the remaining 826,184 stops there with a warning and records the tokens it used.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/dof_tokens}
