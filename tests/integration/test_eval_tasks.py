@@ -65,8 +65,9 @@ def test_tasks_protocol_and_mqar_in_one_run(tmp_path, offline_env):
     card = (run / "student" / "README.md").read_text()
     assert f"lm-eval {version('lm_eval')}," in card and "zero-shot (`num_fewshot=0`), batch size 8" in card
     assert "the first 6 documents of each task" in card and str(tmp_path) not in card
-    acc, norm = metrics["tasks/student/piqa_local/acc"], metrics["tasks/student/piqa_local/acc_norm"]
-    assert f"| piqa_local | 2.0 | {acc:.4g} | {norm:.4g} |" in card  # the task version lm-eval reported
+    for metric in ("acc", "acc_norm"):  # the task version lm-eval reported, the student's and the teacher's score
+        student, teacher = metrics[f"tasks/student/piqa_local/{metric}"], metrics[f"tasks/teacher/piqa_local/{metric}"]
+        assert f"| piqa_local | 2.0 | `{metric}` | {student:.4g} | {teacher:.4g} |" in card
 
 
 @pytest.mark.long
