@@ -45,8 +45,7 @@ BATCH_DOCUMENTS = 256  # documents per tokenizer call while preparing
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the vocabulary and EOS id: two tokenizers with one fingerprint give the same ids."""
     vocab = sorted(tokenizer.get_vocab().items())
-    digest = hashlib.sha256(json.dumps([vocab, tokenizer.eos_token_id]).encode())
-    return digest.hexdigest()[:16]
+    return hashlib.sha256(json.dumps([vocab, tokenizer.eos_token_id]).encode()).hexdigest()[:16]
 
 
 def prepared_dir(root: Path, fingerprint: str, tokenizer_source: str, revision: str | None = None) -> Path:
