@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dofla.report import RunRecord, frontier_plot, frontier_points, frontier_table, load_records
+from studies.budget import budget, plan_figure
 from studies.dof_tables import dof_allocation
 from studies.dof_tokens import dof_tokens, tokens_curve, tokens_figure
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share_cell, signed, values
@@ -91,10 +92,12 @@ def teacher_row(records: list[RunRecord]) -> list[str]:
     return [TEACHER, "–", "–", f"{math.exp(point['loss'].mean):.2f}", "1.00×", "–", "–", rates[1024], rates[2048]]
 
 
-def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
+def headline(records: list[RunRecord], policies: list[RunRecord] = (),
+             allocated: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
     """The headline page's blocks (and README's), from the records of the headline presets; empty
     blocks while no run is recorded. ``policies``: the DoF page's records (a preset under another
-    allocation policy), which join the frontier as points of their own."""
+    allocation policy) and ``allocated``: the budget page's dev records (a student per budget), which
+    join the frontier as points of their own."""
     if not records:
         return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "orders"): "",
                 ("headline", "frontier"): "", ("README", "table"): ""}
@@ -107,7 +110,7 @@ def headline(records: list[RunRecord], policies: list[RunRecord] = ()) -> dict[t
             for what, a, b, name, other in COMPARISONS if a in found and b in found]
     readme = markdown(["student", "preset", "runs", "held-out ppl", "× teacher", "passkey @ 1K"],
                       [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in table])
-    usable = [r for r in [*records, *policies] if "heldout/student" in r.sequences]
+    usable = [r for r in [*records, *policies, *allocated] if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
             ("headline", "orders"): orders_table(arms), ("headline", "frontier"): frontier, ("README", "table"): readme}
@@ -174,11 +177,11 @@ def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
 PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar,
-         "dof_tokens": dof_tokens, "tokens_curve": tokens_curve}
-SOURCES = {"headline": ("headline", "dof_allocation"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
+         "dof_tokens": dof_tokens, "tokens_curve": tokens_curve, "budget": budget}
+SOURCES = {"headline": ("headline", "dof_allocation", "budget"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
            "headline_rerun": ("headline_rerun", "headline"),
            "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
-           "tokens_curve": ("dof_tokens", "headline")}
+           "tokens_curve": ("dof_tokens", "headline"), "budget": ("budget_test", "budget", "headline")}
 PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 
@@ -197,7 +200,8 @@ FIGURE_DIR = ROOT / "docs" / "results" / "figures"
 # A page's figure and how it is drawn from the page's records whenever its blocks are rewritten (README shows
 # the frontier too); the drawing returns None while the records cannot make it.
 FIGURES = {"headline": (FIGURE_DIR / "headline_frontier.png", frontier_figure),
-           "tokens_curve": (FIGURE_DIR / "tokens_curve.png", tokens_figure)}
+           "tokens_curve": (FIGURE_DIR / "tokens_curve.png", tokens_figure),
+           "budget": (FIGURE_DIR / "budget_plan.png", plan_figure)}
 
 
 def page_path(name: str) -> Path:

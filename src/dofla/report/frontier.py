@@ -26,10 +26,13 @@ MEMORY = re.compile(r"^memory/(teacher|student)/decode_mib/T(\d+)$")
 
 def student_label(record: RunRecord) -> str:
     """A group's name: the preset (with its allocation policy unless ``fix``: ``allocation=dof`` on a
-    preset is another student), or the attention form, window, exact layers and allocation."""
+    preset is another student; with its budget's MiB under ``allocation=budget``), or the attention
+    form, window, exact layers and allocation."""
     c = record.config
     if record.experiment:
         policy = c.get("allocation", {}).get("policy", "fix")
+        if policy == "budget" and record.allocation:  # a student per budget
+            return f"{record.experiment} {record.allocation['budget']['mib']:.1f} MiB"
         return record.experiment if policy == "fix" else f"{record.experiment} {policy}"
     a, k = c["attention"], c["allocation"].get("softmax_layers", 0)
     window = f" w{a['window']}+{a['sinks']}" if a.get("window") else ""

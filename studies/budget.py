@@ -1,0 +1,168 @@
+"""The memory budget's generated blocks (``docs/results/budget.md``): ``python -m studies.results budget``.
+
+The runs of ``studies/reproduce/budget.sh`` turn a share of the teacher's KV cache at 8,192 tokens into a
+plan per KV head (``allocation=budget``), train it and score it on test (``docs/results/runs/budget_test/``)
+and on dev (``budget/``). Their rows say what the budget bought, their plans where it went; the dev rows
+are paired with the uniform presets of the headline page (scored on dev) by data order and held-out
+sequence or passkey prompt.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from dofla.report import RunRecord
+from studies.dof_tokens import split
+from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
+
+CONTEXT = 8192
+KINDS = ("exact", "window", "window + state", "state")  # what an option keeps, in the plan figure's colours
+UNIFORM = (  # the headline's uniform students the allocated ones are set against (dev records)
+    ("window 64 + 4 sinks", "window_sinks_kl"),
+    ("hybrid: window + sinks + gated delta", "hybrid_delta"),
+    ("hybrid: window + sinks + gated Hedgehog", "hybrid_text"),
+    ("recall hybrid: + 6 exact copying layers", "hybrid_recall"),
+)
+SIGNALS = (("held-out loss (nats)", "heldout/student"), ("loss at positions 1,024–2,047", "position/student/1024-2048"),
+           ("passkey @ 1K (share of prompts)", "passkey/student/T1024"),
+           ("passkey @ 2K (share of prompts)", "passkey/student/T2048"))
+
+
+def kind(option: str) -> str:
+    """What a menu option (``dofla.dof.menu.label``) keeps: exact, a window alone, a window and a state, a state."""
+    if option == "exact":
+        return "exact"
+    window, state = option.startswith("w"), any(s in option for s in ("delta", "linear", "gla"))
+    return "window + state" if window and state else "window" if window else "state"
+
+
+def budget_mib(record: RunRecord) -> float:
+    return record.allocation["budget"]["mib"]
+
+
+def budget_name(record: RunRecord) -> str:
+    """The budget as given (a share of the teacher's KV cache, or MiB) and its MiB at the context."""
+    b = record.allocation["budget"]
+    given = f"{b['given']['share']:g} of the teacher's" if b["given"].get("share") else f"{b['given']['mib']:g} MiB"
+    return f"{given} ({b['mib']:.1f} MiB)"
+
+
+def groups(records: list[RunRecord]) -> dict[tuple[float, str], list[RunRecord]]:
+    """The allocated students' finished runs by (budget MiB, split), each group by data order."""
+    found = {}
+    for r in records:
+        if r.allocation and "heads" in r.allocation and "heldout/student" in r.sequences:
+            found.setdefault((round(budget_mib(r), 6), split(r)), []).append(r)
+    return {k: sorted(found[k], key=lambda r: r.seed) for k in sorted(found, key=lambda k: (k[0], k[1] != "test"))}
+
+
+def mean_metric(runs: list[RunRecord], name: str) -> float | None:
+    got = [r.metrics[name] for r in runs if name in r.metrics]
+    return sum(got) / len(got) if len(got) == len(runs) else None
+
+
+def cell(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def students_table(found: dict) -> str:
+    """A row per budget and split: the bytes (the budget, the plan's, the decode cache measured at 8,192
+    tokens), the quality (95 % over runs and held-out text; shares with Wilson's interval) and the
+    allocation's cost beside the training's."""
+    rows = []
+    for (mib, part), runs in found.items():
+        ppl, delta, far = quality(runs)
+        cost = mean_metric(runs, "allocation/cost_s")
+        rows.append([budget_name(runs[0]), part, ", ".join(str(r.seed) for r in runs),
+                     cell(mean_metric(runs, f"allocation/plan_mib/T{CONTEXT}"), ".1f"),
+                     cell(mean_metric(runs, f"memory/student/decode_mib/T{CONTEXT}"), ".1f"),
+                     f"{ppl:.2f}", f"{math.exp(delta.mean):.2f}×", signed(delta), far, passkey(runs, 1024),
+                     passkey(runs, 2048), cell(None if cost is None else cost / 60, ".0f"),
+                     cell(mean_metric(runs, "allocation/share_of_training"), ".2f")])
+    header = ["budget at 8,192 tokens", "held-out split", "data orders", "plan MiB", "decode MiB measured",
+              "held-out ppl", "× teacher", "loss − teacher (nats)", "at positions 1,024–2,047", "passkey @ 1K",
+              "passkey @ 2K", "allocation (min)", "allocation ÷ training"]
+    return markdown(header, rows) if rows else ""
+
+
+def heads_table(found: dict) -> str:
+    """Where each run's budget went: how many KV heads took each kind of option and the MiB they hold at
+    8,192 tokens, and which heads stayed exact (layer.KV head)."""
+    rows, seen = [], set()
+    for (mib, _), runs in found.items():
+        for r in runs:
+            if (mib, r.seed) in seen:  # a run scored on both splits has one plan
+                continue
+            seen.add((mib, r.seed))
+            heads = r.allocation["heads"]
+            cells = []
+            for k in KINDS:
+                mine = [h for h in heads if kind(h["option"]) == k]
+                cells.append(f"{len(mine)} ({sum(h['bytes'] for h in mine) / 2**20:.1f} MiB)" if mine else "0")
+            exact = ", ".join(f"{h['layer']}.{h['kv_head']}" for h in heads if kind(h["option"]) == "exact")
+            rows.append([budget_name(r), str(r.seed), *cells, exact or "none"])
+    header = ["budget at 8,192 tokens", "data order", *[f"{k} heads" for k in KINDS], "exact heads (layer.KV head)"]
+    return markdown(header, rows) if rows else ""
+
+
+def comparisons(found: dict, headline: list[RunRecord]) -> str:
+    """Each allocated student (dev) against each uniform preset (dev), paired by data order and by sequence
+    or prompt: held-out loss, far-context loss, passkey at 1K and 2K (– where either did not measure it)."""
+    rows = []
+    for (mib, part), runs in found.items():
+        if part != "dev":
+            continue
+        for label, preset in UNIFORM:
+            other = arm(headline, preset)
+            orders = common_orders(runs, other)
+            if not orders:
+                continue
+            memory = cell(mean_metric(other, f"memory/student/decode_mib/T{CONTEXT}"), ".1f")
+            rows.append([f"{budget_name(runs[0])} − {label} ({memory} MiB)", ", ".join(map(str, orders)),
+                         *[paired(runs, other, name) for _, name in SIGNALS]])
+    header = ["comparison (decode MiB at 8,192 tokens)", "data orders", *[what for what, _ in SIGNALS]]
+    return markdown(header, rows) if rows else ""
+
+
+def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The budget page's blocks."""
+    found = groups([*test, *dev])
+    return {("budget", "students"): students_table(found), ("budget", "heads"): heads_table(found),
+            ("budget", "comparisons"): comparisons(found, headline)}
+
+
+def plan_figure(records: list[RunRecord], path: Path) -> Path | None:
+    """Each budget's plan (its first data order) as a grid of layers × KV heads coloured by what the head
+    keeps; None while no allocated run is recorded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    plans = {}
+    for (mib, _), runs in groups(records).items():
+        plans.setdefault(mib, runs[0])
+    if not plans:
+        return None
+    colours = ["#d62728", "#9ecae1", "#2ca02c", "#ff7f0e"]
+    fig, axes = plt.subplots(len(plans), 1, figsize=(9, 1.1 + 0.9 * len(plans)), squeeze=False)
+    for ax, (mib, r) in zip(axes[:, 0], sorted(plans.items())):
+        heads = r.allocation["heads"]
+        layers, kv = 1 + max(h["layer"] for h in heads), 1 + max(h["kv_head"] for h in heads)
+        grid = [[0] * layers for _ in range(kv)]
+        for h in heads:
+            grid[h["kv_head"]][h["layer"]] = KINDS.index(kind(h["option"]))
+        ax.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(KINDS) - 1, aspect="auto")
+        ax.set_yticks(range(kv))
+        ax.set_ylabel("KV head")
+        ax.set_title(f"{budget_name(r)}, data order {r.seed}", fontsize=9)
+        ax.set_xticks(range(0, layers, 2))
+    axes[-1, 0].set_xlabel("layer")
+    fig.legend(handles=[Patch(color=c, label=k) for c, k in zip(colours, KINDS)], loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
