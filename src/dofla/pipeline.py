@@ -189,7 +189,9 @@ def allocated(ctx: RunContext, tokens: RunData) -> tuple[RunContext, dict]:
 
 def budget_metrics(record: dict, seconds: dict) -> dict:
     """The budget and the plan's bytes at ``budget.context`` (beside the eval's measured
-    ``memory/student/decode_mib/T<context>``), and what the allocation cost beside the training's time."""
+    ``memory/student/decode_mib/T<context>``), and what the allocation cost beside the training's time:
+    ``allocation/cost_s`` this allocation's seconds, ``allocation/menu_s`` the menu's measurement's (which a
+    later budget reuses: ``allocation/menu_reused`` 1)."""
     context, cost = record["budget"]["context"], record["cost"]["seconds"]
     training = seconds.get("train", 0.0) + seconds.get("distill", 0.0)
     metrics = {f"memory/budget_mib/T{context}": record["budget"]["mib"],
@@ -197,6 +199,10 @@ def budget_metrics(record: dict, seconds: dict) -> dict:
                "allocation/slack_mib": record["slack_bytes"] / 2**20, "allocation/cost_s": cost}
     if training and not record["reused"]:  # absent unless both were spent in this run (not reused)
         metrics["allocation/share_of_training"] = cost / training
+    measurement = record.get("menu_measurement")
+    if measurement:  # the menu's measurement, this run's own or another budget's it solved on
+        metrics["allocation/menu_s"] = measurement["seconds"]
+        metrics["allocation/menu_reused"] = float(measurement["reused"])
     return metrics
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dofla.dof.allocator import allocate
+from dofla.dof.allocator import allocate, menu_signals
 from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.knapsack import MIB, brute_force
@@ -174,6 +174,21 @@ def test_the_interaction_check_is_the_chosen_plan_measured_again(allocated):
     measured = (base["kl"] - chosen["kl"]) + (base["nll"] - chosen["nll"])
     assert record["interaction"]["measured_value"] == pytest.approx(measured, rel=1e-6, abs=1e-9)
     assert record["interaction"]["gap"] == pytest.approx(measured - record["interaction"]["predicted_value"])
+
+
+def test_another_budget_solves_on_the_measured_menu_and_measures_its_plan_alone(allocated):
+    """The menu measured at one budget, solved at another: the plan and values of measuring afresh there,
+    for the cost of one student (the check)."""
+    _, record, prompts = allocated
+    cfg = _cfg(share=0.2, kl_weight=2.0)
+    fresh_plan, fresh = allocate(_teacher(), cfg, TOKENS, prompts)
+    plan, reused = allocate(_teacher(), cfg, TOKENS, prompts, measured=menu_signals(record))
+    assert plan == fresh_plan and reused["values"] == fresh["values"] and reused["signals"] == fresh["signals"]
+    assert reused["interaction"]["measured_value"] == pytest.approx(fresh["interaction"]["measured_value"], abs=1e-6)
+    assert reused["cost"]["students"] == 1 and fresh["cost"]["students"] == record["cost"]["students"]
+    assert menu_signals({**record, "signals": None}) is None
+    with pytest.raises(ValueError, match="measure the menu again"):
+        allocate(_teacher(), _cfg(states=[4]), TOKENS, prompts, measured=menu_signals(record))
 
 
 def test_one_switched_head_adds_up_exactly():

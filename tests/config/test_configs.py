@@ -182,11 +182,13 @@ def test_help_introduces_the_tool_groups_and_examples(tmp_path):
 @pytest.mark.parametrize("overrides", [[f"experiment={e}"] for e in _options("experiment")]
                          + [["experiment=paper_gpt2", f"+variant={v}"] for v in _options("variant")], ids=str)
 def test_every_experiment_and_grid_cell_passes_validation(overrides):
+    from dofla.dof.allocate import reads_dof
     from dofla.validate import stage_plan, validate_config
 
     cfg = _compose(overrides)
     validate_config(cfg)
-    assert ("dof" in stage_plan(cfg)) == (cfg.allocation.policy != "fix")
+    # Algorithm 1 runs for the policies that read it: not fix, not a memory budget's measured plan
+    assert ("dof" in stage_plan(cfg)) == reads_dof(cfg.allocation.policy) == (cfg.allocation.policy not in ("fix", "budget"))
 
 
 @pytest.mark.parametrize("value,expected", [("auto", "auto"), ("64", 64)])

@@ -44,7 +44,8 @@ def runs(tmp_path_factory):
     elsewhere = run_cli(*args, f"hydra.sweep.dir={root / 'elsewhere'}")  # the shared allocation found
     assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
     return {source: {"dir": root / "runs" / source, "allocation": allocations[source], "first": first,
-                     "again": again, "elsewhere": elsewhere, "other_dir": root / "elsewhere" / source}
+                     "again": again, "elsewhere": elsewhere, "other_dir": root / "elsewhere" / source,
+                     "args": args, "root": root}
             for source in SOURCES}
 
 
@@ -85,7 +86,8 @@ def test_the_chosen_student_trains_layerwise_and_with_kl(runs):
         moved = {int(name.split(".layers.")[1].split(".")[0]) for name, p in distilled.named_parameters()
                  if ".dofla." in name and not torch.equal(p, before[name])}
         assert metrics["distill/tokens"] == 2048 and moved == set(with_state)  # KL moved every layer's state
-        assert metrics["allocation/cost_s"] == record["cost"]["seconds"]
+        assert metrics["allocation/cost_s"] == record["cost"]["seconds"] == metrics["allocation/menu_s"]
+        assert metrics["allocation/menu_reused"] == 0.0
 
 
 def test_measured_decode_memory_is_the_plans_and_within_the_budget(runs):
@@ -107,3 +109,21 @@ def test_a_rerun_reuses_the_allocation_and_another_run_of_the_same_settings_shar
         metrics = json.loads((run["other_dir"] / "metrics.json").read_text())
         assert metrics["allocation/cost_s"] == run["allocation"]["cost"]["seconds"]
         assert "allocation/share_of_training" not in metrics  # measured by another run
+
+
+def test_another_budget_solves_on_the_measured_menu(runs):
+    """A larger budget on the same teacher, menu and calibration text: the menu's measurement is found and
+    only the chosen plan is measured; the record and the metrics say so."""
+    run = runs["cache"]
+    args = [a for a in run["args"] if not a.startswith(("budget.mib=", "train.source=", "hydra.sweep.subdir="))]
+    root = run["root"] / "larger"
+    done = run_cli(*args, f"budget.mib={2 * MIB}", "train.source=cache", "distill=none", "stages=[cache,allocate]",
+                   f"hydra.sweep.dir={root}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dofla: allocation=budget: solved on the menu measured before" in done.stdout
+    record = json.loads((root / "0" / "allocation.json").read_text())
+    first = run["allocation"]
+    assert record["menu_measurement"]["reused"] and not first["menu_measurement"]["reused"]
+    assert record["menu_measurement"]["seconds"] == first["cost"]["seconds"]
+    assert record["signals"] == first["signals"] and record["cost"]["students"] == 1
+    assert record["budget"]["bytes"] == int(2 * MIB * 2**20) >= record["plan_bytes"] > first["plan_bytes"]

@@ -39,9 +39,11 @@ ALLOCATION_POLICIES.register(BUDGET_POLICY)(AllocationPolicy(BUDGET_POLICY, _per
 
 
 def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list | None = None,
-             repair_rounds: int = 0) -> tuple[StudentPlan, dict]:
+             repair_rounds: int = 0, measured: dict | None = None) -> tuple[StudentPlan, dict]:
     """The plan that spends ``cfg``'s budget best on calibration ``tokens`` (S, L) and retrieval ``prompts``
-    (training split), and its JSON-able record."""
+    (training split), and its JSON-able record. ``measured``: the menu's signals measured before on the same
+    teacher, menu, fits and calibration (a record's ``base_signals`` and ``signals``, :func:`menu_signals`),
+    so another budget or other weights cost the solve and the check alone."""
     geometry = get_adapter(teacher).geometry(teacher.config)
     local = [i for i, w in enumerate(geometry.layer_windows) if w is not None]
     if local:  # their heads are already a window in the teacher: a menu would offer what they cannot be
@@ -61,7 +63,12 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
         measured = {"base": probe.baseline(unit.plan([base] * count)), "signals": None}
         history = [_check(probe, unit, random_choice(sizes, budget, seed=cfg.seed), measured["base"], cfg)]
     else:
-        measured = measure_menu(probe, menu, base, width=width)
+        if measured is None:
+            measured = measure_menu(probe, menu, base, width=width)
+        elif len(measured["signals"]) != count or any(len(unit) != len(menu) for unit in measured["signals"]):
+            raise ValueError(f"the measured signals hold {len(measured['signals'])} units of "
+                             f"{len(measured['signals'][0])} options, this allocation has {count} of {len(menu)}: "
+                             "measure the menu again")
         history = _solved(probe, unit, base, head_values(measured, cfg.kl_weight, cfg.retrieval_weight), sizes,
                           budget, measured["base"], cfg, repair_rounds)
     best = max(history, key=lambda h: h["measured_value"])
@@ -82,6 +89,13 @@ def _solved(probe, unit, base: int, values: list, sizes: list, budget: int, refe
             break  # measured already: the repair has nothing new to try
         history.append(_check(probe, unit, choice, reference, cfg))
     return history
+
+
+def menu_signals(record: dict) -> dict | None:
+    """The measured menu of an allocation's record (the ``measured`` :func:`allocate` takes), or None where
+    nothing of the menu was measured (a random plan)."""
+    signals = record.get("signals")
+    return None if signals is None else {"base": record["base_signals"], "signals": signals}
 
 
 class _Units:
@@ -161,7 +175,8 @@ def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, prob
         "solver": {"name": "scipy.optimize.milp (HiGHS)" if cfg.solver == "milp" else "random",
                    "status": best["status"]},
         "granularity": cfg.granularity, "weights": weights, "baseline": label(menu[base]),
-        "menu": [label(o) for o in menu], "base_signals": measured["base"], "heads": heads, "values": values,
+        "menu": [label(o) for o in menu], "base_signals": measured["base"], "signals": measured["signals"],
+        "heads": heads, "values": values,
         "interaction": {k: best[k] for k in ("predicted_value", "measured_value", "gap", "kl", "nll")},
         "checks": [{k: h[k] for k in ("options", "predicted_value", "measured_value", "gap")} for h in history],
         "cost": probe.cost.to_dict(), "plan": plan.to_list(),

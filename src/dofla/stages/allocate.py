@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, choose_dims
-from dofla.dof.allocator import allocate as allocate_budget
+from dofla.dof.allocator import allocate as allocate_budget, menu_signals
 from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
 from dofla.dof.knapsack import MIB
 from dofla.dof.softmax_layers import passkey_prompts
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # added to budget.seed for the allocator's passkey prompts: keys and depths of their own, apart from the
 # softmax-layer ranking's and the eval's
 PROMPT_SALT = 7_919
+# the budget's fields that choose among the measured options, not what is measured: another budget or other
+# weights solve again on the same measured menu
+SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "solver")
 
 
 def run(ctx: RunContext, dof: DofResult | None, cache=None) -> Allocation:
@@ -78,7 +81,9 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
 
     Keyed on the teacher, the memory budget and the calibration text (its settings): reused from the run's
     ``allocation.json`` or, for another run of the same settings, from ``allocations/`` beside the activation
-    caches (the returned record then says ``reused``)."""
+    caches (the returned record then says ``reused``). The measured menu is kept apart, keyed on the same
+    settings less the budget's size and weights (``SOLVE_ONLY``) and the repair rounds: another budget solves
+    on it and measures its chosen plan alone (the record's ``menu_measurement`` says where it came from)."""
     cfg, b = ctx.cfg, ctx.cfg.budget
     memory = memory_budget(cfg)
     calibration = train_tokens[:b.calibration_seqs]
@@ -96,14 +101,28 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
         record = found[1]
         logger.info(f"dofla: allocation=budget: reused {found[0]} (measured in {record['cost']['seconds']:.1f} s)")
     else:
-        _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds)
-        record = {**record, "settings": settings, "calibration": {"sequences": int(calibration.shape[0]),
-                  "seq_len": int(calibration.shape[1]), "prompts": len(prompts), "prompt_length": b.prompt_length}}
+        menu_key = {**settings, "budget": {k: v for k, v in budget.items() if k not in SOLVE_ONLY}}
+        menu_key.pop("repair_rounds")
+        menu_path = cache_root(cfg) / "allocations" / \
+            f"menu-{hashlib.sha256(json.dumps(menu_key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+        kept = read_json(menu_path)
+        kept = kept if kept is not None and kept.get("settings") == menu_key and memory.solver == "milp" else None
+        _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds,
+                                    measured=kept and kept["measured"])
+        measurement = {"path": str(menu_path), "reused": kept is not None,
+                       "seconds": kept["seconds"] if kept else record["cost"]["seconds"]}
+        record = {**record, "settings": settings, "menu_measurement": measurement,
+                  "calibration": {"sequences": int(calibration.shape[0]), "seq_len": int(calibration.shape[1]),
+                                  "prompts": len(prompts), "prompt_length": b.prompt_length}}
+        if kept is None and (measured := menu_signals(record)) is not None:
+            write_json(menu_path, {"settings": menu_key, "measured": measured, "seconds": record["cost"]["seconds"]})
         write_json(shared, record)
         cost = record["cost"]
-        logger.info(f"dofla: allocation=budget: measured {cost['students']} students in {cost['seconds']:.1f} s "
-                    f"({cost['fit_seconds']:.1f} s fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a "
-                    f"{record['budget']['mib']:.3f} MiB budget at {memory.context} tokens")
+        how = (f"solved on the menu measured before ({menu_path.name}, {kept['seconds']:.1f} s then) and measured "
+               f"the chosen plan" if kept else f"measured {cost['students']} students")
+        logger.info(f"dofla: allocation=budget: {how} in {cost['seconds']:.1f} s ({cost['fit_seconds']:.1f} s "
+                    f"fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a {record['budget']['mib']:.3f} MiB "
+                    f"budget at {memory.context} tokens")
     write_json(own, record)
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
