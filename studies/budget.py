@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from dofla.report import RunRecord
-from studies.dof_tokens import split
+from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
 
 CONTEXT = 8192
@@ -67,21 +67,25 @@ def cell(value: float | None, spec: str) -> str:
 
 def students_table(found: dict) -> str:
     """A row per budget and split: the bytes (the budget, the plan's, the decode cache measured at 8,192
-    tokens), the quality (95 % over runs and held-out text; shares with Wilson's interval) and the
-    allocation's cost beside the training's."""
+    tokens), the quality (95 % over runs and held-out text; shares with Wilson's interval), the
+    generation-scored agreement where measured (test) and the allocation's cost beside the training's."""
     rows = []
     for (mib, part), runs in found.items():
         ppl, delta, far = quality(runs)
-        cost = mean_metric(runs, "allocation/cost_s")
+        cost, menu = mean_metric(runs, "allocation/cost_s"), mean_metric(runs, "allocation/menu_s")
+        spent = cell(None if cost is None else cost / 60, ".0f")
+        if mean_metric(runs, "allocation/menu_reused"):  # solved on another budget's measured menu
+            spent += f" (the menu's {menu / 60:.0f}, measured once)"
         rows.append([budget_name(runs[0]), part, ", ".join(str(r.seed) for r in runs),
                      cell(mean_metric(runs, f"allocation/plan_mib/T{CONTEXT}"), ".1f"),
                      cell(mean_metric(runs, f"memory/student/decode_mib/T{CONTEXT}"), ".1f"),
                      f"{ppl:.2f}", f"{math.exp(delta.mean):.2f}×", signed(delta), far, passkey(runs, 1024),
-                     passkey(runs, 2048), cell(None if cost is None else cost / 60, ".0f"),
+                     passkey(runs, 2048), *agreement(runs), spent,
                      cell(mean_metric(runs, "allocation/share_of_training"), ".2f")])
     header = ["budget at 8,192 tokens", "held-out split", "data orders", "plan MiB", "decode MiB measured",
               "held-out ppl", "× teacher", "loss − teacher (nats)", "at positions 1,024–2,047", "passkey @ 1K",
-              "passkey @ 2K", "allocation (min)", "allocation ÷ training"]
+              "passkey @ 2K", "first generated token = teacher's", "greedy tokens matched (of 32)",
+              "allocation (min)", "allocation ÷ training"]
     return markdown(header, rows) if rows else ""
 
 

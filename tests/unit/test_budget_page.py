@@ -39,7 +39,9 @@ def budget_run(root, share, seed, shift, split):
     allocation = plan(share, seed)
     (run / "allocation.json").write_text(json.dumps(allocation))
     metrics = json.loads((run / "metrics.json").read_text())
-    metrics.update({"allocation/cost_s": 3000.0 + seed, "allocation/share_of_training": 1.5,
+    reused = share != 0.1  # the smaller budget solved on the menu the larger one measured
+    metrics.update({"allocation/cost_s": 120.0 if reused else 3000.0 + seed, "allocation/menu_s": 3000.0 + seed,
+                    "allocation/menu_reused": float(reused), "allocation/share_of_training": 1.5,
                     "allocation/plan_mib/T8192": allocation["plan_bytes"] / 2**20})
     (run / "metrics.json").write_text(json.dumps(metrics))
 
@@ -75,7 +77,9 @@ def test_a_row_per_budget_and_split_with_its_bytes_quality_and_cost(tmp_path):
     cells = row.split(" | ")
     plan_mib = sum(r.allocation["plan_bytes"] for r in dev) / 2 / 2**20
     assert cells[2:6] == ["0, 1", f"{plan_mib:.1f}", f"{36.0 * 0.9:.1f}", f"{ppl:.2f}"]
-    assert cells[-2:] == ["50", "1.50 |"]  # minutes of allocation, its share of training
+    assert cells[-4:] == ["–", "–", "50", "1.50 |"]  # no agreement scored on dev; allocation minutes and share
+    (small,) = [r for r in table if r.startswith("| 0.05 of the teacher's (18.0 MiB) | dev |")]
+    assert small.split(" | ")[-2] == "2 (the menu's 50, measured once)"
 
 
 def test_where_each_plans_bytes_went(tmp_path):
