@@ -138,6 +138,10 @@ def _validate_distill(cfg: RunConfig) -> None:
     for key in ("tokens", "batch_size", "lr", "feature_lr", "temperature", "lora_rank", "checkpoint_every",
                 "log_every"):
         positive(f"distill.{key}", getattr(d, key))
+    require(isinstance(d.passes, int) and not isinstance(d.passes, bool) and d.passes >= 1,
+            f"distill.passes={d.passes!r} must be a whole number ≥ 1 (1: the KL text is read once)")
+    require(d.passes == 1 or cfg.data.prepared != "off", f"distill.passes={d.passes} reads the KL text again "
+            "from prepared tokens, which data.prepared=off turns off; set data.prepared=auto")
     if d.seq_len is not None:
         positive("distill.seq_len", d.seq_len)
     require(isinstance(d.logit_chunk, int) and d.logit_chunk >= 0,

@@ -11,7 +11,8 @@
 # work shared the cores: layerwise 12 min, KL 44 min at 100 tokens/s, test scoring 4 min, dev scoring 8 min).
 # TOKENS, SEEDS, PRESETS, POLICIES: e.g. SEEDS="1 2" or PRESETS=linear_hedgehog_kl POLICIES=fix. The KJV
 # training split holds 899,912 tokens; after the layerwise stage's 73,728, a KL stage asked for more than
-# the remaining 826,184 stops there with a warning and records the tokens it used.
+# the remaining 826,184 stops there with a warning and records the tokens it used, unless PASSES=2
+# (distill.passes): then it reads its text again in another order, e.g. TOKENS=1048576 PASSES=2 SEEDS=0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/dof_tokens}
@@ -23,7 +24,8 @@ for seed in $SEEDS; do
   for preset in $PRESETS; do
     for policy in $POLICIES; do
       run=$OUT/${preset}_${policy}_t${TOKENS}_s$seed
-      common=(experiment=$preset allocation=$policy seed=$seed distill.tokens=$TOKENS train.layer_dir=$OUT/layers
+      common=(experiment=$preset allocation=$policy seed=$seed distill.tokens=$TOKENS distill.passes=${PASSES:-1}
+              train.layer_dir=$OUT/layers
               'eval.passkey_lengths=[]' hydra.run.dir=$run)
       dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
       python -m studies.records $run --into docs/results/runs/dof_tokens_test

@@ -221,3 +221,64 @@ def test_the_dofla_prepare_command_prepares_what_the_run_reads_and_says_so(tmp_p
     assert "the whole split" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="dofla-prepare: error: data.num_tokens='x'"):
         prepare_main([*overrides, "data.num_tokens=x"])
+
+
+def test_a_stream_of_two_passes_serves_its_own_batches_again_in_another_order_and_resumes(corpus, tokenizer, tmp_path):
+    from dofla.data.prefetch import prefetched
+
+    prepare(corpus, tokenizer, tmp_path / "p")
+    prepared = PreparedTokens(tmp_path / "p")
+    once, twice = prepared.stream(2, 24), prepared.stream(2, 24, passes=2, seed=3)
+    once.discard(100)  # e.g. a cached sample: held out of every pass
+    twice.discard(100)
+    first = list(once)
+    assert len(first) > 3 and all(torch.equal(a, twice.next_batch()) for a in first)  # pass 1: the one pass
+    states, second = [], []
+    for _ in first:
+        states.append(twice.state())
+        second.append(twice.next_batch())
+    key = lambda b: b.numpy().tobytes()  # noqa: E731
+    assert sorted(map(key, second)) == sorted(map(key, first)) and list(map(key, second)) != list(map(key, first))
+    with pytest.raises(StreamExhausted, match="2 of 2 passes"):
+        twice.next_batch()
+    # resumed anywhere in the second pass (and through a prefetcher): the same batches on
+    middle = len(first) // 2
+    resumed = prefetched(prepared.stream(2, 24, passes=2, seed=3), 2)
+    resumed.restore(states[middle])
+    assert all(torch.equal(resumed.next_batch(), b) for b in second[middle:])
+    resumed.close()
+    # another seed, another order; skip_to lands where serving did (no discard: the passes start at 0)
+    other = prepared.stream(2, 24, passes=2, seed=4)
+    skipped, served = prepared.stream(2, 24, passes=2, seed=3), prepared.stream(2, 24, passes=2, seed=3)
+    count = prepared.available("train") // 48
+    for _ in range(count + 2):
+        served.next_batch()
+        other.next_batch()
+    skipped.skip_to(count + 2)
+    assert torch.equal(skipped.next_batch(), served.next_batch())
+    assert skipped.state() == served.state() and not torch.equal(other.next_batch(), served.next_batch())
+
+
+def test_passes_are_refused_where_the_text_cannot_be_read_again(corpus, tokenizer):
+    with pytest.raises(DataError, match="needs prepared tokens"):
+        train_stream(corpus, tokenizer, 2, 24, passes=2)
+    with pytest.raises(ConfigError, match=r"distill.passes=0 must be a whole number ≥ 1"):
+        validate_config(tiny("distill=kl", "distill.passes=0"))
+    with pytest.raises(ConfigError, match="data.prepared=off turns off"):
+        validate_config(tiny("distill=kl", "distill.passes=2", "data.prepared=off"))
+
+
+def test_a_kl_stage_longer_than_the_split_reads_its_text_twice(tmp_path):
+    from dofla import pipeline
+
+    base = [f"paths.cache_dir={tmp_path / 'cache'}", "data.name=counting_test", "data.seq_len=32", "train.source=stream",
+            "data.cache_tokens=128", "data.heldout_tokens=128", "data.num_tokens=256", "train.batch_size=2",
+            "eval.attention_error=false", "distill=kl", "distill.seq_len=32", "distill.batch_size=2",
+            "stages=[cache,allocate,train,assemble,distill]"]
+    data.prepare(tiny(*base))
+    _, source = data.open_data(tiny(*base))
+    room = (source.available("train") - 128 - 256) // 64 * 64  # the KL text after the sample and the layerwise stage's
+    pipeline.run(tiny(*base, f"distill.tokens={room + 256}"), tmp_path / "once")
+    pipeline.run(tiny(*base, f"distill.tokens={room + 256}", "distill.passes=2"), tmp_path / "twice")
+    used = {run: json.loads((tmp_path / run / "distill_summary.json").read_text())["tokens"] for run in ("once", "twice")}
+    assert used == {"once": room, "twice": room + 256}  # one pass stops where the text ends; two read on

@@ -48,7 +48,7 @@ def run(ctx: RunContext, student, data: RunData, tracker=None) -> Distilled:
         return Distilled(with_settings(load_student(target).to(device), settings), summary["tokens"])
     d = cfg.distill
     stream = training_stream(cfg, ctx.tokenizer, d.batch_size, offset(ctx, data), seq_len=d.seq_len,
-                             source=data_source(ctx))
+                             source=data_source(ctx), passes=d.passes)
     if d.copy_share:
         stream = CopySpans(stream, d.copy_share, d.copy_distance, cfg.seed)
     log = None if tracker is None else (lambda values: tracker.log(values))

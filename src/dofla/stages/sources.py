@@ -58,7 +58,9 @@ def needs_prepared(cfg: RunConfig) -> list[str]:
     return [setting for setting, needs in (("data.num_tokens=all", cfg.data.num_tokens == "all"),
                                            ("data.shuffle_seed", cfg.data.shuffle_seed is not None),
                                            ("data.heldout_split=test", cfg.data.heldout_split == "test"),
-                                           ("data.prepared=require", cfg.data.prepared == "require")) if needs]
+                                           ("data.prepared=require", cfg.data.prepared == "require"),
+                                           (f"distill.passes={cfg.distill.passes}",
+                                            cfg.distill.name == "kl" and cfg.distill.passes > 1)) if needs]
 
 
 def prepared_path(cfg: RunConfig, text_source):
@@ -96,11 +98,13 @@ def heldout_need(cfg: RunConfig) -> tuple[int, str]:
 
 
 def training_stream(cfg: RunConfig, tokenizer, batch_size: int, skip_tokens: int, seq_len: int | None = None,
-                    source=None):
+                    source=None, passes: int = 1):
     """The training split of ``source`` (default: opened from ``cfg``) as (batch_size, seq_len or
     data.seq_len) batches, after skipping the first ``skip_tokens`` (e.g. the activation cache's
-    sample, which so stays held out). A worker thread reads ``data.prefetch`` batches ahead."""
-    batches = train_stream(source or open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len)
+    sample, which so stays held out); read ``passes`` times, each pass after the first in an order of
+    ``seed``'s (:class:`~dofla.data.prepared.TokenStream`). A worker thread reads ``data.prefetch`` batches ahead."""
+    batches = train_stream(source or open_data(cfg)[1], tokenizer, batch_size, seq_len or cfg.data.seq_len,
+                           passes=passes, seed=cfg.seed)
     batches.discard(skip_tokens)
     return prefetched(batches, cfg.data.prefetch)
 

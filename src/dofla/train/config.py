@@ -106,6 +106,9 @@ class DistillConfig:
 
     name: str = "none"  # none | kl
     tokens: int = 65536  # distillation tokens (one pass over fresh text)
+    # times the KL text may be read: a stage asked for more tokens than the training split holds after the
+    # layerwise stage's reads its own text again, each pass in another order (prepared tokens only)
+    passes: int = 1
     seq_len: Optional[int] = None  # None: data.seq_len
     batch_size: int = 4  # effective batch (sequences per optimiser step)
     micro_batch_size: Any = None  # sequences per forward/backward (None: batch_size; auto: what fits)
@@ -138,10 +141,10 @@ class DistillConfig:
 
     # micro-batching changes the peak memory, not the gradient; neither does torchrun's split
     KEYS: ClassVar[Keys] = Keys(
-        in_key=("name", "tokens", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
+        in_key=("name", "tokens", "passes", "seq_len", "batch_size", "train", "lr", "feature_lr", "scale_lr", "temperature",
                 "warmup_steps", "schedule", "grad_clip", "offset", "lora_rank", "lora_alpha", "window_dropout",
                 "window_dropout_end", "copy_share", "copy_distance", "teacher_topk"),
         # the teacher-logit cache stores the targets the teacher would give (bit for bit): not what is learnt
         out=("micro_batch_size", "logit_chunk", "checkpoint_every", "log_every", "teacher_cache", "teacher_cache_gb"),
         legacy={"window_dropout": 0.0, "window_dropout_end": None, "logit_chunk": 0, "scale_lr": 0.1, "copy_share": 0.0,
-                "copy_distance": 128, "teacher_topk": 0})
+                "copy_distance": 128, "teacher_topk": 0, "passes": 1})
