@@ -25,6 +25,7 @@ from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teach
 from dofla.dof.config import BUDGET_POLICY
 from dofla.dof.knapsack import MIB, Choice, check_instance, random_choice, solve
 from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
+from dofla.dof.first_order import first_order_menu
 from dofla.dof.sensitivity import Probe, head_values, measure_menu
 from dofla.models.adapters.support import get_adapter
 from dofla.models.plan import StudentPlan
@@ -64,7 +65,8 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
         history = [_check(probe, unit, random_choice(sizes, budget, seed=cfg.seed), measured["base"], cfg)]
     else:
         if measured is None:
-            measured = measure_menu(probe, menu, base, width=width)
+            estimate = first_order_menu if cfg.estimator == "first_order" else measure_menu
+            measured = estimate(probe, menu, base, width=width)
         elif len(measured["signals"]) != count or any(len(unit) != len(menu) for unit in measured["signals"]):
             raise ValueError(f"the measured signals hold {len(measured['signals'])} units of "
                              f"{len(measured['signals'][0])} options, this allocation has {count} of {len(menu)}: "

@@ -60,6 +60,9 @@ class MemoryBudgetConfig:
     reuse_prefix: bool = True
     granularity: str = "head"  # head: every KV head chooses its option; layer: all KV heads of a layer one option
     solver: str = "milp"  # milp: the exact optimum of the measured values; random: the ablation's random plan
+    # measured: every unit and option run as a student; first_order: predicted from one backward of the
+    # baseline (dofla.dof.first_order), the chosen plan still measured
+    estimator: str = "measured"
 
     def __post_init__(self):
         self.windows = [int(w) for w in self.windows]
@@ -70,7 +73,7 @@ class MemoryBudgetConfig:
 # the budget section's fields that are MemoryBudgetConfig's own (the rest: the run's calibration and repairs)
 MEMORY_FIELDS = ("mib", "share", "context", "kv_bytes", "exact", "windows", "sinks", "states", "pure_states",
                  "kl_weight", "retrieval_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed",
-                 "reuse_prefix", "granularity", "solver")
+                 "reuse_prefix", "granularity", "solver", "estimator")
 
 
 def memory_budget(cfg: RunConfig) -> MemoryBudgetConfig:
@@ -106,6 +109,9 @@ def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     if cfg.fit_target not in ("full", "own"):
         raise ValueError(f"fit_target={cfg.fit_target!r} must be 'full' (one fit per state for every window) or "
                          "'own' (each option fitted with its window)")
+    if cfg.estimator not in ("measured", "first_order"):
+        raise ValueError(f"estimator={cfg.estimator!r} must be 'measured' (every option run as a student) or "
+                         "'first_order' (predicted from one backward of the baseline student)")
     if cfg.granularity not in ("head", "layer"):
         raise ValueError(f"granularity={cfg.granularity!r} must be 'head' (each KV head its option) or 'layer' "
                          "(a layer's KV heads one option)")

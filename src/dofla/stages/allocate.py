@@ -90,7 +90,7 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
     # reuse_prefix changes how the menu is measured, not what (the two paths agree exactly): out of the key
     budget = {k: v for k, v in asdict(memory).items() if k != "reuse_prefix"
-              and not (k in ("granularity", "solver") and v == getattr(MemoryBudgetConfig, k))}  # later: legacy
+              and not (k in ("granularity", "solver", "estimator") and v == getattr(MemoryBudgetConfig, k))}  # later: legacy
     settings = {"teacher": teacher_settings(cfg), "budget": budget, "repair_rounds": b.repair_rounds,
                 "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
