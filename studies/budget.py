@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dofla.dof.first_order import first_order_check
 from dofla.report import RunRecord
 from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
@@ -128,11 +129,53 @@ def comparisons(found: dict, headline: list[RunRecord]) -> str:
     return markdown(header, rows) if rows else ""
 
 
-def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord]) -> dict[tuple[str, str], str]:
-    """The budget page's blocks."""
+def estimator(record: RunRecord) -> str:
+    return record.allocation["settings"]["budget"].get("estimator", "measured")
+
+
+def _settings_but_estimator(record: RunRecord) -> str:
+    settings = dict(record.allocation["settings"])
+    settings["budget"] = {k: v for k, v in settings["budget"].items() if k != "estimator"}
+    return repr(sorted((k, repr(v)) for k, v in settings.items()))
+
+
+def first_order_table(records: list[RunRecord]) -> str:
+    """Each first-order allocation (``budget.estimator=first_order``) against the measured allocation of the same
+    teacher, budget, menu and calibration: how well its values rank the measured ones (Spearman), each signal's
+    mean absolute error, both costs, the heads that chose alike, and each chosen plan's value as measured by
+    its interaction check (the same quantity for both plans, so the higher is the better plan)."""
+    allocated = [r for r in records if r.allocation and r.allocation.get("signals") and "settings" in r.allocation]
+    measured = {}
+    for r in allocated:
+        if estimator(r) == "measured":
+            measured.setdefault(_settings_but_estimator(r), r)
+    rows = []
+    for predicted in sorted((r for r in allocated if estimator(r) == "first_order"), key=lambda r: (budget_mib(r), r.seed)):
+        match = measured.get(_settings_but_estimator(predicted))
+        if match is None:
+            continue
+        a, m = predicted.allocation, match.allocation
+        weights = (m["weights"]["kl"], m["weights"]["retrieval"])
+        got = first_order_check({"base": a["base_signals"], "signals": a["signals"]},
+                                {"base": m["base_signals"], "signals": m["signals"]}, m["menu"].index(m["baseline"]), weights)
+        same = sum(x["option"] == y["option"] for x, y in zip(a["heads"], m["heads"]))
+        rows.append([budget_name(predicted), str(predicted.seed), f"{got['spearman']:.2f}", f"{got['kl_abs_error']:.4f}",
+                     f"{got['nll_abs_error']:.3f}", f"{m['cost']['seconds'] / 60:.1f}", f"{a['cost']['seconds'] / 60:.1f}",
+                     f"{same}/{len(m['heads'])}", f"{m['interaction']['measured_value']:.3f}",
+                     f"{a['interaction']['measured_value']:.3f}"])
+    header = ["budget at 8,192 tokens", "data order", "Spearman's ρ of the values", "KL error (nats/token)",
+              "answer-NLL error (nats)", "measured menu (min)", "first order (min)", "heads alike",
+              "measured plan's value", "first-order plan's value"]
+    return markdown(header, rows) if rows else ""
+
+
+def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord],
+           allocations: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
+    """The budget page's blocks (``allocations``: allocation-only records, e.g. a first-order allocation)."""
     found = groups([*test, *dev])
     return {("budget", "students"): students_table(found), ("budget", "heads"): heads_table(found),
-            ("budget", "comparisons"): comparisons(found, headline)}
+            ("budget", "comparisons"): comparisons(found, headline),
+            ("budget", "first_order"): first_order_table([*test, *allocations])}
 
 
 def plan_figure(records: list[RunRecord], path: Path) -> Path | None:

@@ -8,6 +8,8 @@
 # headline's uniform presets were scored (records in docs/results/runs/budget/), so the page pairs them.
 # The menu is measured once per data order (its calibration text is the order's first training sequences)
 # and every other share solves on it (dofla: allocation=budget: solved on the menu measured before).
+# Beside each order's first share, the same allocation with budget.estimator=first_order (the allocate stage
+# alone; records in docs/results/runs/budget_alloc/), which the page sets against the measured menu.
 # A stopped script resumes: every finished stage's artifact is found and reused.
 # SHARES, SEEDS: a subset or more (e.g. SHARES="0.05 0.1 0.25" SEEDS="0 1 2"); EXTRA: more overrides.
 set -euo pipefail
@@ -24,5 +26,9 @@ for seed in $SEEDS; do
     dofla "${common[@]}"
     python -m studies.records $run --into docs/results/runs/budget
   done
+  share=${SHARES%% *}
+  dofla experiment=budget_tenth budget.share=$share seed=$seed budget.estimator=first_order 'stages=[cache,allocate]' \
+    ${EXTRA:-} hydra.run.dir=$OUT/first_order_share${share}_s$seed
+  python -m studies.records $OUT/first_order_share${share}_s$seed --allocation-only --into docs/results/runs/budget_alloc
 done
 python -m studies.results budget

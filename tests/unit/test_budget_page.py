@@ -26,8 +26,14 @@ def plan(share: float, seed: int) -> dict:
         option = "exact" if h < exact else "w64+s4+delta64" if h % 2 else "w64+s4"
         heads.append({"layer": h // KV, "kv_head": h % KV, "option": option, "bytes": OPTIONS[option]})
     used = sum(h["bytes"] for h in heads)
+    menu = list(OPTIONS)
+    signals = [[{"kl": 0.5 - 0.01 * h * o, "nll": 3.0 - 0.1 * o} for o in range(len(menu))] for h in range(LAYERS * KV)]
     return {"budget": {"mib": share * TEACHER_MIB, "bytes": int(share * TEACHER_MIB * 2**20), "context": 8192,
-                       "given": {"mib": None, "share": share}}, "heads": heads, "plan_bytes": used}
+                       "given": {"mib": None, "share": share}}, "heads": heads, "plan_bytes": used,
+            "menu": menu, "baseline": "w64+s4", "base_signals": signals[0][1], "signals": signals,
+            "weights": {"kl": 1.0, "retrieval": 1.0}, "cost": {"seconds": 3000.0},
+            "interaction": {"measured_value": 0.5}, "settings": {
+                "teacher": "t", "budget": {"share": share}, "repair_rounds": 0, "calibration": f"sha256:{seed}"}}
 
 
 def budget_run(root, share, seed, shift, split):
@@ -95,7 +101,7 @@ def test_where_each_plans_bytes_went(tmp_path):
 
 def test_allocated_students_pair_with_the_uniform_presets_on_dev(tmp_path):
     root = build(tmp_path)
-    test, dev, headline = results.sources_of("budget", root)
+    test, dev, headline, _ = results.sources_of("budget", root)
     rows = results.PAGES["budget"](test, dev, headline)[("budget", "comparisons")].splitlines()[2:]
     assert len(rows) == 2  # each budget's dev runs against window + sinks; test runs pair with nothing
     mine = sorted((r for r in dev if r.allocation["budget"]["given"]["share"] == 0.1), key=lambda r: r.seed)
@@ -116,3 +122,25 @@ def test_the_plan_figure_and_the_frontier_show_each_budget(tmp_path):
     blocks = results.PAGES["headline"](*results.sources_of("headline", root))
     frontier = blocks[("headline", "frontier")]
     assert "| budget_tenth 18.0 MiB | 2 |" in frontier and "| budget_tenth 36.0 MiB | 2 |" in frontier
+
+
+def test_a_first_order_allocation_is_set_against_the_measured_menu_of_its_settings(tmp_path):
+    root = build(tmp_path)
+    measured = plan(0.1, 0)
+    predicted = {**measured, "settings": {**measured["settings"], "budget": {"share": 0.1, "estimator": "first_order"}},
+                 "cost": {"seconds": 60.0}, "interaction": {"measured_value": 0.4},
+                 "signals": [[{"kl": s["kl"] + 0.001 * (h % 3), "nll": s["nll"]} for s in row]
+                             for h, row in enumerate(measured["signals"])]}
+    predicted["heads"] = [{**h, "option": "w64+s4"} if i == 0 else h for i, h in enumerate(measured["heads"])]
+    run = tmp_path / "runs" / "budget_alloc" / "first_order_share0.1_s0"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"config": {"experiment": "budget_tenth", "seed": 0,
+                                                         "allocation": {"policy": "budget"}}}))
+    (run / "allocation.json").write_text(json.dumps(predicted))
+    records.main([str(run), "--allocation-only", "--into", str(root / "budget_alloc")])
+    blocks = results.PAGES["budget"](*results.sources_of("budget", root))
+    (row,) = blocks[("budget", "first_order")].splitlines()[2:]  # the other budget has no first-order record
+    cells = row.strip("| ").split(" | ")
+    assert cells[:2] == ["0.1 of the teacher's (36.0 MiB)", "0"]
+    assert float(cells[2]) < 1 and cells[3] == f"{sum(0.001 * (h % 3) for h in range(LAYERS * KV)) / LAYERS / KV:.4f}"
+    assert cells[4:] == ["0.000", "50.0", "1.0", f"{LAYERS * KV - 1}/{LAYERS * KV}", "0.500", "0.400"]
