@@ -119,7 +119,9 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
         write_json(shared, record)
         cost = record["cost"]
         how = (f"solved on the menu measured before ({menu_path.name}, {kept['seconds']:.1f} s then) and measured "
-               f"the chosen plan" if kept else f"measured {cost['students']} students")
+               f"the chosen plan" if kept else f"predicted the menu to first order ({cost['students']} students "
+               f"built, the chosen plan measured)" if memory.estimator == "first_order"
+               else f"measured {cost['students']} students")
         logger.info(f"dofla: allocation=budget: {how} in {cost['seconds']:.1f} s ({cost['fit_seconds']:.1f} s "
                     f"fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a {record['budget']['mib']:.3f} MiB "
                     f"budget at {memory.context} tokens")
