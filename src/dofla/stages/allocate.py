@@ -109,7 +109,7 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
         kept = kept if kept is not None and kept.get("settings") == menu_key and memory.solver == "milp" else None
         _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds,
                                     measured=kept and kept["measured"])
-        measurement = {"path": str(menu_path), "reused": kept is not None,
+        measurement = {"file": menu_path.name, "reused": kept is not None,
                        "seconds": kept["seconds"] if kept else record["cost"]["seconds"]}
         record = {**record, "settings": settings, "menu_measurement": measurement,
                   "calibration": {"sequences": int(calibration.shape[0]), "seq_len": int(calibration.shape[1]),
