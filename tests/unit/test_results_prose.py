@@ -72,7 +72,7 @@ def blocks() -> str:
     return computed()
 
 
-@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation"])
+@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation", "budget"])
 def test_every_number_the_prose_states_comes_from_a_record_or_is_a_named_fact(page, blocks):
     prose = answers(results.page_path(page))
     assert prose.strip(), f"{page} has no answer to check"
@@ -81,7 +81,7 @@ def test_every_number_the_prose_states_comes_from_a_record_or_is_a_named_fact(pa
     assert not untraced, f"{page} states {untraced}, which no record gives and ALLOWED does not name"
 
 
-@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation"])
+@pytest.mark.parametrize("page", ["README", "headline", "dof_allocation", "budget"])
 def test_every_interval_the_prose_quotes_is_a_cell_the_records_give(page, blocks):
     """An interval is quoted whole: its mean and half-width together, as one cell has them."""
     prose = answers(results.page_path(page))
