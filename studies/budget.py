@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dofla.dof.first_order import first_order_check
+from dofla.dof import first_order_check
 from dofla.report import RunRecord
 from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed

@@ -22,6 +22,7 @@ from dofla.dof.allocate import (
 from dofla.dof.allocator import allocate as allocate_budget
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, teacher_kv_bytes
 from dofla.dof.budget_cost import measurement_counts, timed_estimate
+from dofla.dof.first_order import first_order_check, first_order_menu
 from dofla.dof.menu import default_menu
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "estimate_layer_dof", "gram_matrix", "sample_pool", "ALLOCATION_POLICIES", "allocate_dims",
     "AllocationPolicy", "AllocationRequest", "allocate_head_dims", "choose_dims", "reads_dof",
     "allocate_budget", "MemoryBudgetConfig", "budget_bytes", "teacher_kv_bytes", "measurement_counts", "timed_estimate",
-    "default_menu",
+    "default_menu", "first_order_check", "first_order_menu",
 ]

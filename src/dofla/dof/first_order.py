@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from scipy.stats import spearmanr
 
 from dofla.dof.sensitivity import Probe, switched, units
 from dofla.models.adapters.support import get_adapter
@@ -120,8 +121,6 @@ def first_order_check(predicted: dict, measured: dict, base: int, weights: tuple
     """How well first-order values stand in for measured ones: Spearman's rank correlation over every unit and
     non-baseline option (``base``: the baseline's index in the menu) of the weighted value, and the mean
     absolute error of each signal's change."""
-    from scipy.stats import spearmanr
-
     def changes(menu: dict, key: str) -> list[float]:
         return [s[key] - menu["base"][key] for row in menu["signals"] for o, s in enumerate(row) if o != base]
 
