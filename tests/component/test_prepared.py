@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
 from dofla.data import DataError, build_source, pack_tokens
-from dofla.data.prepared import PreparedTokens, TokenStream, pack_split, prepare, train_stream
+from dofla.data.prepared import PreparedTokens, pack_split, prepare, train_stream
+from dofla.data.token_stream import TokenStream
 from dofla.data.sources import DATA_SOURCES, DataSource
 from dofla.data.stream import BatchStream, StreamExhausted
 from dofla.models.tiny import build_byte_tokenizer
