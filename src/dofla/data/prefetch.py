@@ -13,14 +13,13 @@ from __future__ import annotations
 import copy
 import queue
 import threading
-from typing import Iterator
 
 import torch
 
-from dofla.data.stream import StreamExhausted
+from dofla.data.stream import Batches
 
 
-class Prefetcher:
+class Prefetcher(Batches):
     def __init__(self, stream, depth: int = 2):
         if depth < 1:
             raise ValueError(f"prefetch depth={depth} must be ≥ 1 (no prefetcher: use the stream itself)")
@@ -82,13 +81,6 @@ class Prefetcher:
         if self._thread is not None:
             self.close()
             self.stream.restore(self._state)
-
-    def __iter__(self) -> Iterator[torch.LongTensor]:
-        while True:
-            try:
-                yield self.next_batch()
-            except StreamExhausted:
-                return
 
     def __del__(self):  # a dropped prefetcher must not leave its worker reading
         try:

@@ -29,7 +29,21 @@ class StreamExhausted(DataError):
         self.tokens = tokens
 
 
-class BatchStream:
+class Batches:
+    """What every batch stream shares: iterating serves ``next_batch()`` until the text runs out."""
+
+    def next_batch(self) -> torch.LongTensor:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[torch.LongTensor]:
+        while True:
+            try:
+                yield self.next_batch()
+            except StreamExhausted:
+                return
+
+
+class BatchStream(Batches):
     """Batches (B, L) of token ids from ``texts()``, a callable returning a fresh document iterator.
 
     ``texts`` must yield the same documents in the same order on every call (every registered
@@ -118,10 +132,3 @@ class BatchStream:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return ids
-
-    def __iter__(self) -> Iterator[torch.LongTensor]:
-        while True:
-            try:
-                yield self.next_batch()
-            except StreamExhausted:
-                return

@@ -4,18 +4,17 @@ the text it has served."""
 from __future__ import annotations
 
 import logging
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from dofla.data.sources import DataError
-from dofla.data.stream import StreamExhausted
+from dofla.data.stream import Batches, StreamExhausted
 
 logger = logging.getLogger(__name__)
 
 
-class TokenStream:
+class TokenStream(Batches):
     """``BatchStream``'s interface over prepared tokens: the same batches, O(1) resume.
 
     ``passes`` > 1: when the split runs out, the stream serves the batches it served so far again, each
@@ -105,10 +104,3 @@ class TokenStream:
             raise StreamExhausted(
                 f"prepared data {self.source!r} ran out after {served} tokens ({self.position} batches of "
                 f"{self.batch_size}×{self.seq_len}); request fewer tokens or prepare more", served)
-
-    def __iter__(self) -> Iterator[torch.LongTensor]:
-        while True:
-            try:
-                yield self.next_batch()
-            except StreamExhausted:
-                return
