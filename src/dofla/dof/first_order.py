@@ -22,10 +22,10 @@ import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from dofla.dof.sensitivity import Probe, switched, units
+from dofla.eval.longctx import answer_nats
 from dofla.models.adapters.support import get_adapter
 from dofla.train.distill import kl_to_teacher
 
@@ -63,10 +63,7 @@ def _signal(model, probe: Probe, n: int, tokens, other) -> torch.Tensor:
     :meth:`Probe._forward` computes them."""
     if n < len(probe.batches):
         return kl_to_teacher(model(input_ids=tokens, use_cache=False).logits, other) * tokens.numel()
-    answer = other.to(probe.device)
-    ids = torch.cat([tokens.to(probe.device), answer], dim=1)
-    logits = model(input_ids=ids, logits_to_keep=answer.shape[1] + 1, use_cache=False).logits[0, :-1]
-    return F.cross_entropy(logits.float(), answer[0], reduction="sum")
+    return answer_nats(model, tokens.to(probe.device), other.to(probe.device))
 
 
 def first_order_menu(probe: Probe, menu: list, base: int, width: int = 1) -> dict:

@@ -179,5 +179,10 @@ def answer_nll(model, prompt: torch.Tensor, answer: torch.Tensor) -> float:
     """Nats ``model`` spends on ``answer`` (1, A) right after ``prompt`` (1, P), teacher-forced. Only the last
     A + 1 positions' logits are computed (``logits_to_keep``): the head over the prompt's positions would be
     thrown away, and on a large vocabulary it is much of a long prompt's forward."""
+    return answer_nats(model, prompt, answer).item()
+
+
+def answer_nats(model, prompt: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """:func:`answer_nll` as a tensor, its graph kept when gradients are on."""
     logits = model(torch.cat([prompt, answer], dim=1), logits_to_keep=answer.shape[1] + 1).logits[0, :-1]
-    return F.cross_entropy(logits.float(), answer[0], reduction="sum").item()
+    return F.cross_entropy(logits.float(), answer[0], reduction="sum")
