@@ -11,7 +11,8 @@
 # Beside each order's first share, the same allocation with budget.estimator=first_order (the allocate stage
 # alone; records in docs/results/runs/budget_alloc/), which the page sets against the measured menu.
 # A stopped script resumes: every finished stage's artifact is found and reused.
-# SHARES, SEEDS: a subset or more (e.g. SHARES="0.05 0.1 0.25" SEEDS="0 1 2"); EXTRA: more overrides.
+# SHARES, SEEDS: a subset or more (e.g. SHARES="0.05 0.1 0.25" SEEDS="0 1 2"); EXTRA: more overrides;
+# FIRST_ORDER=0 skips the first-order allocation (e.g. when adding shares to an order that has it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/budget}
@@ -26,6 +27,7 @@ for seed in $SEEDS; do
     dofla "${common[@]}"
     python -m studies.records $run --into docs/results/runs/budget
   done
+  [ "${FIRST_ORDER:-1}" = 0 ] && continue
   share=${SHARES%% *}
   dofla experiment=budget_tenth budget.share=$share seed=$seed budget.estimator=first_order 'stages=[cache,allocate]' \
     ${EXTRA:-} hydra.run.dir=$OUT/first_order_share${share}_s$seed
