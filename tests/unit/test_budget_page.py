@@ -7,7 +7,7 @@ import json
 import math
 
 from dofla.report import load_records, paired_interval
-from dofla.report.frontier import student_label
+from dofla.report.frontier import frontier_plot, frontier_points, frontier_series, student_label
 from studies import records, results
 from studies.budget import kind, plan_figure
 from studies.tables import signed
@@ -122,6 +122,12 @@ def test_the_plan_figure_and_the_frontier_show_each_budget(tmp_path):
     blocks = results.PAGES["headline"](*results.sources_of("headline", root))
     frontier = blocks[("headline", "frontier")]
     assert "| budget_tenth 18.0 MiB | 2 |" in frontier and "| budget_tenth 36.0 MiB | 2 |" in frontier
+    # the figure joins the budgets as one curve, in memory order; a uniform preset stays a point of its own
+    headline = [r for source in results.sources_of("headline", root) for r in source]
+    series = frontier_series(frontier_points(headline))
+    assert [p["name"] for p in series["budget_tenth (allocated)"]] == ["budget_tenth 18.0 MiB", "budget_tenth 36.0 MiB"]
+    assert [p["name"] for p in series["window_sinks_kl"]] == ["window_sinks_kl"]
+    assert frontier_plot(frontier_points(headline), tmp_path / "frontier.png").stat().st_size > 10_000
 
 
 def test_a_first_order_allocation_is_set_against_the_measured_menu_of_its_settings(tmp_path):

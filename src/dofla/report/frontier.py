@@ -39,6 +39,14 @@ def student_label(record: RunRecord) -> str:
     return f"{a['name']}{window}{f' {k} exact' if k else ''} {c['allocation']['policy']}"
 
 
+def student_curve(record: RunRecord) -> str | None:
+    """The curve a student's point joins: the allocator's students of one preset (``allocation=budget``), one point
+    per budget, are one curve; every other student is a point of its own (None)."""
+    if record.config.get("allocation", {}).get("policy") == "budget" and record.allocation:
+        return f"{record.experiment or record.config['attention']['name']} (allocated)"
+    return None
+
+
 def point(name: str, runs: list[RunRecord], who: str) -> dict:
     """One student's (or the teacher's) numbers over its runs. The teacher's are the same in every run
     (the same text and prompts), so each of its measurements comes from the first run that took it: the
@@ -55,7 +63,7 @@ def point(name: str, runs: list[RunRecord], who: str) -> dict:
     memory = {int(m[2]): holding(k, "metrics")[0].metrics[k] for k in sorted({k for r in runs for k in r.metrics})
               if (m := MEMORY.match(k)) and m[1] == who}
     return {"name": name, "runs": len(runs) if who == "student" else 0, "loss": loss, "passkey": passkey,
-            "memory": memory}
+            "memory": memory, "curve": student_curve(runs[0]) if who == "student" else None}
 
 
 def frontier_points(records: list[RunRecord]) -> list[dict]:
@@ -87,6 +95,15 @@ def frontier_table(points: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
+def frontier_series(points: list[dict]) -> dict[str, list[dict]]:
+    """The plot's series, in the points' order: a student's point alone under its name, or every point of one
+    curve (the allocator's students, one per budget) under the curve's name, joined in the plot."""
+    series: dict[str, list[dict]] = {}
+    for p in points:
+        series.setdefault(p["curve"] or p["name"], []).append(p)
+    return series
+
+
 def frontier_plot(points: list[dict], path: Path) -> Path:
     """Held-out loss (top) and passkey recall (bottom) against decode memory, one column per context."""
     contexts = sorted({c for p in points for c in p["memory"]})
@@ -94,18 +111,25 @@ def frontier_plot(points: list[dict], path: Path) -> Path:
         raise SystemExit("the runs measured no decode memory: evaluate them with eval.memory_contexts=[2048,8192]")
     lengths = sorted({n for p in points for n in p["passkey"]})
     fig, axes = plt.subplots(2, len(contexts), figsize=(5.2 * len(contexts), 7), squeeze=False)
-    # one colour per student, the same in both panels: matplotlib's ten while they suffice, else tab20's twenty
-    palette = [f"C{i}" for i in range(10)] if len(points) <= 10 else [plt.get_cmap("tab20")(i) for i in range(20)]
+    # one colour per series (a student, or a curve of the allocator's students), the same in both panels:
+    # matplotlib's ten while they suffice, else tab20's twenty
+    series = frontier_series(points)
+    palette = [f"C{i}" for i in range(10)] if len(series) <= 10 else [plt.get_cmap("tab20")(i) for i in range(20)]
     for col, context in enumerate(contexts):
         top, bottom = axes[0][col], axes[1][col]
-        for i, p in enumerate(points):
-            if context not in p["memory"]:
+        for i, (key, group) in enumerate(series.items()):
+            members = sorted((p for p in group if context in p["memory"]), key=lambda p: p["memory"][context])
+            if not members:
                 continue
-            x, loss, color = p["memory"][context], p["loss"], palette[i % len(palette)]
-            top.errorbar([x], [loss.mean], yerr=[loss.half_width or 0.0], fmt="o", capsize=3, color=color,
-                         label=p["name"])
-            for length, share in sorted(p["passkey"].items()):
-                bottom.scatter([x], [share], marker=MARKERS[lengths.index(length) % len(MARKERS)], s=22, color=color)
+            xs, color = [p["memory"][context] for p in members], palette[i % len(palette)]
+            top.errorbar(xs, [p["loss"].mean for p in members], yerr=[p["loss"].half_width or 0.0 for p in members],
+                         fmt="o-" if len(members) > 1 else "o", capsize=3, color=color, label=key)
+            for length in lengths:
+                held = [(x, p["passkey"][length]) for x, p in zip(xs, members) if length in p["passkey"]]
+                if held:
+                    marker = MARKERS[lengths.index(length) % len(MARKERS)]
+                    bottom.plot(*zip(*held), marker=marker, markersize=5, color=color,
+                                linestyle="-" if len(held) > 1 else "none")
         top.legend(fontsize=7, loc="center", title="student", title_fontsize=7)  # points sit close: no labels
         for length in lengths:  # the legend: one marker per passkey length
             bottom.scatter([], [], marker=MARKERS[lengths.index(length) % len(MARKERS)], color="grey",
