@@ -44,8 +44,9 @@ def budget_mib(record: RunRecord) -> float:
 def budget_name(record: RunRecord) -> str:
     """The budget as given (a share of the teacher's KV cache, or MiB) and its MiB at the context."""
     b = record.allocation["budget"]
-    given = f"{b['given']['share']:g} of the teacher's" if b["given"].get("share") else f"{b['given']['mib']:g} MiB"
-    return f"{given} ({b['mib']:.1f} MiB)"
+    if not b["given"].get("share"):
+        return f"{b['given']['mib']:g} MiB"
+    return f"{b['given']['share']:g} of the teacher's ({b['mib']:.1f} MiB)"
 
 
 def groups(records: list[RunRecord]) -> dict[tuple[float, str], list[RunRecord]]:
@@ -129,6 +130,46 @@ def comparisons(found: dict, headline: list[RunRecord]) -> str:
     return markdown(header, rows) if rows else ""
 
 
+def ablation(record: RunRecord) -> str:
+    """What an ablation run changed from the allocator's defaults (its allocation settings say)."""
+    b = record.allocation["settings"]["budget"]
+    changed = [what for what, hit in (("per layer (a layer's KV heads alike)", b.get("granularity") == "layer"),
+                                      ("a random plan", b.get("solver") == "random"),
+                                      ("the retrieval signal alone", b.get("kl_weight") == 0),
+                                      ("KL alone", b.get("retrieval_weight") == 0)) if hit]
+    return ", ".join(changed) or "the allocator"
+
+
+def ablations(found: dict, runs_by_split: dict[str, list[RunRecord]], headline: list[RunRecord]) -> str:
+    """Each ablation run against the allocated student of the same budget, split and data order (paired by
+    sequence or prompt); an unchanged allocator at a uniform preset's decode bytes (dev) against that preset."""
+    rows = []
+    for part, runs in runs_by_split.items():
+        for mib in sorted({round(budget_mib(r), 6) for r in runs}):
+            at = [r for r in runs if round(budget_mib(r), 6) == mib]
+            for name in sorted({ablation(r) for r in at}):
+                mine = [r for r in at if ablation(r) == name]
+                if name != "the allocator" and (mib, part) in found:
+                    label, other = f"{name} − the allocator", found[(mib, part)]
+                elif name == "the allocator" and part == "dev" and (preset := at_bytes(mib, headline)):
+                    label, other = f"the allocator − {preset[0]}", arm(headline, preset[1])
+                else:
+                    continue
+                rows.append([f"{budget_name(mine[0])}: {label}", part, ", ".join(map(str, common_orders(mine, other))),
+                             *[paired(mine, other, signal) for _, signal in SIGNALS]])
+    header = ["ablation (A − B)", "held-out split", "data orders", *[what for what, _ in SIGNALS]]
+    return markdown(header, rows) if rows else ""
+
+
+def at_bytes(mib: float, headline: list[RunRecord]) -> tuple[str, str] | None:
+    """The uniform preset whose measured decode memory at 8,192 tokens is ``mib`` (to 0.1 MiB), if any."""
+    for label, preset in UNIFORM:
+        memory = mean_metric(arm(headline, preset), f"memory/student/decode_mib/T{CONTEXT}")
+        if memory is not None and abs(memory - mib) < 0.05:
+            return label, preset
+    return None
+
+
 def estimator(record: RunRecord) -> str:
     return record.allocation["settings"]["budget"].get("estimator", "measured")
 
@@ -170,12 +211,16 @@ def first_order_table(records: list[RunRecord]) -> str:
 
 
 def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord],
-           allocations: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
-    """The budget page's blocks (``allocations``: allocation-only records, e.g. a first-order allocation)."""
+           allocations: list[RunRecord] = (), ablations_test: list[RunRecord] = (),
+           ablations_dev: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
+    """The budget page's blocks (``allocations``: allocation-only records, e.g. a first-order allocation;
+    ``ablations_*``: the ablation runs of ``studies/reproduce/budget_ablations.sh`` by split)."""
     found = groups([*test, *dev])
     return {("budget", "students"): students_table(found), ("budget", "heads"): heads_table(found),
             ("budget", "comparisons"): comparisons(found, headline),
-            ("budget", "first_order"): first_order_table([*test, *allocations])}
+            ("budget", "first_order"): first_order_table([*test, *allocations]),
+            ("budget", "ablations"): ablations(found, {"test": list(ablations_test), "dev": list(ablations_dev)},
+                                               headline)}
 
 
 def plan_figure(records: list[RunRecord], path: Path) -> Path | None:

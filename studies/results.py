@@ -181,7 +181,8 @@ PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun
 SOURCES = {"headline": ("headline", "dof_allocation", "budget"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
            "headline_rerun": ("headline_rerun", "headline"),
            "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
-           "tokens_curve": ("dof_tokens", "headline"), "budget": ("budget_test", "budget", "headline", "budget_alloc")}
+           "tokens_curve": ("dof_tokens", "headline"),
+           "budget": ("budget_test", "budget", "headline", "budget_alloc", "budget_ablations_test", "budget_ablations")}
 PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from dofla.report import load_records, paired_interval
 from dofla.report.frontier import frontier_plot, frontier_points, frontier_series, student_label
 from studies import records, results
@@ -36,13 +38,18 @@ def plan(share: float, seed: int) -> dict:
                 "teacher": "t", "budget": {"share": share}, "repair_rounds": 0, "calibration": f"sha256:{seed}"}}
 
 
-def budget_run(root, share, seed, shift, split):
-    name = f"share{share}_s{seed}"
+def budget_run(root, share, seed, shift, split, name=None, **changed):
+    """A finished allocated run; ``changed``: the allocator's settings an ablation changed (``mib`` for a
+    budget given in MiB)."""
+    name = name or f"share{share}_s{seed}"
     run = fake_run(root, name, "budget_tenth", seed, shift, memory={8192: share * TEACHER_MIB * 0.9}, policy="budget")
     record = json.loads((run / "run.json").read_text())
     record["config"]["data"] = {"heldout_split": split} if split == "test" else {}
     (run / "run.json").write_text(json.dumps(record))
     allocation = plan(share, seed)
+    allocation["settings"]["budget"].update(changed)
+    if "mib" in changed:
+        allocation["budget"].update(mib=changed["mib"], given={"mib": changed["mib"], "share": None})
     (run / "allocation.json").write_text(json.dumps(allocation))
     metrics = json.loads((run / "metrics.json").read_text())
     reused = share != 0.1  # the smaller budget solved on the menu the larger one measured
@@ -101,7 +108,7 @@ def test_where_each_plans_bytes_went(tmp_path):
 
 def test_allocated_students_pair_with_the_uniform_presets_on_dev(tmp_path):
     root = build(tmp_path)
-    test, dev, headline, _ = results.sources_of("budget", root)
+    test, dev, headline, *_ = results.sources_of("budget", root)
     rows = results.PAGES["budget"](test, dev, headline)[("budget", "comparisons")].splitlines()[2:]
     assert len(rows) == 2  # each budget's dev runs against window + sinks; test runs pair with nothing
     mine = sorted((r for r in dev if r.allocation["budget"]["given"]["share"] == 0.1), key=lambda r: r.seed)
@@ -150,3 +157,28 @@ def test_a_first_order_allocation_is_set_against_the_measured_menu_of_its_settin
     assert cells[:2] == ["0.1 of the teacher's (36.0 MiB)", "0"]
     assert float(cells[2]) < 1 and cells[3] == f"{sum(0.001 * (h % 3) for h in range(LAYERS * KV)) / LAYERS / KV:.4f}"
     assert cells[4:] == ["0.000", "50.0", "1.0", f"{LAYERS * KV - 1}/{LAYERS * KV}", "0.500", "0.400"]
+
+
+def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_preset_of_its_bytes(tmp_path):
+    root = build(tmp_path)
+    for seed in (0, 1):
+        for split, shift in (("dev", 0.25), ("test", 0.55)):
+            where = tmp_path / "runs" / ("budget_ablations" + ("_test" if split == "test" else ""))
+            budget_run(where, 0.1, seed, shift, split, name=f"kl_s{seed}", retrieval_weight=0)
+            budget_run(where, 0.1, seed, shift, split, name=f"random_s{seed}", solver="random")
+            budget_run(where, 0.1, seed, 0.45, split, name=f"window_s{seed}", mib=8.8)
+    for page in ("budget_ablations", "budget_ablations_test"):
+        records.main([str(tmp_path / "runs" / page), "--into", str(root / page)])
+    sources = results.sources_of("budget", root)
+    rows = results.PAGES["budget"](*sources)[("budget", "ablations")].splitlines()[2:]
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert names.count("0.1 of the teacher's (36.0 MiB): KL alone − the allocator") == 2  # test and dev
+    assert names.count("0.1 of the teacher's (36.0 MiB): a random plan − the allocator") == 2
+    assert names.count("8.8 MiB: the allocator − window 64 + 4 sinks") == 1  # the presets are dev only
+    kl_dev = next(row for row in rows if "KL alone" in row and "| dev |" in row)
+    allocator = [r for r in sources[1] if r.allocation["budget"]["mib"] == 36.0]
+    kl = [r for r in sources[5] if "kl_s" in r.name]
+    expected = signed(paired_interval(torch.tensor([r.sequences["heldout/student"] for r in kl], dtype=torch.float64),
+                                      torch.tensor([r.sequences["heldout/student"] for r in allocator],
+                                                   dtype=torch.float64)))
+    assert f"| 0, 1 | {expected} |" in kl_dev

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Reproduces the ablations of docs/results/budget.md ("What each part of the allocator adds"): the allocated
+# student of experiment=budget_tenth (a tenth of the teacher's KV cache at 8,192 tokens) with one part changed,
+# trained and scored as budget.sh trains and scores its students (on test, then on dev; records in
+# docs/results/runs/budget_ablations_test/ and budget_ablations/). The page pairs each with the allocated
+# student of the same budget and data order (run budget.sh first), and the unchanged allocator at a uniform
+# preset's measured decode bytes with that preset (dev, the headline's records).
+#   layer      budget.granularity=layer: a layer's KV heads take one option (its own menu: one measurement)
+#   kl         budget.retrieval_weight=0: the KL gain alone chooses (solved on the measured menu)
+#   retrieval  budget.kl_weight=0: the passkey-answer gain alone chooses (solved on the measured menu)
+#   random     budget.solver=random: a random plan at the budget's bytes
+#   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
+# ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); EXTRA: more overrides.
+# A stopped script resumes: every finished stage's artifact is found and reused.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-multirun_sweeps/budget_ablations}
+SEEDS=${SEEDS:-0}
+for seed in $SEEDS; do
+  for ablation in ${ABLATIONS:-kl retrieval random layer delta recall}; do
+    case $ablation in
+      layer) change=(budget.granularity=layer) ;;
+      kl) change=(budget.retrieval_weight=0) ;;
+      retrieval) change=(budget.kl_weight=0) ;;
+      random) change=(budget.solver=random) ;;
+      delta) change=(budget.share=null budget.mib=17.6039) ;;
+      recall) change=(budget.share=null budget.mib=86.0831) ;;
+      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, random, delta, recall)" >&2
+         exit 2 ;;
+    esac
+    run=$OUT/${ablation}_s$seed
+    common=(experiment=budget_tenth seed=$seed "${change[@]}" ${EXTRA:-} hydra.run.dir=$run)
+    dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
+    python -m studies.records $run --into docs/results/runs/budget_ablations_test
+    dofla "${common[@]}"
+    python -m studies.records $run --into docs/results/runs/budget_ablations
+  done
+done
+python -m studies.results budget
