@@ -21,10 +21,21 @@ if TYPE_CHECKING:  # annotations only: the section configs' packages import this
 PACKAGES = ("dofla", "torch", "transformers", "hydra-core", "omegaconf", "datasets", "lm-eval", "wandb")
 
 
+# Changes that cannot change a run: the documentation, the results pages and the run records a reproduction
+# script commits as it goes (everything under docs/, every Markdown file); as git pathspecs for `git diff`.
+NOT_CODE = (":(top,exclude)docs", ":(top,exclude,glob)**/*.md")
+
+
+def is_code(path: str) -> bool:
+    return not (path.startswith("docs/") or path.endswith(".md"))
+
+
 def git_state(cwd: Path | None = None) -> dict[str, Any]:
-    """The current git SHA and whether the work tree differs from it: ``dirty``, the ``changed`` paths
-    (``git status --porcelain``: tracked changes and untracked files git does not ignore) and a hash of
-    ``git diff HEAD`` (two dirty records with equal hashes ran the same tracked code). None outside git."""
+    """The current git SHA and whether the work tree differs from it in what can change a run: ``dirty``,
+    the ``changed`` paths (``git status --porcelain``: tracked changes and untracked files git does not ignore;
+    a change under ``docs/`` or to a Markdown file is listed but does not make the tree dirty) and a hash of
+    ``git diff HEAD`` of those paths (two dirty records with equal hashes ran the same tracked code). None
+    outside git."""
     cwd = cwd or Path(__file__).resolve().parent
     try:
         def git(*args: str) -> str:
@@ -33,8 +44,9 @@ def git_state(cwd: Path | None = None) -> dict[str, Any]:
 
         sha = git("rev-parse", "HEAD").strip()
         changed = sorted(line[3:] for line in git("status", "--porcelain").splitlines() if line.strip())
-        diff = hashlib.sha256(git("diff", "HEAD").encode()).hexdigest()[:16] if changed else None
-        return {"sha": sha, "dirty": bool(changed), "changed": changed, "diff_sha256": diff}
+        code = any(is_code(path) for path in changed)  # porcelain paths are the repository root's
+        diff = hashlib.sha256(git("diff", "HEAD", "--", ":(top)", *NOT_CODE).encode()).hexdigest()[:16] if code else None
+        return {"sha": sha, "dirty": code, "changed": changed, "diff_sha256": diff}
     except (OSError, subprocess.SubprocessError):
         return {"sha": None, "dirty": None, "changed": None, "diff_sha256": None}
 

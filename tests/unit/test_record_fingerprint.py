@@ -53,12 +53,20 @@ def test_a_tree_with_uncommitted_changes_is_marked_with_the_changed_paths(tmp_pa
     (repo / "outputs").mkdir()
     (repo / "outputs" / "run.json").write_text("{}")  # ignored: not a change to the code
     assert git_state(repo)["dirty"] is False
+    (repo / "docs" / "runs").mkdir(parents=True)  # a record or a page a reproduction script writes: listed, not dirty
+    (repo / "docs" / "runs" / "metrics.json").write_text("{}")
+    (repo / "NOTES.md").write_text("n\n")
+    docs_only = git_state(repo)
+    assert docs_only["dirty"] is False and docs_only["changed"] == ["NOTES.md", "docs/"]
     (repo / "a.py").write_text("x = 2\n")
     (repo / "new.py").write_text("y = 1\n")
     dirty = git_state(repo)
-    assert dirty["dirty"] is True and dirty["changed"] == ["a.py", "new.py"] and dirty["sha"] == clean["sha"]
+    assert dirty["dirty"] is True and dirty["changed"] == ["NOTES.md", "a.py", "docs/", "new.py"] and dirty["sha"] == clean["sha"]
+    (repo / "docs" / "runs" / "metrics.json").write_text('{"l": 1}')
+    assert git_state(repo)["diff_sha256"] == dirty["diff_sha256"]  # a record's change is not the code's
     (repo / "a.py").write_text("x = 3\n")
     assert git_state(repo)["diff_sha256"] != dirty["diff_sha256"]  # another edit, another hash
+    assert git_state(repo / "docs")["dirty"] is True  # from a subfolder, the whole tree
     assert git_state(tmp_path)["sha"] is None  # not a git tree
 
 
