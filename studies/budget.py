@@ -131,12 +131,14 @@ def comparisons(found: dict, headline: list[RunRecord]) -> str:
 
 
 def ablation(record: RunRecord) -> str:
-    """What an ablation run changed from the allocator's defaults (its allocation settings say)."""
-    b = record.allocation["settings"]["budget"]
+    """What an ablation run changed from the allocator's defaults (its allocation settings say) or from the
+    preset's training (copy text in the KL stage's text, as the recall hybrid trains)."""
+    b, copy = record.allocation["settings"]["budget"], record.config.get("distill", {}).get("copy_share", 0)
     changed = [what for what, hit in (("per layer (a layer's KV heads alike)", b.get("granularity") == "layer"),
                                       ("a random plan", b.get("solver") == "random"),
                                       ("the retrieval signal alone", b.get("kl_weight") == 0),
-                                      ("KL alone", b.get("retrieval_weight") == 0)) if hit]
+                                      ("KL alone", b.get("retrieval_weight") == 0),
+                                      (f"KL text {copy:.0%} copy", bool(copy))) if hit]
     return ", ".join(changed) or "the allocator"
 
 

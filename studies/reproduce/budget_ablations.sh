@@ -10,6 +10,7 @@
 #   retrieval  budget.kl_weight=0: the passkey-answer gain alone chooses (solved on the measured menu)
 #   random     budget.solver=random: a random plan at the budget's bytes
 #   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
+#   copy       the same plan, its KL stage on the recall hybrid's text (a quarter copy tasks, distance 128)
 # ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); EXTRA: more overrides.
 # A stopped script resumes: every finished stage's artifact is found and reused.
 set -euo pipefail
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
 for seed in $SEEDS; do
-  for ablation in ${ABLATIONS:-kl retrieval random layer delta recall}; do
+  for ablation in ${ABLATIONS:-copy kl retrieval random layer delta recall}; do
     case $ablation in
       layer) change=(budget.granularity=layer) ;;
       kl) change=(budget.retrieval_weight=0) ;;
@@ -25,7 +26,8 @@ for seed in $SEEDS; do
       random) change=(budget.solver=random) ;;
       delta) change=(budget.share=null budget.mib=17.6039) ;;
       recall) change=(budget.share=null budget.mib=86.0831) ;;
-      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, random, delta, recall)" >&2
+      copy) change=(distill.copy_share=0.25 distill.copy_distance=128) ;;
+      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, random, delta, recall, copy)" >&2
          exit 2 ;;
     esac
     run=$OUT/${ablation}_s$seed

@@ -57,6 +57,7 @@ def budget_run(root, share, seed, shift, split, name=None, **changed):
                     "allocation/menu_reused": float(reused), "allocation/share_of_training": 1.5,
                     "allocation/plan_mib/T8192": allocation["plan_bytes"] / 2**20})
     (run / "metrics.json").write_text(json.dumps(metrics))
+    return run
 
 
 def build(tmp_path):
@@ -167,6 +168,10 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
             budget_run(where, 0.1, seed, shift, split, name=f"kl_s{seed}", retrieval_weight=0)
             budget_run(where, 0.1, seed, shift, split, name=f"random_s{seed}", solver="random")
             budget_run(where, 0.1, seed, 0.45, split, name=f"window_s{seed}", mib=8.8)
+            copy = budget_run(where, 0.1, seed, shift, split, name=f"copy_s{seed}")
+            record = json.loads((copy / "run.json").read_text())
+            record["config"]["distill"] = {"copy_share": 0.25}
+            (copy / "run.json").write_text(json.dumps(record))
     for page in ("budget_ablations", "budget_ablations_test"):
         records.main([str(tmp_path / "runs" / page), "--into", str(root / page)])
     sources = results.sources_of("budget", root)
@@ -175,6 +180,7 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
     assert names.count("0.1 of the teacher's (36.0 MiB): KL alone − the allocator") == 2  # test and dev
     assert names.count("0.1 of the teacher's (36.0 MiB): a random plan − the allocator") == 2
     assert names.count("8.8 MiB: the allocator − window 64 + 4 sinks") == 1  # the presets are dev only
+    assert names.count("0.1 of the teacher's (36.0 MiB): KL text 25% copy − the allocator") == 2
     kl_dev = next(row for row in rows if "KL alone" in row and "| dev |" in row)
     allocator = [r for r in sources[1] if r.allocation["budget"]["mib"] == 36.0]
     kl = [r for r in sources[5] if "kl_s" in r.name]
