@@ -93,12 +93,12 @@ def test_a_number_no_record_gives_is_caught(tmp_path, blocks):
     """The check fails on the slips it is for: a range's end mistyped, a number typed by hand, an
     interval's half-width mistyped; numbers outside the answers are not read."""
     page = tmp_path / "page.md"
-    page.write_text("# p\n\nIntro 77.77.\n\n**Answer.** Loss 5.06 against 4.39; DoF 2.3–6.9; −0.072 ± 0.009.\n\n"
+    page.write_text("# p\n\nIntro 77.77.\n\n**Answer.** Loss 5.06 against 4.39; DoF 2.3–6.983; −0.072 ± 0.009.\n\n"
                     "- bullet 12.34\n\nAfter 88.88.\n")
     prose = answers(page)
     known = {unsigned(n) for n in NUMBER.findall(blocks)}
     assert {"5.06", "4.39", "2.3", "0.072", "0.009"} <= known  # each number alone is some record's
-    assert sorted({unsigned(n) for n in NUMBER.findall(prose)} - known - set(ALLOWED)) == ["12.34", "6.9"]
+    assert sorted({unsigned(n) for n in NUMBER.findall(prose)} - known - set(ALLOWED)) == ["12.34", "6.983"]
     assert INTERVAL.findall(prose) == ["−0.072 ± 0.009"] and "-0.072 ± 0.009" not in blocks
 
 
