@@ -158,9 +158,17 @@ def ablations(found: dict, runs_by_split: dict[str, list[RunRecord]], headline: 
                 else:
                     continue
                 rows.append([f"{budget_name(mine[0])}: {label}", part, ", ".join(map(str, common_orders(mine, other))),
+                             "; ".join(dict.fromkeys(plan_counts(r) for r in mine)),
                              *[paired(mine, other, signal) for _, signal in SIGNALS]])
-    header = ["ablation (A − B)", "held-out split", "data orders", *[what for what, _ in SIGNALS]]
+    header = ["ablation (A − B)", "held-out split", "data orders", "A's heads: " + " / ".join(KINDS),
+              *[what for what, _ in SIGNALS]]
     return markdown(header, rows) if rows else ""
+
+
+def plan_counts(record: RunRecord) -> str:
+    """How many KV heads of a run's plan took each kind of option, in ``KINDS`` order ("6 / 0 / 38 / 46")."""
+    heads = record.allocation["heads"]
+    return " / ".join(str(sum(kind(h["option"]) == k for h in heads)) for k in KINDS)
 
 
 def at_bytes(mib: float, headline: list[RunRecord]) -> tuple[str, str] | None:

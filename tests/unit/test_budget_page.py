@@ -11,7 +11,7 @@ import torch
 from dofla.report import load_records, paired_interval
 from dofla.report.frontier import frontier_plot, frontier_points, frontier_series, student_label
 from studies import records, results
-from studies.budget import kind, plan_figure
+from studies.budget import kind, plan_counts, plan_figure
 from studies.tables import signed
 from tests.unit.test_results_tables import SEQS, fake_run
 
@@ -187,4 +187,6 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
     expected = signed(paired_interval(torch.tensor([r.sequences["heldout/student"] for r in kl], dtype=torch.float64),
                                       torch.tensor([r.sequences["heldout/student"] for r in allocator],
                                                    dtype=torch.float64)))
-    assert f"| 0, 1 | {expected} |" in kl_dev
+    counts = "; ".join(dict.fromkeys(plan_counts(r) for r in kl))  # the ablated plans' heads by kind
+    assert all(sum(map(int, plan.split(" / "))) == LAYERS * KV for plan in counts.split("; "))
+    assert f"| 0, 1 | {counts} | {expected} |" in kl_dev
