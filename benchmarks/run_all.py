@@ -23,7 +23,7 @@ from benchmarks.common import ROOT, Row, as_row, machine, markdown, print_rows, 
 RESULTS_MD = ROOT / "benchmarks" / "results.md"
 PAGE = ROOT / "docs" / "benchmarks.md"  # its table is the last full run's (between these markers)
 BEGIN, END = "<!-- begin: benchmarks/results.md -->", "<!-- end: benchmarks/results.md -->"
-BENCHES = ["attention", "model", "training", "kl", "delta", "dof", "cache", "stream", "mixed_heads"]
+BENCHES = ["attention", "model", "training", "kl", "delta", "dof", "cache", "stream", "mixed_heads", "plan_student"]
 
 
 def run_one(name: str, flags: list[str]) -> list[Row]:

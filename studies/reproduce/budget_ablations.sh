@@ -11,7 +11,8 @@
 #   random     budget.solver=random: a random plan at the budget's bytes
 #   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
 #   copy       the same plan, its KL stage on the recall hybrid's text (a quarter copy tasks, distance 128)
-# ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); EXTRA: more overrides.
+# ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); SPLITS: the held-out parts
+# to score on (default "test dev"; "test" alone pairs every ablation but delta and recall); EXTRA: more overrides.
 # A stopped script resumes: every finished stage's artifact is found and reused.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,10 +33,16 @@ for seed in $SEEDS; do
     esac
     run=$OUT/${ablation}_s$seed
     common=(experiment=budget_tenth seed=$seed "${change[@]}" ${EXTRA:-} hydra.run.dir=$run)
-    dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
-    python -m studies.records $run --into docs/results/runs/budget_ablations_test
-    dofla "${common[@]}"
-    python -m studies.records $run --into docs/results/runs/budget_ablations
+    for part in ${SPLITS:-test dev}; do
+      case $part in
+        test) dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
+              python -m studies.records $run --into docs/results/runs/budget_ablations_test ;;
+        dev) dofla "${common[@]}"
+             python -m studies.records $run --into docs/results/runs/budget_ablations ;;
+        *) echo "budget_ablations.sh: unknown split '$part' (test, dev)" >&2
+           exit 2 ;;
+      esac
+    done
   done
 done
 python -m studies.results budget
