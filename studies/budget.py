@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dofla.dof import first_order_check
 from dofla.report import RunRecord
+from studies.budget_dof import dof_table
 from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
 
@@ -222,15 +223,17 @@ def first_order_table(records: list[RunRecord]) -> str:
 
 def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord],
            allocations: list[RunRecord] = (), ablations_test: list[RunRecord] = (),
-           ablations_dev: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
+           ablations_dev: list[RunRecord] = (), dof_runs: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
     """The budget page's blocks (``allocations``: allocation-only records, e.g. a first-order allocation;
-    ``ablations_*``: the ablation runs of ``studies/reproduce/budget_ablations.sh`` by split)."""
+    ``ablations_*``: the ablation runs of ``studies/reproduce/budget_ablations.sh`` by split; ``dof_runs``:
+    runs whose dof stage ran, their per-head DoF set against the measured menu)."""
     found = groups([*test, *dev])
     return {("budget", "students"): students_table(found), ("budget", "heads"): heads_table(found),
             ("budget", "comparisons"): comparisons(found, headline),
             ("budget", "first_order"): first_order_table([*test, *allocations]),
             ("budget", "ablations"): ablations(found, {"test": list(ablations_test), "dev": list(ablations_dev)},
-                                               headline)}
+                                               headline),
+            ("budget", "dof"): dof_table([*test, *dev], list(dof_runs))}
 
 
 def plan_figure(records: list[RunRecord], path: Path) -> Path | None:

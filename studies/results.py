@@ -182,7 +182,8 @@ SOURCES = {"headline": ("headline", "dof_allocation", "budget"), "dof_allocation
            "headline_rerun": ("headline_rerun", "headline"),
            "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
            "tokens_curve": ("dof_tokens", "headline"),
-           "budget": ("budget_test", "budget", "headline", "budget_alloc", "budget_ablations_test", "budget_ablations")}
+           "budget": ("budget_test", "budget", "headline", "budget_alloc", "budget_ablations_test", "budget_ablations",
+                      "dof_tokens_test")}
 PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 

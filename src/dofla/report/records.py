@@ -3,7 +3,8 @@
 A record is a directory holding the run's ``run.json`` (resolved config, git SHA, package versions,
 seed, cache key), ``metrics.json``, ``sequences.json`` (every per-sequence and per-prompt value the
 eval stage kept: held-out loss per sequence, loss by position per sequence, passkey recall and answer
-NLL per prompt), ``allocation.json`` (each layer's feature dims, and its DoF where Algorithm 1 ran) and,
+NLL per prompt), ``allocation.json`` (each layer's feature dims, and its DoF where Algorithm 1 ran),
+``dof.json`` where the dof stage ran (each layer's and each head's DoF and the estimator's settings) and,
 when the run distilled, ``distill.json`` (the KL curve and the tokens). No
 weights: a record is tens of KB, so the records behind a results page live in the repository and
 the page's tables are recomputed from them.
@@ -29,6 +30,7 @@ class RunRecord:
     metrics: dict
     sequences: dict  # metric name (without the ``seq/`` prefix) -> list of numbers
     allocation: dict | None = None  # allocation.json: ``dims`` per layer, ``layer_dof``, ``policy``, ``budget``
+    dof: dict | None = None  # dof.json: ``layer_dof``, ``per_head`` (per layer, per query head), ``settings``
 
     @property
     def seed(self) -> int:
@@ -57,10 +59,20 @@ def collect_record(run_dir: Path, into: Path) -> Path:
     allocation = read_json(run_dir / "allocation.json")
     if allocation is not None:
         write_json(target / "allocation.json", allocation)
+    dof = _dof(run_dir)
+    if dof is not None:
+        write_json(target / "dof.json", dof)
     distilled = read_json(run_dir / "distill_summary.json")
     if distilled is not None:
         write_json(target / "distill.json", {"tokens": distilled["tokens"], "curve": distilled["curve"]})
     return target
+
+
+def _dof(run_dir: Path) -> dict | None:
+    """What a record keeps of a run's dof.json: the DoF per layer and per head and the settings (not the
+    J-samples)."""
+    dof = read_json(run_dir / "dof.json")
+    return None if dof is None else {k: dof[k] for k in ("layer_dof", "per_head", "settings") if k in dof}
 
 
 def collect_allocation_record(run_dir: Path, into: Path) -> Path:
@@ -83,7 +95,8 @@ def load_record(directory: Path) -> RunRecord:
     run = json.loads((directory / "run.json").read_text())
     metrics, sequences = read_json(directory / "metrics.json"), read_json(directory / "sequences.json")
     return RunRecord(directory.name, run["config"], {} if metrics is None else metrics,
-                     {} if sequences is None else sequences, read_json(directory / "allocation.json"))
+                     {} if sequences is None else sequences, read_json(directory / "allocation.json"),
+                     read_json(directory / "dof.json"))
 
 
 def load_records(root: Path) -> list[RunRecord]:
@@ -97,7 +110,8 @@ def run_record(run_dir: Path) -> RunRecord:
     metrics = read_json(run_dir / "metrics.json")
     sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence(metrics)
     return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], metrics,
-                     {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"))
+                     {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"),
+                     _dof(run_dir))
 
 
 def read_runs(paths: list[Path]) -> list[RunRecord]:
