@@ -9,6 +9,7 @@ import torch
 
 from dofla.eval.store import MEASUREMENTS, Measurements
 from dofla.report import load_records, paired_interval
+from dofla.report.records import run_record
 from dofla.report import paired_share_interval, share_interval
 from studies import records, results
 
@@ -40,6 +41,17 @@ def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None,
         store.get("passkey/teacher", {}, lambda: {"p": 0.0, **{f"seq/passkey/teacher/T{n}": h
                                                               for n, h in teacher_passkey.items()}})
     return run
+
+
+def test_a_record_keeps_the_dof_per_layer_and_head_and_not_the_samples(tmp_path):
+    run = fake_run(tmp_path / "sweep", "a_s0", "linear_delta_kl", 0, 0.5)
+    dof = {"layer_dof": [3.0, 2.0], "per_head": [[4.0, 2.0], [1.0, 3.0]], "settings": {"lambda": 0.01}}
+    (run / "dof.json").write_text(json.dumps({**dof, "samples": [[1.0] * 16] * 2, "warning": None}))
+    fake_run(tmp_path / "sweep", "b_s0", "linear_delta_kl", 0, 0.5)  # no dof stage: no dof in its record
+    records.main([str(tmp_path / "sweep"), "--into", str(tmp_path / "records")])
+    with_dof, without = load_records(tmp_path / "records")
+    assert with_dof.dof == dof and without.dof is None
+    assert run_record(run).dof == dof  # a run directory read as its record would be
 
 
 def measure(run, name: str, values: dict, settings: dict | None = None) -> None:
