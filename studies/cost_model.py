@@ -26,96 +26,18 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from benchmarks.counting import Op, StepCounter
 from dofla.feature_maps import build_layer_feature_map
-from dofla.models import convert
 from dofla.train import LayerTrainConfig, capacity, configure_matmul, teacher_dtype
+from studies.cost_ops import GPUS, CellCost, Gpu, Seconds, counted, counted_cuts, fmt_time, seconds, student_of
 from studies.paper_memory import TEACHERS, Teacher, on_meta
 
 PAPER_TOKENS = 362e6  # 10 % of English Wikipedia, one epoch (the paper's runs)
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    memory: int  # bytes, nominal
-    bandwidth: float  # HBM bytes/s
-    peaks: dict  # dense matmul FLOP/s by kind: float64, float32 (no TF32), tf32, bfloat16
-
-
-GPUS = [Gpu("H100 SXM 80GB", 80 * 10**9, 3.35e12,
-            {"float64": 67e12, "float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12}),
-        Gpu("A100 SXM 80GB", 80 * 10**9, 2.039e12,
-            {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12})]
-
-
-def peak_for(gpu: Gpu, kind: str, precision: str) -> float:
-    """The matmul peak an op of dtype ``kind`` gets under ``precision`` (tf32 turns float32 into TF32)."""
-    kind = {"float16": "bfloat16"}.get(kind, kind)
-    return gpu.peaks["tf32" if kind == "float32" and precision == "tf32" else kind]
-
-
-@dataclass
-class Seconds:
-    """One step's GPU seconds: matmul FLOPs at peak (divide by MFU), the other ops' traffic, the floor."""
-    matmul: float
-    traffic: float
-    floor: float
-
-    def predicted(self, mfu: float) -> float:
-        return self.matmul / mfu + self.traffic
-
-
-def seconds(ops: list[Op], gpu: Gpu, precision: str) -> Seconds:
-    matmul = sum(op.flops / peak_for(gpu, op.kind, precision) for op in ops if op.flops)
-    traffic = sum(2 * op.written / gpu.bandwidth for op in ops if not op.flops)
-    floor = sum(max(op.flops / peak_for(gpu, op.kind, precision) if op.flops else 0.0, 2 * op.written / gpu.bandwidth)
-                for op in ops)
-    return Seconds(matmul, traffic, floor)
-
-
-def counted(step) -> list[Op]:
-    """The ops of ``step()`` (one training step of a cut)."""
-    with capacity.quiet(), StepCounter() as counter:
-        step()
-    return counter.ops
-
-
-COUNTED: dict = {}  # (teacher, step, precision) -> {depth: ops}, for tf32 to reuse fp32's
-
-
-def counted_cuts(step, key: tuple) -> dict[int, list[Op]]:
-    """The ops of ``step(n, 1)`` for n = 1, 2; tf32 changes no tensor and no dtype (only the GPU's
-    matmul mode), so its ops are fp32's, counted once."""
-    teacher, name, precision = key
-    if precision == "tf32" and (teacher, name, "fp32") in COUNTED:
-        return COUNTED[teacher, name, "fp32"]
-    COUNTED[key] = {n: counted(step(n, 1)) for n in (1, 2)}
-    return COUNTED[key]
-
-
-@dataclass
-class CellCost:
-    teacher: Teacher
-    loss: str
-    precision: str
-    flops: dict  # per token, by dtype, whole model
-    written: float  # bytes per token, whole model
-    per_gpu: dict  # gpu name -> Seconds per token, whole model
-    peak: capacity.Peak | None = None
-    count_seconds: float = 0.0
-    fits: dict = field(default_factory=dict)  # gpu name -> micro-batch auto picks (None: not even 1)
-
-
-def student_of(t: Teacher):
-    """``direct``'s student of a cut teacher: learned PRF at the cell's budget in every layer."""
-    return lambda cut: convert(cut, feature_map="learned_prf", dims=[t.budget] * cut.config.num_hidden_layers)
 
 
 def steps_of(t: Teacher, loss: str, precision: str):
@@ -169,10 +91,6 @@ def memory_peak(t: Teacher, loss: str, teacher, maps, cfg, features: int) -> cap
     dtype = getattr(torch, teacher_dtype(cfg.precision, "float32"))
     return capacity.stream_step_peak(teacher, maps, list(range(len(maps))), cfg, t.seq_len,
                                      capacity.copy_bytes(teacher, dtype), dtype)
-
-
-def fmt_time(hours: float) -> str:
-    return f"{hours:.2f} h" if hours < 48 else f"{hours / 24:.1f} d"
 
 
 def fmt_flops(flops: dict) -> str:

@@ -17,6 +17,7 @@ from dataclasses import replace
 from dofla.gpucheck_cells import EPOCHS, GRID, SWEEPS
 from dofla.eval import TRAIN_EXAMPLES
 from dofla.train import capacity, configure_matmul, probe_steps
+from studies.cost_ops import GPUS, CellCost, Seconds, counted_cuts, fmt_time, seconds, student_of
 
 DISTILL_TOKENS = 362e6  # one pass over 10 % of English Wikipedia (studies.cost_model.PAPER_TOKENS)
 FINETUNE_LENGTH = 512  # eval.finetune_max_length
@@ -27,7 +28,6 @@ EVAL_TOKENS = sum(n * EPOCHS[task] * FINETUNE_LENGTH for task, n in TRAIN_EXAMPL
 def eval_costs(t, precision: str, memory: bool = True) -> list:
     """The task fine-tune's :class:`studies.cost_model.CellCost` for the teacher and its student
     (loss ``finetune:teacher`` / ``finetune:student``), per token of rows at 512 tokens."""
-    from studies.cost_model import GPUS, CellCost, Seconds, counted_cuts, seconds, student_of
     from studies.paper_memory import on_meta
 
     configure_matmul(precision)
@@ -84,7 +84,6 @@ def sweep_parts(costs: list, teacher: str, precision: str, gpu: str, mfu: float)
 def sweep_table(costs: list, mfu: float) -> str:
     """Per teacher, precision and GPU: the sweep's distillation, its student fine-tunes, the teacher's
     grid and the total, at ``mfu``; a row only where every step the sweep runs was counted."""
-    from studies.cost_model import GPUS, fmt_time
 
     lines = [f"| teacher | cells | precision | GPU | distillation, all cells | student fine-tunes, all cells "
              f"| teacher's grid ({GRID} rates, once) | sweep total @ {mfu:.0%} MFU |", "|---|---|---|---|---|---|---|---|"]

@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from dofla.models.tiny import TINY_FAMILIES, TINY_VOCAB
 from dofla.train import capacity
 from benchmarks.counting import Op, StepCounter
-from studies.cost_model import Gpu, cell_cost, counted, main, seconds, steps_of
+from studies.cost_model import cell_cost, main, steps_of
+from studies.cost_ops import Gpu, counted, seconds
 from studies.paper_memory import Teacher
 
 

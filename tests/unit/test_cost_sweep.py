@@ -3,7 +3,8 @@ counted for teacher and student, and a sweep is every cell's distillation and st
 the teacher's grid once."""
 import pytest
 
-from studies.cost_model import GPUS, cell_cost
+from studies.cost_model import cell_cost
+from studies.cost_ops import GPUS
 from studies.cost_sweep import EVAL_TOKENS, GRID, eval_costs, sweep_parts, sweep_table
 
 from tests.unit.test_cost_model import TinyTeacher
