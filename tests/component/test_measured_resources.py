@@ -4,7 +4,6 @@ sweep) without moving the run's random state, and the stage timer records each s
 memory and step time next to the prediction."""
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -14,11 +13,9 @@ from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
 from dofla.measure import StepClock, peak_memory, rss_peak
-from dofla.models.plan import ALL, HeadPlan, StudentPlan
 from dofla.stages import estimate, preflight
 from dofla.stages.context import RunContext, StageTimer
 from dofla.stages.plan import STREAM, train_plan
-from dofla.stages.students import given_plan
 from dofla.tracking import NullTracker
 from tests.conftest import write_local_tasks
 
@@ -90,47 +87,6 @@ def test_the_teachers_grid_counts_one_fine_tune_per_rate(tmp_path, monkeypatch):
     monkeypatch.setattr(estimate, "timed", lambda step, layers, micro, device: 0.25)
     grid, student = estimate.finetune_time(ctx, [16] * ctx.geometry.num_layers, torch.device("cpu"))
     assert student.seconds > 0 and grid.seconds == pytest.approx(3 * student.seconds)
-
-
-def test_a_plan_students_step_is_timed_per_head_option(monkeypatch):
-    """Layers that differ cost differently: each head option is timed on a cut whose every head takes it, the
-    time outside the layers counted once, and a layer costs the mean of its heads' options' times per layer.
-    A scripted clock shows the arithmetic."""
-    outside = 0.5
-    exact, window, delta = HeadPlan(window=ALL), HeadPlan(window=4, sinks=2), HeadPlan(window=4, state="delta", M=8)
-    per_layer = {exact: 0.3, window: 0.1, delta: 0.2}  # a layer whose every head takes the option
-    plan = StudentPlan([(window, delta), (delta, window), (window, window), (exact, delta), (delta, window)])
-    clock, built = [0.0], []
-    monkeypatch.setattr(estimate.time, "perf_counter", lambda: clock[0])
-
-    def step_of(head):
-        built.append(head)
-
-        def step(depth, micro):
-            def run():
-                clock[0] += outside + depth * per_layer[head]
-            return run
-        return step
-
-    whole = estimate.timed_plan(step_of, plan, 1, torch.device("cpu"))
-    expected = outside + sum(per_layer[h] for layer in plan.layers for h in layer) / 2  # two KV heads a layer
-    assert whole == pytest.approx(expected)
-    assert built[0] == window and sorted(map(repr, built)) == sorted(map(repr, per_layer))  # commonest first
-
-
-def test_the_startup_estimate_of_a_plan_student_times_each_of_its_head_options(tmp_path, monkeypatch):
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps([[{"window": ALL}, {"window": 4, "state": "delta", "M": 8}],
-                                [{"window": 4, "sinks": 2}, {"window": 4, "sinks": 2}]]))
-    ctx = context(tmp_path, "distill=kl", "distill.tokens=2048", f"attention.plan={plan}", "loss=output")
-    made = []
-    real = estimate.make_student
-    monkeypatch.setattr(estimate, "make_student", lambda *a, **k: made.append(k["plan"]) or real(*a, **k))
-    (distill,) = estimate.distill_time(ctx, [16] * ctx.geometry.num_layers, torch.device("cpu"))
-    assert distill.seconds > 0
-    options = {head for layer in given_plan(ctx.cfg).layers for head in layer}
-    assert {p.layers[0][0] for p in made} == options  # each option, every head of its cut alike
-    assert all(len({head for layer in p.layers for head in layer}) == 1 for p in made)
 
 
 def test_the_stage_timer_records_measured_peaks_and_step_times_beside_the_prediction(capsys):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,12 +25,11 @@ from dofla import distributed
 from dofla.eval.downstream import TRAIN_EXAMPLES
 from dofla.eval.suite import expand_tasks, finetune_batch_sizes, finetune_micro_batch_sizes
 from dofla.measure import teacher_tokens_per_second
-from dofla.models.plan import StudentPlan
 from dofla.precision import teacher_dtype
 from dofla.stages.context import RunContext
 from dofla.stages.plan import distill_schedule
 from dofla.stages.sources import stream_steps
-from dofla.stages.students import build_feature_maps, given_plan, layer_train_config, linear_layers, make_student
+from dofla.stages.students import build_feature_maps, layer_train_config, linear_layers, make_student
 from dofla.train import probe_steps
 from dofla.train.capacity import in_depth, quiet
 
@@ -46,10 +44,10 @@ class StageTime:
     shared: bool = False  # once per sweep (the teacher's grid), not per cell
 
 
-def timed_depths(step, micro: int, device: torch.device, depths: tuple[int, ...] = (1, 2)) -> list[float]:
-    """Seconds of one call of ``step(depth, micro)`` at each of ``depths``, each after a warm-up call."""
+def timed(step, layers: int, micro: int, device: torch.device) -> float:
+    """Seconds of one call of ``step(depth, micro)`` at depth ``layers``, from timed calls at depths 1 and 2."""
     seconds = []
-    for depth in depths:
+    for depth in (1, 2):
         run = step(depth, micro)
         with quiet():
             run()  # warm-up: kernels chosen, memory pooled, lazy modules built
@@ -58,32 +56,7 @@ def timed_depths(step, micro: int, device: torch.device, depths: tuple[int, ...]
             run()
             synchronize(device)
         seconds.append(time.perf_counter() - started)
-    return seconds
-
-
-def timed(step, layers: int, micro: int, device: torch.device) -> float:
-    """Seconds of one call of ``step(depth, micro)`` at depth ``layers``, from timed calls at depths 1 and 2."""
-    one, two = timed_depths(step, micro, device)
-    return max(one, in_depth(one, two, layers))
-
-
-def timed_plan(step_of, plan: StudentPlan, micro: int, device: torch.device) -> float:
-    """Seconds of one call of a plan student's step at the plan's depth. Its layers differ, so :func:`timed`'s
-    stack of identical layers is applied per head option: ``step_of(head)`` steps a cut whose every KV head is
-    ``head``. The commonest option, timed at depths 1 and 2, gives the time outside the layers (embeddings,
-    LM head, loss) and its time per layer; every other option is timed at depth 1, less the time outside. A
-    layer costs the mean of its KV heads' options' times per layer (the part every layer has alike, its MLP,
-    is in each of them): the heads of one option run in one call, so a mixed layer costs about that sum."""
-    heads = Counter(head for layer in plan.layers for head in layer)
-    kv_heads = len(plan.layers[0])
-    (common, count), *rest = heads.most_common()
-    one, two = timed_depths(step_of(common), micro, device)
-    outside = max(0.0, 2 * one - two)
-    total = outside + count / kv_heads * max(0.0, two - one)
-    for head, count in rest:
-        (alone,) = timed_depths(step_of(head), micro, device, depths=(1,))
-        total += count / kv_heads * max(0.0, alone - outside)
-    return total
+    return max(seconds[0], in_depth(seconds[0], seconds[1], layers))
 
 
 def synchronize(device: torch.device) -> None:
@@ -140,20 +113,10 @@ def distill_time(ctx: RunContext, dims: list, device) -> list[StageTime]:
     cfg, d = ctx.cfg, ctx.cfg.distill
     L = d.seq_len or cfg.data.seq_len
     micro = d.micro_batch_size or d.batch_size
-
-    def step_of(head=None):  # the run's student, or (a plan's) one whose every KV head is ``head``
-        def student_of(cut):
-            depth, kv_heads = cut.config.num_hidden_layers, ctx.geometry.num_kv_heads
-            alike = None if head is None else StudentPlan([(head,) * kv_heads] * depth)
-            return make_student(cfg, cut, dims[:depth], plan=alike)
-        return probe_steps.kl_step(student_of, ctx.teacher, distill_schedule(ctx.cfg, 1), list(d.train),
-                                   (d.lora_rank, d.lora_alpha), L, device)
-
-    plan = given_plan(cfg)
-    whole = timed(step_of(), ctx.geometry.num_layers, micro, device) if plan is None else \
-        timed_plan(step_of, plan, micro, device)
+    step = probe_steps.kl_step(lambda cut: make_student(cfg, cut, dims[: cut.config.num_hidden_layers]), ctx.teacher,
+                               distill_schedule(ctx.cfg, 1), list(d.train), (d.lora_rank, d.lora_alpha), L, device)
     steps = max(1, d.tokens // (d.batch_size * L))
-    per_step = whole / 2 * math.ceil(d.batch_size / micro)
+    per_step = timed(step, ctx.geometry.num_layers, micro, device) / 2 * math.ceil(d.batch_size / micro)
     return [StageTime("distill", steps * per_step, f"{steps:,} steps of {d.batch_size} × {L} tokens")]
 
 

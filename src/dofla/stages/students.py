@@ -199,12 +199,11 @@ def _say_once(line: str) -> None:
     logger.info(line)
 
 
-def make_student(cfg: RunConfig, teacher, dims, plan: StudentPlan | None = None):
-    """A fresh student: a copy of ``teacher`` with ``dims`` features per layer, the run's attention form
-    (``plan``: this plan instead of the run's, e.g. one kind of the run's layers for a timing cut)."""
+def make_student(cfg: RunConfig, teacher, dims):
+    """A fresh student: a copy of ``teacher`` with ``dims`` features per layer, the run's attention form."""
     common = dict(feature_map=cfg.feature_map.name, feature_map_options=dict(cfg.feature_map.options),
                   chunk_size=chunk_size(cfg, teacher, dims), seed=cfg.seed)
-    plan = given_plan(cfg) if plan is None else plan
+    plan = given_plan(cfg)
     if plan is not None:  # the plan's heads replace the attention settings and dims (check_given_plan)
         layers = get_adapter(teacher).geometry(teacher.config).num_layers  # a model cut to its first layers too
         return convert(copy.deepcopy(teacher), plan=StudentPlan(plan.layers[:layers]), **common)
