@@ -14,6 +14,7 @@ from pathlib import Path
 from dofla.dof import first_order_check
 from dofla.report import RunRecord
 from studies.budget_dof import dof_table
+from studies.budget_needles import needles_table
 from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
 
@@ -233,7 +234,11 @@ def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord
             ("budget", "first_order"): first_order_table([*test, *allocations]),
             ("budget", "ablations"): ablations(found, {"test": list(ablations_test), "dev": list(ablations_dev)},
                                                headline),
-            ("budget", "dof"): dof_table([*test, *dev], list(dof_runs))}
+            ("budget", "dof"): dof_table([*test, *dev], list(dof_runs)),
+            ("budget", "needles"): needles_table(
+                [(f"{budget_name(r)}, order {r.seed}", r) for (_, part), runs in found.items() if part == "test"
+                 for r in runs] +
+                [(f"{budget_name(r)}: {ablation(r)}, order {r.seed}", r) for r in ablations_test])}
 
 
 def plan_figure(records: list[RunRecord], path: Path) -> Path | None:

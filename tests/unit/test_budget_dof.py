@@ -52,3 +52,4 @@ def test_a_first_order_allocation_is_not_a_measurement():
     per_head = [[float(i + j) for j in range(KV * GROUP)] for i in range(LAYERS)]
     gains = [float(i) for i in range(LAYERS * KV)]
     assert dof_table([allocated(0, gains, gains, estimator="first_order")], [dof_run(0, per_head)]) == ""
+
