@@ -15,6 +15,7 @@ from dofla.dof import first_order_check
 from dofla.report import RunRecord
 from studies.budget_dof import dof_table
 from studies.budget_needles import needles_table
+from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
 
@@ -136,10 +137,13 @@ def ablation(record: RunRecord) -> str:
     """What an ablation run changed from the allocator's defaults (its allocation settings say) or from the
     preset's training (copy text in the KL stage's text, as the recall hybrid trains)."""
     b, copy = record.allocation["settings"]["budget"], record.config.get("distill", {}).get("copy_share", 0)
+    kl, retrieval = b.get("kl_weight", 1), b.get("retrieval_weight", 1)
     changed = [what for what, hit in (("per layer (a layer's KV heads alike)", b.get("granularity") == "layer"),
                                       ("a random plan", b.get("solver") == "random"),
-                                      ("the retrieval signal alone", b.get("kl_weight") == 0),
-                                      ("KL alone", b.get("retrieval_weight") == 0),
+                                      ("the retrieval signal alone", kl == 0),
+                                      ("KL alone", retrieval == 0),
+                                      (f"KL weight {kl:g}, retrieval weight {retrieval:g}",
+                                       0 not in (kl, retrieval) and (kl, retrieval) != (1, 1)),
                                       (f"KL text {copy:.0%} copy", bool(copy))) if hit]
     return ", ".join(changed) or "the allocator"
 
@@ -235,6 +239,7 @@ def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord
             ("budget", "ablations"): ablations(found, {"test": list(ablations_test), "dev": list(ablations_dev)},
                                                headline),
             ("budget", "dof"): dof_table([*test, *dev], list(dof_runs)),
+            ("budget", "weights"): weights_table(list(test), {round(budget_mib(r), 6) for r in ablations_test}),
             ("budget", "needles"): needles_table(
                 [(f"{budget_name(r)}, order {r.seed}", r) for (_, part), runs in found.items() if part == "test"
                  for r in runs] +

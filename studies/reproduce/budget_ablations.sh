@@ -8,6 +8,8 @@
 #   layer      budget.granularity=layer: a layer's KV heads take one option (its own menu: one measurement)
 #   kl         budget.retrieval_weight=0: the KL gain alone chooses (solved on the measured menu)
 #   retrieval  budget.kl_weight=0: the passkey-answer gain alone chooses (solved on the measured menu)
+#   kl100      budget.kl_weight=100: both gains choose, a nat of KL per token worth 100 nats per passkey prompt
+#              (where neither signal's summed gain falls below ~0.9 of its best; the page's weights table)
 #   random     budget.solver=random: a random plan at the budget's bytes
 #   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
 #   copy       the same plan, its KL stage on the recall hybrid's text (a quarter copy tasks, distance 128)
@@ -19,16 +21,17 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
 for seed in $SEEDS; do
-  for ablation in ${ABLATIONS:-copy kl retrieval random layer delta recall}; do
+  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall}; do
     case $ablation in
       layer) change=(budget.granularity=layer) ;;
       kl) change=(budget.retrieval_weight=0) ;;
       retrieval) change=(budget.kl_weight=0) ;;
+      kl100) change=(budget.kl_weight=100) ;;
       random) change=(budget.solver=random) ;;
       delta) change=(budget.share=null budget.mib=17.6039) ;;
       recall) change=(budget.share=null budget.mib=86.0831) ;;
       copy) change=(distill.copy_share=0.25 distill.copy_distance=128) ;;
-      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, random, delta, recall, copy)" >&2
+      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy)" >&2
          exit 2 ;;
     esac
     run=$OUT/${ablation}_s$seed

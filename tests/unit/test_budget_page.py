@@ -167,6 +167,7 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
             where = tmp_path / "runs" / ("budget_ablations" + ("_test" if split == "test" else ""))
             budget_run(where, 0.1, seed, shift, split, name=f"kl_s{seed}", retrieval_weight=0)
             budget_run(where, 0.1, seed, shift, split, name=f"random_s{seed}", solver="random")
+            budget_run(where, 0.1, seed, shift, split, name=f"kl100_s{seed}", kl_weight=100)
             budget_run(where, 0.1, seed, 0.45, split, name=f"window_s{seed}", mib=8.8)
             copy = budget_run(where, 0.1, seed, shift, split, name=f"copy_s{seed}")
             record = json.loads((copy / "run.json").read_text())
@@ -179,6 +180,7 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names.count("0.1 of the teacher's (36.0 MiB): KL alone − the allocator") == 2  # test and dev
     assert names.count("0.1 of the teacher's (36.0 MiB): a random plan − the allocator") == 2
+    assert names.count("0.1 of the teacher's (36.0 MiB): KL weight 100, retrieval weight 1 − the allocator") == 2
     assert names.count("8.8 MiB: the allocator − window 64 + 4 sinks") == 1  # the presets are dev only
     assert names.count("0.1 of the teacher's (36.0 MiB): KL text 25% copy − the allocator") == 2
     kl_dev = next(row for row in rows if "KL alone" in row and "| dev |" in row)
