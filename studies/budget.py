@@ -94,9 +94,22 @@ def students_table(found: dict) -> str:
     return markdown(header, rows) if rows else ""
 
 
+def before_training(record: RunRecord) -> tuple[str, str]:
+    """The plan's two signals as the allocator's interaction check measured them before any training (KL per
+    token on the calibration sequences, mean answer nats per calibration passkey prompt), each beside the
+    all-baseline student's."""
+    a = record.allocation
+    if not {"kl", "nll"} <= set(a.get("interaction", {})) or "base_signals" not in a:
+        return "–", "–"
+    plan, base = a["interaction"], a["base_signals"]
+    return f"{plan['kl']:.3f} (baseline {base['kl']:.3f})", f"{plan['nll']:.2f} (baseline {base['nll']:.2f})"
+
+
 def heads_table(found: dict) -> str:
     """Where each run's budget went: how many KV heads took each kind of option and the MiB they hold at
-    8,192 tokens, and which heads stayed exact (layer.KV head)."""
+    8,192 tokens, and which heads stayed exact (layer.KV head); then what the plan measured before training
+    (the allocator's check) and the trained student's answer nats on the 1,024-token passkey prompts (its
+    first split's record: test where scored)."""
     rows, seen = [], set()
     for (mib, _), runs in found.items():
         for r in runs:
@@ -109,8 +122,15 @@ def heads_table(found: dict) -> str:
                 mine = [h for h in heads if kind(h["option"]) == k]
                 cells.append(f"{len(mine)} ({sum(h['bytes'] for h in mine) / 2**20:.1f} MiB)" if mine else "0")
             exact = ", ".join(f"{h['layer']}.{h['kv_head']}" for h in heads if kind(h["option"]) == "exact")
-            rows.append([budget_name(r), str(r.seed), *cells, exact or "none"])
-    header = ["budget at 8,192 tokens", "data order", *[f"{k} heads" for k in KINDS], "exact heads (layer.KV head)"]
+            trained, teacher = (r.metrics.get(f"passkey_nll/{who}/T1024") for who in ("student", "teacher"))
+            length = r.allocation.get("calibration", {}).get("prompt_length")
+            rows.append([budget_name(r), str(r.seed), *cells, exact or "none", *before_training(r),
+                         "–" if length is None else f"{length:,}",
+                         "–" if trained is None else f"{trained:.2f} ({split(r)}" +
+                         ("" if teacher is None else f"; teacher {teacher:.2f}") + ")"])
+    header = ["budget at 8,192 tokens", "data order", *[f"{k} heads" for k in KINDS], "exact heads (layer.KV head)",
+              "before training: KL (nats/token)", "before training: passkey-answer nats per prompt",
+              "calibration prompt tokens", "trained: passkey-answer nats per 1,024-token prompt"]
     return markdown(header, rows) if rows else ""
 
 

@@ -34,7 +34,8 @@ def plan(share: float, seed: int) -> dict:
                        "given": {"mib": None, "share": share}}, "heads": heads, "plan_bytes": used,
             "menu": menu, "baseline": "w64+s4", "base_signals": signals[0][1], "signals": signals,
             "weights": {"kl": 1.0, "retrieval": 1.0}, "cost": {"seconds": 3000.0},
-            "interaction": {"measured_value": 0.5}, "settings": {
+            "interaction": {"measured_value": 0.5, "kl": 0.4 - share, "nll": 2.0 - share},
+            "calibration": {"prompt_length": 1024}, "settings": {
                 "teacher": "t", "budget": {"share": share}, "repair_rounds": 0, "calibration": f"sha256:{seed}"}}
 
 
@@ -55,7 +56,8 @@ def budget_run(root, share, seed, shift, split, name=None, **changed):
     reused = share != 0.1  # the smaller budget solved on the menu the larger one measured
     metrics.update({"allocation/cost_s": 120.0 if reused else 3000.0 + seed, "allocation/menu_s": 3000.0 + seed,
                     "allocation/menu_reused": float(reused), "allocation/share_of_training": 1.5,
-                    "allocation/plan_mib/T8192": allocation["plan_bytes"] / 2**20})
+                    "allocation/plan_mib/T8192": allocation["plan_bytes"] / 2**20,
+                    "passkey_nll/student/T1024": 3.0 + seed + (split == "test"), "passkey_nll/teacher/T1024": 0.5})
     (run / "metrics.json").write_text(json.dumps(metrics))
     return run
 
@@ -103,8 +105,13 @@ def test_where_each_plans_bytes_went(tmp_path):
     assert len(rows) == 4  # each budget and order once, though scored on two splits
     (row,) = [r for r in rows if r.startswith("| 0.1 of the teacher's (36.0 MiB) | 1 |")]
     # share 0.1, order 1: 3 exact heads; of the other 5, heads 3, 5, 7 keep a state and 4, 6 a window alone
-    assert row.split(" | ")[2:] == ["3 (12.0 MiB)", f"2 ({2 * 34_816 / 2**20:.1f} MiB)",
-                                    f"3 ({3 * 51_200 / 2**20:.1f} MiB)", "0", "0.0, 0.1, 1.0 |"]
+    assert row.split(" | ")[2:7] == ["3 (12.0 MiB)", f"2 ({2 * 34_816 / 2**20:.1f} MiB)",
+                                     f"3 ({3 * 51_200 / 2**20:.1f} MiB)", "0", "0.0, 0.1, 1.0"]
+    # the allocator's check before training beside the all-baseline student's, and the trained answer nats
+    base = plan(0.1, 1)["base_signals"]
+    assert row.split(" | ")[7:10] == [f"{0.3:.3f} (baseline {base['kl']:.3f})", f"{1.9:.2f} (baseline {base['nll']:.2f})",
+                                      "1,024"]
+    assert row.split(" | ")[10] == "5.00 (test; teacher 0.50) |"  # the test record, where one was scored
 
 
 def test_allocated_students_pair_with_the_uniform_presets_on_dev(tmp_path):
