@@ -3,7 +3,7 @@
 An option's value is ``kl_weight`` × its KL gain (nats per token) + ``retrieval_weight`` × its passkey-answer
 NLL gain (nats per prompt). The two are in different units, so equal weights are a choice, not a neutral
 point. A measured menu holds both gains of every option at every KV head, so the knapsack can be solved
-again for any weights without running a model: the block does that (``dofla.dof.knapsack.solve``, the
+again for any weights without running a model: the block does that (``dofla.dof.solve_knapsack``, the
 allocator's solver) for a ladder of KL weights against a retrieval weight of 1, at the budget of the
 ablations, and says what each plan keeps exact, how many heads it moves from the allocator's plan and how
 much of each signal's best summed gain it keeps (summed single-head gains, as the solver sees them; a trained
@@ -11,8 +11,7 @@ ablation measures the student).
 """
 from __future__ import annotations
 
-from dofla.dof.knapsack import solve
-from dofla.dof.sensitivity import head_values
+from dofla.dof import head_values, solve_knapsack
 from dofla.report import RunRecord
 from studies.tables import markdown
 
@@ -47,7 +46,7 @@ def weight_plans(allocation: dict, kl_weights=KL_WEIGHTS) -> list[dict]:
     for w in kl_weights:
         kl_weight, retrieval_weight = (1.0, 0.0) if w is None else (w, 1.0)
         values = head_values(measured, kl_weight, retrieval_weight)
-        choice = solve(values, [sizes] * len(values), allocation["budget"]["bytes"])
+        choice = solve_knapsack(values, [sizes] * len(values), allocation["budget"]["bytes"])
         kl, nll = summed_gains(measured, choice.options)
         plans.append({"kl_weight": kl_weight, "retrieval_weight": retrieval_weight, "options": list(choice.options),
                       "exact": [f"{h // kv}.{h % kv}" for h, o in enumerate(choice.options) if o == exact],
