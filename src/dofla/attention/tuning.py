@@ -78,6 +78,7 @@ def best_chunk_size(heads: int, features: int, value_dim: int, device: torch.dev
         return int(known[key]["chunk_size"])
     seconds = measure(heads, features, value_dim, device, length)
     best = min(seconds, key=seconds.get)
-    known[key] = {"chunk_size": best, "seconds": {str(c): round(s, 6) for c, s in seconds.items()}}
+    # full precision: a rounded record could tie where the measurement did not, and disagree with its own choice
+    known[key] = {"chunk_size": best, "seconds": {str(c): s for c, s in seconds.items()}}
     write_json(path, known)
     return best
