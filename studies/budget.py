@@ -121,10 +121,10 @@ def heads_table(found: dict) -> str:
             for k in KINDS:
                 mine = [h for h in heads if kind(h["option"]) == k]
                 cells.append(f"{len(mine)} ({sum(h['bytes'] for h in mine) / 2**20:.1f} MiB)" if mine else "0")
-            exact = ", ".join(f"{h['layer']}.{h['kv_head']}" for h in heads if kind(h["option"]) == "exact")
+            exact = exact_heads(r)
             trained, teacher = (r.metrics.get(f"passkey_nll/{who}/T1024") for who in ("student", "teacher"))
             length = r.allocation.get("calibration", {}).get("prompt_length")
-            rows.append([budget_name(r), str(r.seed), *cells, exact or "none", *before_training(r),
+            rows.append([budget_name(r), str(r.seed), *cells, exact, *before_training(r),
                          "–" if length is None else f"{length:,}",
                          "–" if trained is None else f"{trained:.2f} ({split(r)}" +
                          ("" if teacher is None else f"; teacher {teacher:.2f}") + ")"])
@@ -185,8 +185,10 @@ def ablations(found: dict, runs_by_split: dict[str, list[RunRecord]], headline: 
                     continue
                 rows.append([f"{budget_name(mine[0])}: {label}", part, ", ".join(map(str, common_orders(mine, other))),
                              "; ".join(dict.fromkeys(plan_counts(r) for r in mine)),
+                             "; ".join(dict.fromkeys(exact_heads(r) for r in mine)),
                              *[paired(mine, other, signal) for _, signal in SIGNALS]])
     header = ["ablation (A − B)", "held-out split", "data orders", "A's heads: " + " / ".join(KINDS),
+              "A's exact heads (layer.KV head)",
               *[what for what, _ in SIGNALS]]
     return markdown(header, rows) if rows else ""
 
@@ -195,6 +197,12 @@ def plan_counts(record: RunRecord) -> str:
     """How many KV heads of a run's plan took each kind of option, in ``KINDS`` order ("6 / 0 / 38 / 46")."""
     heads = record.allocation["heads"]
     return " / ".join(str(sum(kind(h["option"]) == k for h in heads)) for k in KINDS)
+
+
+def exact_heads(record: RunRecord) -> str:
+    """The KV heads a run's plan keeps exact, as layer.KV head ("4.0, 18.2"), or "none"."""
+    exact = [f"{h['layer']}.{h['kv_head']}" for h in record.allocation["heads"] if kind(h["option"]) == "exact"]
+    return ", ".join(exact) or "none"
 
 
 def at_bytes(mib: float, headline: list[RunRecord]) -> tuple[str, str] | None:

@@ -11,7 +11,7 @@ import torch
 from dofla.report import load_records, paired_interval
 from dofla.report.frontier import frontier_plot, frontier_points, frontier_series, student_label
 from studies import records, results
-from studies.budget import kind, plan_counts, plan_figure
+from studies.budget import exact_heads, kind, plan_counts, plan_figure
 from studies.tables import signed
 from tests.unit.test_results_tables import SEQS, fake_run
 
@@ -198,4 +198,8 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
                                                    dtype=torch.float64)))
     counts = "; ".join(dict.fromkeys(plan_counts(r) for r in kl))  # the ablated plans' heads by kind
     assert all(sum(map(int, plan.split(" / "))) == LAYERS * KV for plan in counts.split("; "))
-    assert f"| 0, 1 | {counts} | {expected} |" in kl_dev
+    exact = "; ".join(dict.fromkeys(exact_heads(r) for r in kl))  # and which heads they keep exact
+    for r in kl:  # as many listed as the counts' exact column says
+        listed = exact_heads(r)
+        assert (0 if listed == "none" else len(listed.split(", "))) == int(plan_counts(r).split(" / ")[0])
+    assert f"| 0, 1 | {counts} | {exact} | {expected} |" in kl_dev
