@@ -65,7 +65,7 @@ class CheckResult:
     step_s: float
     projected_cell_hours: float  # distillation: one pass of the paper's tokens; finetune: one cell's student
     measured_peak_bytes: int | None
-    measured_kind: str  # cuda (allocated on the GPU) | rss (the CPU process's resident set, monotone)
+    measured_kind: str  # cuda (allocated on the GPU) | rss (the CPU block's peak resident set) | rss_process
     predicted_peak_bytes: int | None
     host_syncs_per_step: int | None
     problem: str | None = None

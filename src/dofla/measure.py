@@ -3,9 +3,12 @@ and its training step time (``resources/<stage>/...`` in metrics.json).
 
 Peak memory is the CUDA caching allocator's ``max_memory_allocated`` on a GPU, reset when a stage
 starts (:func:`peak_memory`; nested scopes keep the outer one's peak whole): tensor storage, the same
-quantity the preflight predicts. On the CPU it is the process's peak resident set size
-(``getrusage``), which only grows over a process's life: a stage's value is the largest of any stage so
-far, and it includes the interpreter and libraries, which the prediction does not.
+quantity the preflight predicts. On the CPU it is the peak resident set size: on Linux the kernel's
+high-water mark (``VmHWM``), reset when a stage starts (``/proc/self/clear_refs``), so a stage's value
+is its own peak, from the resident set it started with; where that cannot be reset (another OS, a
+kernel that refuses) the process's peak so far (``getrusage``), which only grows over a process's life.
+Either includes the interpreter, the libraries and memory malloc keeps after freeing, which the
+prediction does not.
 
 Step time is read from the live logs the trainers send every ``log_every`` steps (:class:`StepClock`):
 the wall time between two log points over the steps between them, so it includes the host
@@ -18,10 +21,13 @@ import contextlib
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 _OUTER: list[list[int]] = []  # the running peak of every enclosing CUDA scope
+_OUTER_RSS: list[list[int]] = []  # the running peak of every enclosing resettable CPU scope
+_PROC = Path("/proc/self")
 
 
 def rss_peak() -> int:
@@ -30,17 +36,39 @@ def rss_peak() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def rss_high_water() -> int | None:
+    """The kernel's resident-set high-water mark since it was last reset (``VmHWM``), in bytes; None
+    where /proc does not give it."""
+    try:
+        for line in (_PROC / "status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_rss_high_water() -> bool:
+    """Resets ``VmHWM`` to the current resident set (Linux ≥ 4.0); False where that is refused."""
+    if rss_high_water() is None:
+        return False
+    try:
+        (_PROC / "clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def peak_memory(device: torch.device | str | None = None):
     """Yields a dict that holds, once the block ends, ``bytes`` (the block's peak) and ``kind``
-    (``cuda``: allocated tensor memory; ``rss``: the process's resident set, monotone)."""
+    (``cuda``: allocated tensor memory; ``rss``: the block's own peak resident set; ``rss_process``:
+    the process's peak resident set so far, where the high-water mark cannot be reset)."""
     out: dict = {}
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
-        try:
+        with _rss_scope(out):
             yield out
-        finally:
-            out.update(bytes=rss_peak(), kind="rss")
         return
     torch.cuda.synchronize(device)
     if _OUTER:
@@ -55,6 +83,29 @@ def peak_memory(device: torch.device | str | None = None):
         if _OUTER:
             _OUTER[-1][0] = max(_OUTER[-1][0], mine)
         out.update(bytes=mine, kind="cuda")
+
+
+@contextlib.contextmanager
+def _rss_scope(out: dict):
+    """The CPU side of :func:`peak_memory`: the high-water mark reset on entry (the enclosing scope
+    first keeps what it had reached) and read on exit; the process's peak where it cannot be reset."""
+    before = rss_high_water()
+    if before is None or not reset_rss_high_water():
+        try:
+            yield
+        finally:
+            out.update(bytes=rss_peak(), kind="rss_process")
+        return
+    if _OUTER_RSS:
+        _OUTER_RSS[-1][0] = max(_OUTER_RSS[-1][0], before)
+    _OUTER_RSS.append([0])
+    try:
+        yield
+    finally:
+        mine = max(_OUTER_RSS.pop()[0], rss_high_water() or 0)
+        if _OUTER_RSS:
+            _OUTER_RSS[-1][0] = max(_OUTER_RSS[-1][0], mine)
+        out.update(bytes=mine, kind="rss")
 
 
 class StepClock:

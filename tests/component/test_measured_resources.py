@@ -4,15 +4,18 @@ sweep) without moving the run's random state, and the stage timer records each s
 memory and step time next to the prediction."""
 from __future__ import annotations
 
+import mmap
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from dofla.cli import CONF_DIR, to_run_config
-from dofla.measure import StepClock, peak_memory, rss_peak
+from dofla import measure
+from dofla.measure import StepClock, peak_memory, reset_rss_high_water, rss_peak
 from dofla.stages import estimate, preflight
 from dofla.stages.context import RunContext, StageTimer
 from dofla.stages.plan import STREAM, train_plan
@@ -106,12 +109,31 @@ def test_the_stage_timer_records_measured_peaks_and_step_times_beside_the_predic
     assert "the train stage peaked at" in capsys.readouterr().out
 
 
-def test_peak_memory_on_the_cpu_is_the_process_peak_rss():
+def touched(mib: int):
+    """``mib`` MiB of anonymous memory, every page written, handed back to the kernel when closed (mmap: no
+    allocator keeps it after)."""
+    block = mmap.mmap(-1, mib * 2**20)
+    block.write(b"\1" * len(block))
+    return block
+
+
+@pytest.mark.skipif(not reset_rss_high_water(), reason="needs a resettable resident-set high-water mark (Linux)")
+def test_peak_memory_on_the_cpu_is_each_scopes_own_peak_and_an_outer_scope_keeps_its_inner_ones():
     with peak_memory("cpu") as outer:
-        with peak_memory("cpu") as inner:
-            torch.ones(2**23)  # 32 MiB
-    assert inner["kind"] == outer["kind"] == "rss" and outer["bytes"] >= inner["bytes"] >= 2**25
-    assert rss_peak() >= outer["bytes"]
+        with peak_memory("cpu") as big:
+            touched(96).close()
+        with peak_memory("cpu") as small:
+            touched(8).close()
+    assert big["kind"] == small["kind"] == outer["kind"] == "rss"
+    assert small["bytes"] <= big["bytes"] - 2**26  # the later, smaller scope does not carry the earlier peak
+    assert outer["bytes"] >= big["bytes"] >= 96 * 2**20
+
+
+def test_peak_memory_on_the_cpu_without_a_resettable_mark_is_the_process_peak(monkeypatch):
+    monkeypatch.setattr(measure, "_PROC", Path("/nonexistent"))  # another OS: no /proc
+    with peak_memory("cpu") as peak:
+        torch.ones(2**23)  # 32 MiB
+    assert peak["kind"] == "rss_process" and rss_peak() >= peak["bytes"] >= 2**25
 
 
 def test_the_step_clock_passes_every_log_on():

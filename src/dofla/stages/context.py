@@ -91,7 +91,7 @@ class StageTimer:
 
     def metrics(self, extra_steps: dict | None = None) -> dict[str, float]:
         """``resources/<stage>/peak_bytes`` (a GPU's allocated memory) or ``peak_rss_bytes`` (the CPU
-        process's resident set, monotone over the run), ``predicted_bytes``, ``step_s``; ``extra_steps``:
+        resident set's peak: the stage's own on Linux, else the process's so far), ``predicted_bytes``, ``step_s``; ``extra_steps``:
         step times measured elsewhere ({stage: seconds per step}). Only stages that trained or were predicted."""
         steps = {**(self.clock.step_seconds() if self.clock else {}), **(extra_steps or {})}
         out = {}
@@ -111,6 +111,7 @@ class StageTimer:
         peak, predicted = self.peaks.get(stage), self.predicted.get(stage, {})
         if not peak or "predicted" not in predicted:
             return None
-        kind = "allocated on the GPU" if peak["kind"] == "cuda" else "the process's peak RSS so far"
+        kind = {"cuda": "allocated on the GPU", "rss": "the stage's peak RSS"}.get(peak["kind"],
+                                                                                 "the process's peak RSS so far")
         return (f"dofla: the {stage} stage peaked at {peak['bytes'] / 2**30:.2f} GiB ({kind}); the preflight "
                 f"predicted {predicted['predicted'] / 2**30:.2f} GiB")
