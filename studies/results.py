@@ -63,6 +63,8 @@ COMPARISONS = (  # (what, arm A, arm B, A's per-sequence values, B's (None: the 
      "passkey/student/T1024", None),
     ("recall hybrid − copy-text control, passkey @ 1K: what the exact layers give", "hybrid_recall", "hybrid_copy",
      "passkey/student/T1024", None),
+    ("recall hybrid − copy-text control, passkey @ 2K", "hybrid_recall", "hybrid_copy", "passkey/student/T2048", None),
+    ("recall hybrid − copy-text control, held-out loss", "hybrid_recall", "hybrid_copy", "heldout/student", None),
     ("copy-text control − hybrid, passkey @ 1K: what copy training gives", "hybrid_copy", "hybrid_text",
      "passkey/student/T1024", None),
     ("pure linear − window + sinks, held-out loss", "linear_hedgehog_kl", "window_sinks_kl", "heldout/student", None),
