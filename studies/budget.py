@@ -62,8 +62,9 @@ def groups(records: list[RunRecord]) -> dict[tuple[float, str], list[RunRecord]]
 
 
 def mean_metric(runs: list[RunRecord], name: str) -> float | None:
+    """The mean of a metric over ``runs``; None without runs or where one of them lacks it."""
     got = [r.metrics[name] for r in runs if name in r.metrics]
-    return sum(got) / len(got) if len(got) == len(runs) else None
+    return sum(got) / len(got) if got and len(got) == len(runs) else None
 
 
 def cell(value: float | None, spec: str) -> str:
@@ -164,29 +165,33 @@ def ablation(record: RunRecord) -> str:
                                       ("KL alone", retrieval == 0),
                                       (f"KL weight {kl:g}, retrieval weight {retrieval:g}",
                                        0 not in (kl, retrieval) and (kl, retrieval) != (1, 1)),
+                                      (f"+ the teacher's copying score (weight {b.get('copy_weight', 0):g})",
+                                       bool(b.get("copy_weight", 0))),
                                       (f"KL text {copy:.0%} copy", bool(copy))) if hit]
     return ", ".join(changed) or "the allocator"
 
 
 def ablations(found: dict, runs_by_split: dict[str, list[RunRecord]], headline: list[RunRecord]) -> str:
     """Each ablation run against the allocated student of the same budget, split and data order (paired by
-    sequence or prompt); an unchanged allocator at a uniform preset's decode bytes (dev) against that preset."""
+    sequence or prompt); at a uniform preset's decode bytes (dev) the unchanged allocator, and every ablation,
+    against that preset."""
     rows = []
     for part, runs in runs_by_split.items():
         for mib in sorted({round(budget_mib(r), 6) for r in runs}):
             at = [r for r in runs if round(budget_mib(r), 6) == mib]
+            preset = at_bytes(mib, headline) if part == "dev" else None
             for name in sorted({ablation(r) for r in at}):
                 mine = [r for r in at if ablation(r) == name]
-                if name != "the allocator" and (mib, part) in found:
-                    label, other = f"{name} − the allocator", found[(mib, part)]
-                elif name == "the allocator" and part == "dev" and (preset := at_bytes(mib, headline)):
-                    label, other = f"the allocator − {preset[0]}", arm(headline, preset[1])
-                else:
-                    continue
-                rows.append([f"{budget_name(mine[0])}: {label}", part, ", ".join(map(str, common_orders(mine, other))),
-                             "; ".join(dict.fromkeys(plan_counts(r) for r in mine)),
-                             "; ".join(dict.fromkeys(exact_heads(r) for r in mine)),
-                             *[paired(mine, other, signal) for _, signal in SIGNALS]])
+                pairs = [(f"{name} − the allocator", found[(mib, part)])] \
+                    if name != "the allocator" and (mib, part) in found else []
+                if preset:
+                    pairs.append((f"{name} − {preset[0]}", arm(headline, preset[1])))
+                for label, other in pairs:
+                    rows.append([
+                        f"{budget_name(mine[0])}: {label}", part, ", ".join(map(str, common_orders(mine, other))),
+                        "; ".join(dict.fromkeys(plan_counts(r) for r in mine)),
+                        "; ".join(dict.fromkeys(exact_heads(r) for r in mine)),
+                        *[paired(mine, other, signal) for _, signal in SIGNALS]])
     header = ["ablation (A − B)", "held-out split", "data orders", "A's heads: " + " / ".join(KINDS),
               "A's exact heads (layer.KV head)",
               *[what for what, _ in SIGNALS]]

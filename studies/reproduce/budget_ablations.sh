@@ -13,15 +13,19 @@
 #   random     budget.solver=random: a random plan at the budget's bytes
 #   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
 #   copy       the same plan, its KL stage on the recall hybrid's text (a quarter copy tasks, distance 128)
+#   copying    budget.copy_weight=1: the teacher's copying score of each head kept exact adds to its value
 # ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); SPLITS: the held-out parts
 # to score on (default "test dev"; "test" alone pairs every ablation but delta and recall); EXTRA: more overrides.
-# A stopped script resumes: every finished stage's artifact is found and reused.
+# A stopped script resumes: every finished stage's artifact is found and reused. MENU_FROM_RECORDS=1 first puts
+# the committed order-0 measured menu back in the cache (studies/budget_menu.py): the ablations that solve on it
+# then skip budget.sh's menu measurement (about 43 min here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+[ "${MENU_FROM_RECORDS:-0}" = 1 ] && python -m studies.budget_menu docs/results/runs/budget/share0.1_s0/allocation.json
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
 for seed in $SEEDS; do
-  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall}; do
+  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall copying}; do
     case $ablation in
       layer) change=(budget.granularity=layer) ;;
       kl) change=(budget.retrieval_weight=0) ;;
@@ -31,7 +35,8 @@ for seed in $SEEDS; do
       delta) change=(budget.share=null budget.mib=17.6039) ;;
       recall) change=(budget.share=null budget.mib=86.0831) ;;
       copy) change=(distill.copy_share=0.25 distill.copy_distance=128) ;;
-      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy)" >&2
+      copying) change=(budget.copy_weight=1) ;;
+      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy, copying)" >&2
          exit 2 ;;
     esac
     run=$OUT/${ablation}_s$seed

@@ -16,8 +16,8 @@ from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.knapsack import MIB, brute_force
 from dofla.dof.menu import default_menu, label, option_bytes
-from dofla.dof.sensitivity import Probe, copy_prompts, switched
-from dofla.dof.softmax_layers import passkey_prompts
+from dofla.dof.sensitivity import Probe, copy_prompts, head_values, switched
+from dofla.dof.softmax_layers import copying_scores, passkey_prompts
 from dofla.eval.longctx import answer_nll
 from dofla.models import convert, get_adapter
 from dofla.models.plan import ALL, HeadPlan, StudentPlan
@@ -120,7 +120,8 @@ def test_the_plan_is_the_knapsacks_optimum_within_the_budget_and_recorded(alloca
     assert record["cost"]["student_forwards"] == students * (2 + len(prompts)) and record["cost"]["seconds"] > 0
     counts = measurement_counts(LAYERS, KV, menu, menu.index(BASE), 2, len(prompts), 2)
     first = next((i for i, layer in enumerate(plan.layers) if layer != (BASE,) * KV), LAYERS)  # the check's
-    check = {"students": 1, "student_forwards": 2 + len(prompts), "teacher_forwards": 0,
+    # beside the menu: the check's student, and the copying score's teacher pass over the 2 calibration batches
+    check = {"students": 1, "student_forwards": 2 + len(prompts), "teacher_forwards": 2,
              "layer_forwards": (2 + len(prompts)) * (LAYERS - first), "fit_steps": 2 * len(_trainable_groups(plan))}
     assert {k: record["cost"][k] for k in counts} == {k: counts[k] + check[k] for k in counts}
 
@@ -191,6 +192,37 @@ def test_another_budget_solves_on_the_measured_menu_and_measures_its_plan_alone(
         allocate(_teacher(), _cfg(states=[4]), TOKENS, prompts, measured=menu_signals(record))
 
 
+def test_the_copying_signal_is_the_teachers_and_chooses_the_exact_heads_alone(allocated):
+    """copy_weight: each KV head's copying (its query heads' scores summed) counts for the options that keep
+    a key a calibration sequence back (exact here: the window is 4 tokens); with the other weights 0 the
+    exact heads are the knapsack's best copiers, and the copying part adds up exactly (no interaction gap)."""
+    _, record, prompts = allocated
+    teacher = _teacher()
+    per_layer = copying_scores(teacher, TOKENS, batch_size=2)
+    group = 8 // KV
+    heads = [float(per_layer[i][j * group:(j + 1) * group].sum()) for i in range(LAYERS) for j in range(KV)]
+    assert record["copying"]["heads"] == pytest.approx(heads, rel=1e-5) and record["copying"]["scores"] == \
+        record["copying"]["heads"] and record["copying"]["length"] == TOKENS.shape[1]
+    menu = default_menu(_cfg())
+    assert record["copying"]["keeps"] == [o.exact for o in menu]
+    assert [h["copying"] for h in record["heads"]] == record["copying"]["heads"]
+    # the teacher's per-head scores are the mean probability on the copied key: 0 < s < 1 per query head
+    assert all(0 < s < group for s in heads) and len(set(heads)) == len(heads)
+    cfg = _cfg(share=0.5, kl_weight=0.0, retrieval_weight=0.0, copy_weight=1.0)
+    plan, copied = allocate(teacher, cfg, TOKENS, prompts, measured=menu_signals(record))
+    values = head_values(menu_signals(record), 0.0, 0.0, record["copying"], 1.0)
+    assert sum(copied["values"], []) == pytest.approx(sum(values, [])) and copied["weights"]["copying"] == 1.0
+    g = _geometry(teacher)
+    sizes = [[option_bytes(o, g, 64) for o in menu]] * (LAYERS * KV)
+    best = brute_force(values, sizes, budget_bytes(cfg, g))
+    assert copied["interaction"]["predicted_value"] == pytest.approx(best.value)
+    exact = [h for h, head in enumerate(copied["heads"]) if head["option"] == "exact"]
+    assert copied["interaction"]["predicted_value"] == pytest.approx(sum(heads[h] for h in exact))
+    assert copied["interaction"]["gap"] == pytest.approx(0.0, abs=1e-9)
+    kept = len(exact)  # as many exact heads as fit, and the best copiers among them
+    assert 0 < kept < LAYERS * KV and sorted(exact) == sorted(sorted(range(LAYERS * KV), key=lambda h: -heads[h])[:kept])
+
+
 def test_one_switched_head_adds_up_exactly():
     """A budget that lets one head leave the baseline: the plan is a single-head measurement, no gap."""
     teacher = _teacher()
@@ -243,7 +275,8 @@ def test_calibration_shorter_than_a_window_is_one_sentence():
     ({"share": -0.1}, "positive share of the teacher's KV cache"),
     ({"context": 0}, "context=0 must be a positive number of tokens"),
     ({"exact": False, "windows": []}, "needs an option without a linear state"),
-    ({"kl_weight": 0.0, "retrieval_weight": 0.0}, "not both 0"),
+    ({"kl_weight": 0.0, "retrieval_weight": 0.0}, "not all 0"),
+    ({"copy_weight": -1.0}, "copy_weight=-1.0 must be ≥ 0"),
     ({"states": [0]}, "positive feature dims M"),
     ({"fit_target": "window"}, "must be 'full'"),
     ({"granularity": "group"}, "must be 'head'"),

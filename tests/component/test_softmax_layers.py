@@ -10,6 +10,7 @@ import torch
 from dofla.dof.softmax_layers import (
     choose,
     copy_probe,
+    copying_scores,
     greedy_restoration_kl,
     greedy_restoration_passkey,
     kv_bytes_per_token,
@@ -268,9 +269,11 @@ def test_retrieval_scores_equal_the_teachers_own_attention_weights(arch):
         attentions = teacher(probe, output_attentions=True, use_cache=False).attentions
     queries = torch.arange(40 - span, 39)
     targets = queries - (40 - span) + 8 + 1
+    per_head = copying_scores(teacher, ids, batch_size=2)
     for i in (0, 1):
-        reference = attentions[i][:, :, queries, targets].mean(-1).mean(0).max()  # (B, H, Q) -> per head -> max
-        assert scores[i] == pytest.approx(float(reference), abs=1e-5)
+        heads = attentions[i][:, :, queries, targets].mean(-1).mean(0)  # (B, H, Q) -> per head
+        assert per_head[i].tolist() == pytest.approx(heads.tolist(), abs=1e-5)
+        assert scores[i] == pytest.approx(float(heads.max()), abs=1e-5)
         assert 0 < scores[i] < 1
     measured = {"retrieval": {str(i): v for i, v in scores.items()}}
     assert choose(measured, 1, "retrieval") == [max(scores, key=scores.get)]

@@ -9,9 +9,11 @@ import json
 import pytest
 import torch
 
+from dofla.dof.sensitivity import head_values
 from dofla.models import load_student
 from dofla.models.plan import StudentPlan
 from dofla.models.tiny import build_byte_tokenizer
+from studies import budget_menu
 from tests.component.test_mixed_heads import _teacher
 from tests.integration.test_pipeline import run_cli
 
@@ -112,17 +114,26 @@ def test_a_rerun_reuses_the_allocation_and_another_run_of_the_same_settings_shar
 
 
 def test_another_budget_solves_on_the_measured_menu(runs):
-    """A larger budget on the same teacher, menu and calibration text: the menu's measurement is found and
-    only the chosen plan is measured; the record and the metrics say so."""
+    """A larger budget and the copying signal on the same teacher, menu and calibration text: the menu's
+    measurement, put back from the first run's record as a fresh machine would (studies/budget_menu.py), is
+    found and only the chosen plan is measured; the record and the metrics say so."""
     run = runs["cache"]
+    first = run["allocation"]
+    kept = run["root"] / "cache" / "allocations" / first["menu_measurement"]["file"]
+    original = json.loads(kept.read_text())
+    kept.unlink()
+    budget_menu.main([str(run["dir"] / "allocation.json"), "--cache-dir", str(run["root"] / "cache")])
+    assert json.loads(kept.read_text()) == original
     args = [a for a in run["args"] if not a.startswith(("budget.mib=", "train.source=", "hydra.sweep.subdir="))]
     root = run["root"] / "larger"
-    done = run_cli(*args, f"budget.mib={2 * MIB}", "train.source=cache", "distill=none", "stages=[cache,allocate]",
-                   f"hydra.sweep.dir={root}")
+    done = run_cli(*args, f"budget.mib={2 * MIB}", "budget.copy_weight=0.5", "train.source=cache", "distill=none",
+                   "stages=[cache,allocate]", f"hydra.sweep.dir={root}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "dofla: allocation=budget: solved on the menu measured before" in done.stdout
     record = json.loads((root / "0" / "allocation.json").read_text())
-    first = run["allocation"]
+    assert record["weights"]["copying"] == 0.5 and record["copying"]["heads"] == first["copying"]["heads"]
+    measured = {"base": first["base_signals"], "signals": first["signals"]}
+    assert record["values"] == head_values(measured, 1.0, 1.0, record["copying"], 0.5)
     assert record["menu_measurement"]["reused"] and not first["menu_measurement"]["reused"]
     assert record["menu_measurement"]["seconds"] == first["cost"]["seconds"]
     assert record["signals"] == first["signals"] and record["cost"]["students"] == 1

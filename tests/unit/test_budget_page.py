@@ -176,6 +176,8 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
             budget_run(where, 0.1, seed, shift, split, name=f"random_s{seed}", solver="random")
             budget_run(where, 0.1, seed, shift, split, name=f"kl100_s{seed}", kl_weight=100)
             budget_run(where, 0.1, seed, 0.45, split, name=f"window_s{seed}", mib=8.8)
+            budget_run(where, 0.1, seed, shift, split, name=f"copying_s{seed}", copy_weight=1)
+            budget_run(where, 0.1, seed, 0.4, split, name=f"copying_window_s{seed}", mib=8.8, copy_weight=1)
             copy = budget_run(where, 0.1, seed, shift, split, name=f"copy_s{seed}")
             record = json.loads((copy / "run.json").read_text())
             record["config"]["distill"] = {"copy_share": 0.25}
@@ -189,6 +191,9 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
     assert names.count("0.1 of the teacher's (36.0 MiB): a random plan − the allocator") == 2
     assert names.count("0.1 of the teacher's (36.0 MiB): KL weight 100, retrieval weight 1 − the allocator") == 2
     assert names.count("8.8 MiB: the allocator − window 64 + 4 sinks") == 1  # the presets are dev only
+    copying = "+ the teacher's copying score (weight 1)"  # at a preset's bytes an ablation pairs with the preset
+    assert names.count(f"0.1 of the teacher's (36.0 MiB): {copying} − the allocator") == 2
+    assert names.count(f"8.8 MiB: {copying} − window 64 + 4 sinks") == 1
     assert names.count("0.1 of the teacher's (36.0 MiB): KL text 25% copy − the allocator") == 2
     kl_dev = next(row for row in rows if "KL alone" in row and "| dev |" in row)
     allocator = [r for r in sources[1] if r.allocation["budget"]["mib"] == 36.0]

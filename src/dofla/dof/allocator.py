@@ -26,7 +26,7 @@ from dofla.dof.config import BUDGET_POLICY
 from dofla.dof.knapsack import MIB, Choice, check_instance, random_choice, solve
 from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
 from dofla.dof.first_order import first_order_menu
-from dofla.dof.sensitivity import Probe, head_values, measure_menu
+from dofla.dof.sensitivity import Probe, check_calibration, head_values, measure_copying, measure_menu
 from dofla.models.adapters.support import get_adapter
 from dofla.models.plan import StudentPlan
 
@@ -57,9 +57,10 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
     count = geometry.num_layers * geometry.num_kv_heads // width
     sizes = [[width * option_bytes(o, geometry, cfg.context, cfg.kv_bytes) for o in menu]] * count
     check_instance([[0.0] * len(menu)] * count, sizes, budget)  # before any model runs
+    check_calibration(menu, tokens.shape[1])
     probe = Probe(teacher, tokens, prompts, cfg)
     base = baseline_index(menu, geometry, cfg.context, cfg.kv_bytes)
-    unit = _Units(menu, geometry, width)
+    unit = _Units(menu, geometry, width, measure_copying(probe, menu, width), cfg.copy_weight)
     if cfg.solver == "random":  # the ablation: nothing of the menu measured, the drawn plan checked alone
         measured = {"base": probe.baseline(unit.plan([base] * count)), "signals": None}
         history = [_check(probe, unit, random_choice(sizes, budget, seed=cfg.seed), measured["base"], cfg)]
@@ -71,8 +72,8 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
             raise ValueError(f"the measured signals hold {len(measured['signals'])} units of "
                              f"{len(measured['signals'][0])} options, this allocation has {count} of {len(menu)}: "
                              "measure the menu again")
-        history = _solved(probe, unit, base, head_values(measured, cfg.kl_weight, cfg.retrieval_weight), sizes,
-                          budget, measured["base"], cfg, repair_rounds)
+        values = head_values(measured, cfg.kl_weight, cfg.retrieval_weight, unit.copying, cfg.copy_weight)
+        history = _solved(probe, unit, base, values, sizes, budget, measured["base"], cfg, repair_rounds)
     best = max(history, key=lambda h: h["measured_value"])
     plan = unit.plan(best["options"])
     return plan, _record(cfg, unit, base, budget, measured, best, history, plan, probe)
@@ -101,11 +102,19 @@ def menu_signals(record: dict) -> dict | None:
 
 
 class _Units:
-    """The units that choose an option (every KV head, or every layer's KV heads together: ``width``) and
-    the plan of one option index per unit."""
+    """The units that choose an option (every KV head, or every layer's KV heads together: ``width``), the
+    plan of one option index per unit, and the copying signal's part of a plan's value (the teacher's, so it
+    adds up exactly: :func:`dofla.dof.sensitivity.measure_copying`)."""
 
-    def __init__(self, menu: list, geometry, width: int):
+    def __init__(self, menu: list, geometry, width: int, copying: dict, copy_weight: float):
         self.menu, self.geometry, self.width = menu, geometry, width
+        self.copying, self.copy_weight = copying, copy_weight
+
+    def copy_value(self, u: int, o: int) -> float:
+        return self.copy_weight * self.copying["scores"][u] * self.copying["keeps"][o]
+
+    def copy_sum(self, options) -> float:
+        return sum(self.copy_value(u, o) for u, o in enumerate(options))
 
     def heads(self, options) -> list[int]:
         """One option index per KV head, in order (layer, KV head)."""
@@ -118,13 +127,14 @@ class _Units:
 
 
 def _value(signals: dict, base: dict, cfg) -> float:
+    """The measured signals' part of a value (the copying part: :meth:`_Units.copy_sum`)."""
     return cfg.kl_weight * (base["kl"] - signals["kl"]) + cfg.retrieval_weight * (base["nll"] - signals["nll"])
 
 
 def _check(probe: Probe, unit: _Units, choice: Choice, base: dict, cfg) -> dict:
     """The chosen plan measured as one student beside the sum of its units' single-unit values."""
     signals = probe.signals(unit.plan(choice.options))
-    measured = _value(signals, base, cfg)
+    measured = _value(signals, base, cfg) + unit.copy_sum(choice.options)
     return {"options": list(choice.options), "status": choice.status, "summed_bytes": choice.bytes,
             "predicted_value": choice.value, "measured_value": measured, "gap": measured - choice.value,
             "kl": signals["kl"], "nll": signals["nll"]}
@@ -142,7 +152,7 @@ def _repaired(probe, unit: _Units, base: int, values: list, history: list, refer
         without = list(best["options"])
         without[h] = base
         signals = probe.signals(unit.plan(without))
-        in_context = best["measured_value"] - _value(signals, reference, cfg)
+        in_context = best["measured_value"] - _value(signals, reference, cfg) - unit.copy_sum(without)
         shortfall[h] = (values[h][best["options"][h]] - in_context, in_context)
     worst = max(shortfall, key=lambda h: (shortfall[h][0], -h))
     if shortfall[worst][0] <= 0:
@@ -156,7 +166,7 @@ def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, prob
     """allocation.json: the budget, every head's option with its bytes and its unit's measured gains (none for
     a random plan), the slack, the solver's status, the interaction check (and repairs), and the cost."""
     geometry, menu = unit.geometry, unit.menu
-    weights = {"kl": cfg.kl_weight, "retrieval": cfg.retrieval_weight}
+    weights = {"kl": cfg.kl_weight, "retrieval": cfg.retrieval_weight, "copying": cfg.copy_weight}
     heads = []
     for h, o in enumerate(unit.heads(best["options"])):
         layer, kv = divmod(h, geometry.num_kv_heads)
@@ -165,10 +175,12 @@ def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, prob
         if measured["signals"] is not None:  # the unit's gains: a layer's heads share their layer's
             signals = measured["signals"][h // unit.width][o]
             head.update(kl_gain=measured["base"]["kl"] - signals["kl"], nll_gain=measured["base"]["nll"] - signals["nll"],
-                        value=_value(signals, measured["base"], cfg))
+                        value=_value(signals, measured["base"], cfg) + unit.copy_value(h // unit.width, o))
+        head["copying"] = unit.copying["heads"][h]
         heads.append(head)
     used = plan_bytes(plan, geometry, cfg.context, cfg.kv_bytes)
-    values = None if measured["signals"] is None else head_values(measured, cfg.kl_weight, cfg.retrieval_weight)
+    values = None if measured["signals"] is None else \
+        head_values(measured, cfg.kl_weight, cfg.retrieval_weight, unit.copying, cfg.copy_weight)
     return {
         "budget": {"bytes": budget, "mib": budget / MIB, "context": cfg.context, "kv_bytes": cfg.kv_bytes,
                    "given": {"mib": cfg.mib, "share": cfg.share},
@@ -178,6 +190,7 @@ def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, prob
                    "status": best["status"]},
         "granularity": cfg.granularity, "weights": weights, "baseline": label(menu[base]),
         "menu": [label(o) for o in menu], "base_signals": measured["base"], "signals": measured["signals"],
+        "copying": unit.copying,
         "heads": heads, "values": values,
         "interaction": {k: best[k] for k in ("predicted_value", "measured_value", "gap", "kl", "nll")},
         "checks": [{k: h[k] for k in ("options", "predicted_value", "measured_value", "gap")} for h in history],

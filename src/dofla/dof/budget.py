@@ -30,8 +30,9 @@ def feature_budget(cfg: RunConfig, head_dim: int) -> float:
 class MemoryBudgetConfig:
     """``mib`` or ``share`` (one of them) at ``context`` tokens; the menu (``exact``, ``windows`` with
     ``sinks``, each without a state and with a gated-delta state of each M in ``states``, and pure delta
-    states when ``pure_states``); the value's weights on the two signals (nats of KL per token, nats of
-    retrieval NLL per answer); ``fit_steps`` of layerwise fitting per linear state measured, each state fitted
+    states when ``pure_states``); the value's weights on the two measured signals (nats of KL per token,
+    nats of retrieval NLL per answer) and on the teacher's copying score of the heads an option keeps exact
+    (``copy_weight``; 0: unused); ``fit_steps`` of layerwise fitting per linear state measured, each state fitted
     once for every window (``fit_target="full"``) or per option (``"own"``); ``reuse_prefix``: each student
     runs only the layers from its first one that differs from the baseline, the layers before replayed from
     the baseline student's recorded forward (False: every student runs whole): dofla.dof.sensitivity;
@@ -51,6 +52,7 @@ class MemoryBudgetConfig:
     pure_states: bool = True
     kl_weight: float = 1.0
     retrieval_weight: float = 1.0
+    copy_weight: float = 0.0  # × the teacher's copying score of a head where the option keeps it exact
     fit_steps: int = 40
     fit_target: str = "full"  # full: one fit per state, against the full attention, for every window; own
     fit_batch_size: int = 4
@@ -72,7 +74,7 @@ class MemoryBudgetConfig:
 
 # the budget section's fields that are MemoryBudgetConfig's own (the rest: the run's calibration and repairs)
 MEMORY_FIELDS = ("mib", "share", "context", "kv_bytes", "exact", "windows", "sinks", "states", "pure_states",
-                 "kl_weight", "retrieval_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed",
+                 "kl_weight", "retrieval_weight", "copy_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed",
                  "reuse_prefix", "granularity", "solver", "estimator")
 
 
@@ -103,9 +105,9 @@ def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     if not cfg.exact and not cfg.windows:
         raise ValueError("the menu needs an option without a linear state (exact or a window) as the baseline the "
                          "others are measured against; set exact=true or give windows")
-    if cfg.kl_weight < 0 or cfg.retrieval_weight < 0 or cfg.kl_weight + cfg.retrieval_weight == 0:
-        raise ValueError(f"kl_weight={cfg.kl_weight} and retrieval_weight={cfg.retrieval_weight} must be ≥ 0 and "
-                         "not both 0")
+    weights = {"kl_weight": cfg.kl_weight, "retrieval_weight": cfg.retrieval_weight, "copy_weight": cfg.copy_weight}
+    if min(weights.values()) < 0 or sum(weights.values()) == 0:
+        raise ValueError(", ".join(f"{k}={v}" for k, v in weights.items()) + " must be ≥ 0 and not all 0")
     if cfg.fit_target not in ("full", "own"):
         raise ValueError(f"fit_target={cfg.fit_target!r} must be 'full' (one fit per state for every window) or "
                          "'own' (each option fitted with its window)")

@@ -61,6 +61,7 @@ class BudgetConfig:
     pure_states: bool = True
     kl_weight: float = 1.0
     retrieval_weight: float = 1.0
+    copy_weight: float = 0.0
     fit_steps: int = 40
     fit_target: str = "full"
     fit_batch_size: int = 4
@@ -80,6 +81,6 @@ class BudgetConfig:
     KEYS: ClassVar[Keys] = Keys(legacy={
         "mib": None, "share": None, "context": 8192, "kv_bytes": 4, "exact": True, "windows": [64, 256, 1024],
         "sinks": 4, "states": [32, 64, 128, 256], "pure_states": True, "kl_weight": 1.0, "retrieval_weight": 1.0,
-        "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "reuse_prefix": True,
+        "copy_weight": 0.0, "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "reuse_prefix": True,
         "granularity": "head", "solver": "milp", "estimator": "measured", "repair_rounds": 0,
         "calibration_seqs": 8, "prompts": 8, "prompt_length": 2048})

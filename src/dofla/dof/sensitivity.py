@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dofla.dof.replay import decoder_layers, recording, replaying, timing
-from dofla.dof.softmax_layers import copy_probe
+from dofla.dof.softmax_layers import copy_probe, copying_scores
 from dofla.eval.longctx import answer_nll
 from dofla.models.adapters.support import get_adapter
 from dofla.models.capture import capture_qkv
@@ -210,6 +210,14 @@ def units(geometry, width: int) -> list[tuple[int, int]]:
     return [(i, j) for i in range(geometry.num_layers) for j in range(0, geometry.num_kv_heads, width)]
 
 
+def check_calibration(menu: list, length: int) -> None:
+    """One sentence when calibration sequences of ``length`` tokens cannot tell a window of the menu from exact."""
+    longest = max((o.window + o.sinks for o in menu if not o.exact), default=0)
+    if length <= longest:
+        raise ValueError(f"calibration sequences of {length} tokens cannot tell a window of {longest} tokens "
+                         "(with sinks) from exact; give longer sequences or drop that window from the menu")
+
+
 def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None, width: int = 1) -> dict:
     """Each option's signals at each unit (a KV head, or with ``width`` = the KV heads per layer a whole
     layer), one unit switched from the baseline option ``menu[base]``.
@@ -219,11 +227,7 @@ def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None,
     ``heads`` (layer, first KV head) pairs measures those alone (the others' entries are None): a sample to time.
     """
     g = probe.geometry
-    longest = max((o.window + o.sinks for o in menu if not o.exact), default=0)
-    length = probe.batches[0].shape[1]
-    if length <= longest:
-        raise ValueError(f"calibration sequences of {length} tokens cannot tell a window of {longest} tokens "
-                         "(with sinks) from exact; give longer sequences or drop that window from the menu")
+    check_calibration(menu, probe.batches[0].shape[1])
     layers = switched(g.num_layers, g.num_kv_heads, menu[base], (0, 0), menu[base])
     reference = probe.baseline(layers)
     signals = []
@@ -237,8 +241,38 @@ def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None,
     return {"base": reference, "signals": signals}
 
 
-def head_values(measured: dict, kl_weight: float, retrieval_weight: float) -> list[list[float]]:
-    """Each option's value at each head: the weighted drop of both signals from the baseline student."""
+def measure_copying(probe: Probe, menu: list, width: int = 1) -> dict:
+    """The third signal, read off the teacher alone (one forward of the calibration sequences, no student):
+    each unit's copying (:func:`dofla.dof.softmax_layers.copying_scores`, summed over the query heads of its
+    KV heads), and per option whether it keeps that copy, a key about L tokens back, exact (an exact head,
+    or a window as long as the calibration sequences). The teacher's copying heads are the ones a student
+    must keep exact to recall a fact from far back; the passkey-answer NLL measures one head switched at a
+    time on a few prompts, the copying score every query head on every calibration sequence.
+
+    Returns {"heads": [float per KV head], "scores": [float per unit] (order :func:`units`), "keeps": [bool
+    per option], "length": L}."""
+    start = time.perf_counter()
+    tokens = torch.cat(probe.batches)
+    per_layer = copying_scores(probe.teacher, tokens, probe.cfg.batch_size)
+    probe.cost.teacher_forwards += len(probe.batches)
+    g = probe.geometry
+    group = g.num_heads // g.num_kv_heads
+    heads = [float(per_layer[i][j * group:(j + 1) * group].sum()) for i, j in units(g, 1)]
+    scores = [sum(heads[u * width:(u + 1) * width]) for u in range(len(heads) // width)]
+    length = tokens.shape[1]
+    keeps = [bool(o.exact or (o.window and o.window >= length)) for o in menu]
+    probe.cost.seconds += time.perf_counter() - start
+    return {"heads": heads, "scores": scores, "keeps": keeps, "length": int(length)}
+
+
+def head_values(measured: dict, kl_weight: float, retrieval_weight: float, copying: dict | None = None,
+                copy_weight: float = 0.0) -> list[list[float]]:
+    """Each option's value at each head: the weighted drop of both measured signals from the baseline student,
+    plus ``copy_weight`` × the head's copying where the option keeps it (:func:`measure_copying`)."""
     base = measured["base"]
-    return [[kl_weight * (base["kl"] - s["kl"]) + retrieval_weight * (base["nll"] - s["nll"]) for s in head]
-            for head in measured["signals"]]
+    values = [[kl_weight * (base["kl"] - s["kl"]) + retrieval_weight * (base["nll"] - s["nll"]) for s in head]
+              for head in measured["signals"]]
+    if copy_weight:
+        values = [[v + copy_weight * copying["scores"][u] * keeps for v, keeps in zip(head, copying["keeps"])]
+                  for u, head in enumerate(values)]
+    return values

@@ -168,11 +168,12 @@ def copy_probe(tokens: torch.Tensor, start: int = 8, span: int = 16) -> tuple[to
 
 
 @torch.no_grad()
-def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 2, start: int = 8) -> dict:
-    """{"retrieval": {layer: score}}: per layer of ``layers``, its strongest head's mean attention
+def copying_scores(teacher, tokens: torch.Tensor, batch_size: int = 2, start: int = 8,
+                   layers: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """{layer: (H,) scores}: per query head of each of ``layers`` (default: all), its mean attention
     probability, from each token of a span repeated at the end of the text (:func:`copy_probe` of
-    ``tokens``), to the token that followed the same token in the span's first occurrence: the key
-    an induction head reads to copy the next token, about L positions back. 1 is a perfect copier."""
+    ``tokens``), to the token that followed the same token in the span's first occurrence: the key an
+    induction head reads to copy the next token, about L positions back. 1 is a perfect copier."""
     device = next(teacher.parameters()).device
     softcap = get_adapter(teacher).geometry(teacher.config).softcap
     probe, span = copy_probe(tokens, start)
@@ -181,10 +182,10 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
     targets = queries - (length - span) + start + 1  # the token after its first occurrence
     rows = torch.arange(len(queries), device=device)
     future = torch.arange(length, device=device)[None, :] > queries[:, None]  # (Q, L), the causal mask
-    sums = {i: 0.0 for i in layers}
+    sums: dict[int, torch.Tensor | float] = {}
     for batch in probe.split(batch_size):
         captured = capture_qkv(teacher, batch.to(device))
-        for i in layers:
+        for i in range(len(captured)) if layers is None else layers:
             q, k, _ = captured[i]
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).float()
             logits = q[:, :, queries].float() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, Q, L)
@@ -192,8 +193,14 @@ def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_siz
                 logits = softcap * torch.tanh(logits / softcap)
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
             hits = probs[:, :, rows, targets]  # (B, H, Q)
-            sums[i] = sums[i] + hits.mean(-1).sum(0)  # per head, summed over sequences
-    return {"retrieval": {i: float((sums[i] / probe.shape[0]).max()) for i in layers}}
+            sums[i] = sums.get(i, 0.0) + hits.mean(-1).sum(0).cpu()  # per head, summed over sequences
+    return {i: total / probe.shape[0] for i, total in sums.items()}
+
+
+def retrieval_scores(teacher, tokens: torch.Tensor, layers: list[int], batch_size: int = 2, start: int = 8) -> dict:
+    """{"retrieval": {layer: score}}: per layer of ``layers``, its strongest head's :func:`copying_scores`."""
+    scores = copying_scores(teacher, tokens, batch_size, start, layers)
+    return {"retrieval": {i: float(scores[i].max()) for i in layers}}
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 PROMPT_SALT = 7_919
 # the budget's fields that choose among the measured options, not what is measured: another budget or other
 # weights solve again on the same measured menu
-SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "solver")
+SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "solver")
 
 
 def run(ctx: RunContext, dof: DofResult | None, cache=None) -> Allocation:
@@ -89,8 +89,8 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     calibration = train_tokens[:b.calibration_seqs]
     prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
     # reuse_prefix changes how the menu is measured, not what (the two paths agree exactly): out of the key
-    budget = {k: v for k, v in asdict(memory).items() if k != "reuse_prefix"
-              and not (k in ("granularity", "solver", "estimator") and v == getattr(MemoryBudgetConfig, k))}  # later: legacy
+    budget = {k: v for k, v in asdict(memory).items() if k != "reuse_prefix" and not  # added later, at default:
+              (k in ("granularity", "solver", "estimator", "copy_weight") and v == getattr(MemoryBudgetConfig, k))}
     settings = {"teacher": teacher_settings(cfg), "budget": budget, "repair_rounds": b.repair_rounds,
                 "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -101,10 +101,7 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
         record = found[1]
         logger.info(f"dofla: allocation=budget: reused {found[0]} (measured in {record['cost']['seconds']:.1f} s)")
     else:
-        menu_key = {**settings, "budget": {k: v for k, v in budget.items() if k not in SOLVE_ONLY}}
-        menu_key.pop("repair_rounds")
-        menu_path = cache_root(cfg) / "allocations" / \
-            f"menu-{hashlib.sha256(json.dumps(menu_key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+        menu_path, menu_key = menu_file(cache_root(cfg), settings)
         kept = read_json(menu_path)
         kept = kept if kept is not None and kept.get("settings") == menu_key and memory.solver == "milp" else None
         _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds,
@@ -129,6 +126,28 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
     return plan, {**record, "reused": found is not None}
+
+
+def menu_file(root: Path, settings: dict) -> tuple[Path, dict]:
+    """Where the menu measured for an allocation of ``settings`` (an ``allocation.json``'s) is kept under the
+    cache ``root``, and its key: the settings less the budget's size and weights (``SOLVE_ONLY``) and the
+    repair rounds, so every budget and weighting of one teacher, menu and calibration shares it."""
+    key = {**settings, "budget": {k: v for k, v in settings["budget"].items() if k not in SOLVE_ONLY}}
+    key.pop("repair_rounds")
+    return root / "allocations" / f"menu-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json", key
+
+
+def restore_menu(record: dict, root: Path) -> Path:
+    """Put a recorded allocation's measured menu (its ``settings``, ``base_signals`` and ``signals``) where
+    :func:`run_budget` looks for it under the cache ``root``: a fresh machine then solves another budget or
+    weighting of the same data order on it instead of measuring the menu again. Returns the file written."""
+    measured = menu_signals(record)
+    if measured is None or "settings" not in record:
+        raise ValueError("this allocation record holds no measured menu (a random plan, or one written before "
+                         "records kept their settings); measure the menu by running the allocation")
+    path, key = menu_file(root, record["settings"])
+    write_json(path, {"settings": key, "measured": measured, "seconds": record["menu_measurement"]["seconds"]})
+    return path
 
 
 def _digest(tensors: list) -> str:
