@@ -63,7 +63,8 @@ def weights_table(records: list[RunRecord], mibs: set[float]) -> str:
         if not (a and a.get("granularity") == "head" and a.get("signals") and "settings" in a):
             continue
         if a["settings"]["budget"].get("estimator", "measured") != "measured" or \
-                (a["weights"]["kl"], a["weights"]["retrieval"]) != (1.0, 1.0) or option_sizes(a) is None:
+                (a["weights"]["kl"], a["weights"]["retrieval"], a["weights"].get("copying", 0.0)) != (1.0, 1.0, 0.0) \
+                or option_sizes(a) is None:
             continue
         if round(a["budget"]["mib"], 6) in mibs:
             found.setdefault(round(a["budget"]["mib"], 6), r)

@@ -2,7 +2,8 @@
 check the chosen plan on the model, and record all of it (``allocation.json``).
 
 :func:`allocate` refuses a budget below the cheapest plan before any model runs, measures
-(:func:`dofla.dof.sensitivity.measure_menu`), solves exactly (:func:`dofla.dof.knapsack.solve`, each head's
+(:func:`dofla.dof.sensitivity.measure_menu`; the teacher's copying score per KV head beside it,
+:func:`~dofla.dof.sensitivity.measure_copying`, which ``copy_weight`` adds to the value), solves exactly (:func:`dofla.dof.knapsack.solve`, each head's
 bytes from :func:`dofla.dof.menu.option_bytes`), then re-measures the chosen plan as one student: the
 interaction check. Its measured value (the weighted drop of both signals from the baseline student) beside
 the sum of the single-head values says how far the heads' gains add up. With ``repair_rounds`` > 0, a
