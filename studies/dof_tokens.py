@@ -74,15 +74,21 @@ def agreement(runs: list[RunRecord]) -> tuple[str, str]:
 
 def comparisons(found: dict) -> str:
     """``dof`` − ``fix`` at each student, token count and split both policies ran: pooled over the data
-    orders both ran, on the whole held-out loss and at positions 1,024–2,047."""
+    orders both ran, on the whole held-out loss and at positions 1,024–2,047; then, where several orders
+    ran, each order alone on the held-out loss."""
     rows = []
     for (preset, tokens, part, pol), runs in found.items():
         fix = found.get((preset, tokens, part, "fix"))
         if pol == "fix" or not fix or not common_orders(runs, fix):
             continue
-        orders = ", ".join(map(str, common_orders(runs, fix)))
+        both = common_orders(runs, fix)
+        cells = [f"`{preset}`", f"{tokens:,}", part]
         for name, what in (("heldout/student", "held-out loss"), ("position/student/1024-2048", "positions 1,024–2,047")):
-            rows.append([f"`{preset}`", f"{tokens:,}", part, f"`{pol}` − `fix`, {what}", orders, paired(runs, fix, name)])
+            rows.append([*cells, f"`{pol}` − `fix`, {what}", ", ".join(map(str, both)), paired(runs, fix, name)])
+        for order in both if len(both) > 1 else []:
+            rows.append([*cells, f"`{pol}` − `fix`, held-out loss, order {order} alone", str(order),
+                         paired([r for r in runs if r.seed == order], [r for r in fix if r.seed == order],
+                                "heldout/student")])
     return markdown(["student", "KL tokens", "held-out split", "comparison", "data orders", "A − B (nats)"], rows) if rows else ""
 
 

@@ -69,6 +69,10 @@ def test_each_token_count_and_split_gets_its_rows_and_its_dof_against_fix(tmp_pa
     assert f"| `linear_delta_kl` | 262,144 | test | `dof` − `fix`, held-out loss | 0, 1 | {gap.mean:+.3f} ± " \
            f"{gap.half_width:.3f} |" in comparisons
     assert "| 65,536 | dev | `dof` − `fix`, held-out loss | 0, 1 |" in comparisons
+    for order in (0, 1):  # two orders: each alone too, its interval over the held-out text only
+        alone = paired_interval([dof[order].sequences["heldout/student"]], [fix[order].sequences["heldout/student"]])
+        assert f"| 262,144 | test | `dof` − `fix`, held-out loss, order {order} alone | {order} | {alone.mean:+.3f} ± " \
+               f"{alone.half_width:.3f} (text only) |" in comparisons
 
 
 def test_a_student_without_a_longer_run_has_no_rows(tmp_path):
