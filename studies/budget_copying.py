@@ -31,19 +31,24 @@ def _budget(allocation: dict) -> float:
 
 
 def copying_table(with_copying: list[RunRecord], allocated: list[RunRecord], label) -> str:
-    """A row per allocation solved with ``copy_weight`` > 0 (``with_copying``, any record kind) that has the
-    allocator's plan at its budget and data order among ``allocated``; ``label(record)`` names the budget."""
+    """A row per budget, data order and copy weight solved with ``copy_weight`` > 0 (``with_copying``, any record
+    kind: the first found) that has the allocator's plan at its budget and data order among ``allocated``;
+    ``label(record)`` names the budget."""
     plain = {}
     for r in allocated:
         a = r.allocation
         if a and a.get("signals") and a["weights"].get("copying", 0) == 0 and a.get("granularity", "head") == "head":
             plain.setdefault((_budget(a), r.seed), r)
-    rows = []
+    rows, shown = [], set()
     for r in sorted(with_copying, key=lambda r: (_budget(r.allocation), r.seed)):
         a = r.allocation
         base = plain.get((_budget(a), r.seed))
         if base is None or not a.get("copying") or not a["weights"].get("copying"):
             continue
+        key = (_budget(a), r.seed, a["weights"]["copying"])  # an allocation-only record and the trained run's
+        if key in shown:
+            continue
+        shown.add(key)
         b, scores = base.allocation, a["copying"]["heads"]
         exact = a["menu"].index("exact")
         gains = {name: [a["base_signals"][key] - s[exact][key] for s in a["signals"]]

@@ -11,7 +11,7 @@ from studies import records, results
 from tests.unit.test_budget_page import KV, LAYERS, build, plan
 
 
-def copying_record(root, tmp_path, scores: list[float], exact: list[int]):
+def copying_record(root, tmp_path, scores: list[float], exact: list[int], name: str = "copying_share0.1_s0"):
     """An allocation-only record at 0.1, order 0, solved with copy weight 1: ``exact`` heads kept exact."""
     allocation = plan(0.1, 0)
     allocation["heads"] = [{**h, "option": "exact" if i in exact else "w64+s4"} for i, h in enumerate(allocation["heads"])]
@@ -21,7 +21,7 @@ def copying_record(root, tmp_path, scores: list[float], exact: list[int]):
     allocation["settings"]["budget"]["copy_weight"] = 1.0
     for h, options in enumerate(allocation["signals"]):  # the exact option's gains vary by head
         options[0] = {"kl": 0.4 + 0.01 * h, "nll": 2.0 - 0.3 * scores[h]}
-    run = tmp_path / "runs" / "budget_alloc" / "copying_share0.1_s0"
+    run = tmp_path / "runs" / "budget_alloc" / name
     run.mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"config": {"experiment": "budget_tenth", "seed": 0,
                                                          "allocation": {"policy": "budget"}}}))
@@ -34,8 +34,9 @@ def test_a_copying_allocation_is_set_against_the_allocators_plan_of_its_budget_a
     root = build(tmp_path)
     scores = [0.05 * ((3 * h) % (LAYERS * KV)) for h in range(LAYERS * KV)]  # distinct, not in head order
     allocation = copying_record(root, tmp_path, scores, exact=[5, 6])
+    copying_record(root, tmp_path, scores, exact=[5, 6], name="copying_again_s0")  # the same allocation twice
     blocks = results.PAGES["budget"](*results.sources_of("budget", root))
-    (row,) = blocks[("budget", "copying")].splitlines()[2:]  # one copying record: one row
+    (row,) = blocks[("budget", "copying")].splitlines()[2:]  # one budget, order and weight: one row
     cells = row.strip("| ").split(" | ")
     assert cells[:3] == ["0.1 of the teacher's (36.0 MiB)", "0", "1"]
     kl = [allocation["base_signals"]["kl"] - s[0]["kl"] for s in allocation["signals"]]
