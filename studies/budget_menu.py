@@ -5,17 +5,17 @@ Measuring the menu is most of an allocation's cost (about 43 min for SmolLM2's 9
 every budget and weighting of one data order solves on the same measurement. A record keeps that
 measurement (each option's signals at every KV head, and the settings it was measured under), so a fresh
 machine can solve a new budget or weighting on it and measure only its chosen plan: this writes the menu
-where ``allocation=budget`` looks for it (``dofla.stages.allocate.restore_menu``), under the cache directory
+where ``allocation=budget`` looks for it (``dofla.dof.restore_menu``), under the cache directory
 a run with default paths uses (DOFLA_CACHE_DIR, else the user cache), or ``--cache-dir``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from dofla.dof import restore_menu
 from dofla.models import cache_root as default_root
-from dofla.record import read_json
-from dofla.stages.allocate import restore_menu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,9 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     root = args.cache_dir if args.cache_dir is not None else default_root() / "activations"
     for path in args.records:
-        record = read_json(path)
-        if record is None:
-            raise SystemExit(f"budget_menu: {path} is not a readable allocation.json; give a record's file")
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"budget_menu: {path} is not a readable allocation.json ({error}); give a record's "
+                             "file") from None
         print(f"budget_menu: {path} -> {restore_menu(record, root)}")
 
 

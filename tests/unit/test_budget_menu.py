@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dofla.stages.allocate import SOLVE_ONLY, menu_file, restore_menu
+from dofla.dof.menu_cache import SOLVE_ONLY, menu_file, restore_menu
 from studies import budget_menu
 
 

@@ -25,6 +25,7 @@ from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.first_order import first_order_check, first_order_menu
 from dofla.dof.knapsack import solve as solve_knapsack
 from dofla.dof.menu import default_menu
+from dofla.dof.menu_cache import restore_menu
 from dofla.dof.sensitivity import head_values
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "AllocationPolicy", "AllocationRequest", "allocate_head_dims", "choose_dims", "reads_dof",
     "allocate_budget", "MemoryBudgetConfig", "budget_bytes", "teacher_kv_bytes", "measurement_counts", "timed_estimate",
     "default_menu", "first_order_check", "first_order_menu", "solve_knapsack", "head_values",
+    "restore_menu",
 ]

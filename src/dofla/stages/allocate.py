@@ -11,6 +11,7 @@ from pathlib import Path
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, choose_dims
 from dofla.dof.allocator import allocate as allocate_budget, menu_signals
+from dofla.dof.menu_cache import menu_file
 from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
 from dofla.dof.knapsack import MIB
 from dofla.dof.softmax_layers import passkey_prompts
@@ -28,9 +29,6 @@ logger = logging.getLogger(__name__)
 # added to budget.seed for the allocator's passkey prompts: keys and depths of their own, apart from the
 # softmax-layer ranking's and the eval's
 PROMPT_SALT = 7_919
-# the budget's fields that choose among the measured options, not what is measured: another budget or other
-# weights solve again on the same measured menu
-SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "solver")
 
 
 def run(ctx: RunContext, dof: DofResult | None, cache=None) -> Allocation:
@@ -126,28 +124,6 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
     return plan, {**record, "reused": found is not None}
-
-
-def menu_file(root: Path, settings: dict) -> tuple[Path, dict]:
-    """Where the menu measured for an allocation of ``settings`` (an ``allocation.json``'s) is kept under the
-    cache ``root``, and its key: the settings less the budget's size and weights (``SOLVE_ONLY``) and the
-    repair rounds, so every budget and weighting of one teacher, menu and calibration shares it."""
-    key = {**settings, "budget": {k: v for k, v in settings["budget"].items() if k not in SOLVE_ONLY}}
-    key.pop("repair_rounds")
-    return root / "allocations" / f"menu-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json", key
-
-
-def restore_menu(record: dict, root: Path) -> Path:
-    """Put a recorded allocation's measured menu (its ``settings``, ``base_signals`` and ``signals``) where
-    :func:`run_budget` looks for it under the cache ``root``: a fresh machine then solves another budget or
-    weighting of the same data order on it instead of measuring the menu again. Returns the file written."""
-    measured = menu_signals(record)
-    if measured is None or "settings" not in record:
-        raise ValueError("this allocation record holds no measured menu (a random plan, or one written before "
-                         "records kept their settings); measure the menu by running the allocation")
-    path, key = menu_file(root, record["settings"])
-    write_json(path, {"settings": key, "measured": measured, "seconds": record["menu_measurement"]["seconds"]})
-    return path
 
 
 def _digest(tensors: list) -> str:
