@@ -15,6 +15,7 @@ from dofla.dof import first_order_check
 from dofla.report import RunRecord
 from studies.budget_dof import dof_table
 from studies.budget_copying import copying_table
+from studies.budget_sizing import sizing_dof_table, sizing_table
 from studies.budget_needles import needles_table
 from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
@@ -276,6 +277,8 @@ def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord
             ("budget", "weights"): weights_table(list(test), {round(budget_mib(r), 6) for r in ablations_test}),
             ("budget", "copying"): copying_table([*allocations, *ablations_test, *ablations_dev], [*test, *dev],
                                                  budget_name),
+            ("budget", "sizing"): sizing_table(list(allocations), budget_name),
+            ("budget", "sizing_dof"): sizing_dof_table(list(allocations), budget_name),
             ("budget", "needles"): needles_table(
                 [(f"{budget_name(r)}, order {r.seed}", r) for (_, part), runs in found.items() if part == "test"
                  for r in runs] +

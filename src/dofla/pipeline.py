@@ -29,7 +29,7 @@ from dofla.stages import estimate as predicted_time
 from dofla.stages import softmax_layers
 from dofla.stages import eval as evaluation
 from dofla.stages.context import RunContext, RunData, StageTimer
-from dofla.stages.results import TrainResult
+from dofla.stages.results import DofResult, TrainResult
 from dofla.stages.students import (allocated_plan_path, check_budget_run, check_given_plan, layer_dir, linear_layers,
                                    plan_dims, plan_memory)
 from dofla.tracking import NullTracker
@@ -76,7 +76,7 @@ def run(cfg: RunConfig, out_dir: str | Path, overrides: list[str] = (), tracker=
     if "allocate" in plan:
         with timer("allocate"):
             if cfg.allocation.policy == BUDGET_POLICY:  # a plan per KV head: the later stages read it as attention.plan
-                ctx, allocation = allocated(ctx, tokens)
+                ctx, allocation = allocated(ctx, tokens, estimate)
                 cfg, dims = ctx.cfg, plan_dims(ctx.cfg, ctx.geometry)
             else:
                 dims = distributed.main_first(allocate.run, ctx, estimate, activations).dims
@@ -179,10 +179,11 @@ def with_budget_context(cfg: RunConfig) -> RunConfig:
     return replace(cfg, eval=replace(cfg.eval, memory_contexts=[*contexts, cfg.budget.context]))
 
 
-def allocated(ctx: RunContext, tokens: RunData) -> tuple[RunContext, dict]:
-    """``allocation=budget``'s plan measured and chosen on the training tokens (:func:`allocate.run_budget`),
-    and the context whose ``attention.plan`` is that plan's file (so the plan's stages and keys follow it)."""
-    _, record = distributed.main_first(allocate.run_budget, ctx, tokens.train_tokens)
+def allocated(ctx: RunContext, tokens: RunData, estimate: DofResult | None = None) -> tuple[RunContext, dict]:
+    """``allocation=budget``'s plan measured and chosen on the training tokens (:func:`allocate.run_budget`;
+    ``estimate``: the dof stage's, which ``budget.state_sizing=dof`` reads), and the context whose
+    ``attention.plan`` is that plan's file (so the plan's stages and keys follow it)."""
+    _, record = distributed.main_first(allocate.run_budget, ctx, tokens.train_tokens, estimate)
     attention = replace(ctx.cfg.attention, plan=str(allocated_plan_path(ctx.out_dir)))
     return replace(ctx, cfg=replace(ctx.cfg, attention=attention)), record
 

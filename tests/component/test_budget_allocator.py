@@ -16,6 +16,7 @@ from dofla.dof.budget_cost import measurement_counts, timed_estimate
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.knapsack import MIB, brute_force
 from dofla.dof.menu import default_menu, label, option_bytes
+from dofla.dof.sizing import nearest_state
 from dofla.dof.sensitivity import Probe, copy_prompts, head_values, switched
 from dofla.dof.softmax_layers import copying_scores, passkey_prompts
 from dofla.eval.longctx import answer_nll
@@ -223,6 +224,40 @@ def test_the_copying_signal_is_the_teachers_and_chooses_the_exact_heads_alone(al
     assert 0 < kept < LAYERS * KV and sorted(exact) == sorted(sorted(range(LAYERS * KV), key=lambda h: -heads[h])[:kept])
 
 
+@pytest.mark.parametrize("sizing", ["uniform", "dof"])
+def test_sized_states_are_the_rules_best_plan_on_the_measured_menu(allocated, sizing):
+    """state_sizing on the first allocation's measured menu: every state the plan keeps has its unit's M (one M
+    for all, or the M nearest to scale × the unit's DoF), the plan is the brute-force best of every plan that
+    rule allows at the candidate's sizes, and the record says how the states were sized."""
+    _, record, prompts = allocated
+    teacher, dof = _teacher(), [1.0, 9.0, 3.0, 20.0]
+    cfg = _cfg(state_sizing=sizing)
+    plan, sized = allocate(teacher, cfg, TOKENS, prompts, measured=menu_signals(record),
+                           unit_dof=dof if sizing == "dof" else None)
+    menu, g = default_menu(cfg), _geometry(teacher)
+    info = sized["state_sizing"]
+    assert info["name"] == sizing and info["unit_dof"] == (dof if sizing == "dof" else None)
+    fixed = info["sizes"]
+    if sizing == "dof":
+        assert fixed == [nearest_state(info["scale"] * d, [4, 8]) for d in dof]
+    else:
+        assert len(set(fixed)) == 1 and info["scale"] is None
+    states = [o.M if o.state != "none" else None for o in menu]
+    for head, m in zip(sized["heads"], fixed):
+        assert head["plan"]["state"] == "none" or head["plan"]["M"] == m
+    sizes = [[option_bytes(o, g, 64) for o in menu]] * (LAYERS * KV)
+    values = record["values"]
+    allowed = [[o if states[o] in (None, m) else None for o in range(len(menu))] for m in fixed]
+    best = max((sum(values[h][o] for h, o in enumerate(options)), options)
+               for options in itertools.product(*[[o for o in a if o is not None] for a in allowed])
+               if sum(sizes[h][o] for h, o in enumerate(options)) <= budget_bytes(cfg, g))
+    assert sized["interaction"]["predicted_value"] == pytest.approx(best[0])
+    assert sized["interaction"]["predicted_value"] <= record["interaction"]["predicted_value"] + 1e-12
+    assert max(c["value"] for c in info["candidates"] if c["value"] is not None) == pytest.approx(best[0])
+    with pytest.raises(ValueError, match="needs each unit's degrees of freedom"):
+        allocate(teacher, _cfg(state_sizing="dof"), TOKENS, prompts, measured=menu_signals(record))
+
+
 def test_one_switched_head_adds_up_exactly():
     """A budget that lets one head leave the baseline: the plan is a single-head measurement, no gap."""
     teacher = _teacher()
@@ -281,6 +316,7 @@ def test_calibration_shorter_than_a_window_is_one_sentence():
     ({"fit_target": "window"}, "must be 'full'"),
     ({"granularity": "group"}, "must be 'head'"),
     ({"solver": "greedy"}, "must be 'milp'"),
+    ({"state_sizing": "largest"}, "must be 'measured'"),
 ])
 def test_a_wrong_budget_is_one_sentence(kw, sentence):
     with pytest.raises(ValueError, match=sentence):

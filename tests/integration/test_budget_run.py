@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dofla.dof.sensitivity import head_values
+from dofla.dof.sizing import nearest_state
 from dofla.models import load_student
 from dofla.models.plan import StudentPlan
 from dofla.models.tiny import build_byte_tokenizer
@@ -138,3 +139,28 @@ def test_another_budget_solves_on_the_measured_menu(runs):
     assert record["menu_measurement"]["seconds"] == first["cost"]["seconds"]
     assert record["signals"] == first["signals"] and record["cost"]["students"] == 1
     assert record["budget"]["bytes"] == int(2 * MIB * 2**20) >= record["plan_bytes"] > first["plan_bytes"]
+
+
+def test_states_sized_by_dof_read_the_dof_stage_and_solve_on_the_measured_menu(runs):
+    """budget.state_sizing=dof: the stage graph adds the dof stage, each KV head's DoF is the mean of its query
+    heads' from dof.json, the menu measured by the first run is solved on again, and every state the plan keeps
+    has the M nearest to the chosen scale × its head's DoF."""
+    run = runs["cache"]
+    first = run["allocation"]
+    args = [a for a in run["args"] if not a.startswith(("train.source=", "hydra.sweep.subdir="))]
+    root = run["root"] / "sized"
+    done = run_cli(*args, "budget.state_sizing=dof", "train.source=cache", "distill=none",
+                   "stages=[cache,allocate]", f"hydra.sweep.dir={root}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dofla: allocation=budget: solved on the menu measured before" in done.stdout
+    record = json.loads((root / "0" / "allocation.json").read_text())
+    per_head = json.loads((root / "0" / "dof.json").read_text())["per_head"]
+    group = len(per_head[0]) // KV_HEADS
+    dof = [sum(layer[j * group:(j + 1) * group]) / group for layer in per_head for j in range(KV_HEADS)]
+    sizing = record["state_sizing"]
+    assert sizing["name"] == "dof" and sizing["unit_dof"] == pytest.approx(dof, rel=1e-12)
+    assert record["settings"]["dof"] == sizing["unit_dof"] and record["signals"] == first["signals"]
+    assert sizing["sizes"] == [nearest_state(sizing["scale"] * d, [4, 8]) for d in dof]
+    kept = [(h["plan"]["M"], m) for h, m in zip(record["heads"], sizing["sizes"]) if h["plan"]["state"] != "none"]
+    assert all(a == b for a, b in kept)
+    assert first["state_sizing"]["name"] == "measured" and "dof" not in first["settings"]

@@ -12,6 +12,11 @@ plan with the head put back at the baseline), takes the head whose in-context va
 its single-head value, puts that in-context value in its place, solves again and measures the new plan
 (it stops when the solver returns a plan measured already); the best plan measured is kept.
 
+``state_sizing`` says who picks the size M of each linear state: the measured values (``measured``, the
+whole menu's optimum), the unit's degrees of freedom (``dof``: M in proportion to DoF, the scale the values'
+choice) or one M for all (``uniform``); the knapsack chooses every unit's form either way
+(:mod:`dofla.dof.sizing`).
+
 Two settings serve the ablations: ``granularity="layer"`` makes a layer the unit (its KV heads take one option,
 measured switched together: the same budget spent per layer), and ``solver="random"`` draws the plan at the
 budget's bytes (:func:`dofla.dof.knapsack.random_choice`) without measuring the menu; its plan is measured.
@@ -24,10 +29,11 @@ from __future__ import annotations
 from dofla.dof.allocate import ALLOCATION_POLICIES, AllocationPolicy, AllocationRequest
 from dofla.dof.budget import MemoryBudgetConfig, budget_bytes, plan_bytes, teacher_kv_bytes
 from dofla.dof.config import BUDGET_POLICY
-from dofla.dof.knapsack import MIB, Choice, check_instance, random_choice, solve
+from dofla.dof.knapsack import MIB, Choice, check_instance, random_choice
 from dofla.dof.menu import baseline_index, check_menu, default_menu, label, option_bytes
 from dofla.dof.first_order import first_order_menu
 from dofla.dof.sensitivity import Probe, check_calibration, head_values, measure_copying, measure_menu
+from dofla.dof.sizing import check_sizing, option_states, solve_sized
 from dofla.models.adapters.support import get_adapter
 from dofla.models.plan import StudentPlan
 
@@ -41,11 +47,13 @@ ALLOCATION_POLICIES.register(BUDGET_POLICY)(AllocationPolicy(BUDGET_POLICY, _per
 
 
 def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list | None = None,
-             repair_rounds: int = 0, measured: dict | None = None) -> tuple[StudentPlan, dict]:
+             repair_rounds: int = 0, measured: dict | None = None,
+             unit_dof: list[float] | None = None) -> tuple[StudentPlan, dict]:
     """The plan that spends ``cfg``'s budget best on calibration ``tokens`` (S, L) and retrieval ``prompts``
     (training split), and its JSON-able record. ``measured``: the menu's signals measured before on the same
     teacher, menu, fits and calibration (a record's ``base_signals`` and ``signals``, :func:`menu_signals`),
-    so another budget or other weights cost the solve and the check alone."""
+    so another budget or other weights cost the solve and the check alone. ``unit_dof``: each unit's degrees
+    of freedom, which ``state_sizing="dof"`` sizes the linear states by (:mod:`dofla.dof.sizing`)."""
     geometry = get_adapter(teacher).geometry(teacher.config)
     local = [i for i, w in enumerate(geometry.layer_windows) if w is not None]
     if local:  # their heads are already a window in the teacher: a menu would offer what they cannot be
@@ -58,6 +66,7 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
     count = geometry.num_layers * geometry.num_kv_heads // width
     sizes = [[width * option_bytes(o, geometry, cfg.context, cfg.kv_bytes) for o in menu]] * count
     check_instance([[0.0] * len(menu)] * count, sizes, budget)  # before any model runs
+    check_sizing(cfg.state_sizing, option_states(menu), unit_dof, count)
     check_calibration(menu, tokens.shape[1])
     probe = Probe(teacher, tokens, prompts, cfg)
     base = baseline_index(menu, geometry, cfg.context, cfg.kv_bytes)
@@ -74,24 +83,32 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
                              f"{len(measured['signals'][0])} options, this allocation has {count} of {len(menu)}: "
                              "measure the menu again")
         values = head_values(measured, cfg.kl_weight, cfg.retrieval_weight, unit.copying, cfg.copy_weight)
-        history = _solved(probe, unit, base, values, sizes, budget, measured["base"], cfg, repair_rounds)
+        history = _solved(probe, unit, base, values, sizes, budget, measured["base"], cfg, repair_rounds, unit_dof)
     best = max(history, key=lambda h: h["measured_value"])
     plan = unit.plan(best["options"])
-    return plan, _record(cfg, unit, base, budget, measured, best, history, plan, probe)
+    return plan, _record(cfg, unit, base, budget, measured, best, history, plan, probe, unit_dof)
 
 
 def _solved(probe, unit, base: int, values: list, sizes: list, budget: int, reference: dict, cfg,
-            repair_rounds: int) -> list[dict]:
-    """The optimum of the measured values, checked on the model, then each repair's (module docstring)."""
-    history = [_check(probe, unit, solve(values, sizes, budget), reference, cfg)]
+            repair_rounds: int, unit_dof: list | None) -> list[dict]:
+    """The optimum of the measured values (its states sized by ``cfg.state_sizing``), checked on the model,
+    then each repair's (module docstring)."""
+    def checked(sized) -> dict:
+        sizing = {"sizes": sized.sizes and list(sized.sizes), "scale": sized.scale, "candidates": sized.candidates}
+        return {**_check(probe, unit, sized.choice, reference, cfg), "sizing": sizing}
+
+    def solved(values):
+        return solve_sized(values, sizes, budget, unit.menu, cfg.state_sizing, unit_dof)
+
+    history = [checked(solved(values))]
     for _ in range(repair_rounds):
         values = _repaired(probe, unit, base, values, history, reference, cfg)
         if values is None:
             break
-        choice = solve(values, sizes, budget)
-        if any(h["options"] == list(choice.options) for h in history):
+        sized = solved(values)
+        if any(h["options"] == list(sized.choice.options) for h in history):
             break  # measured already: the repair has nothing new to try
-        history.append(_check(probe, unit, choice, reference, cfg))
+        history.append(checked(sized))
     return history
 
 
@@ -163,9 +180,10 @@ def _repaired(probe, unit: _Units, base: int, values: list, history: list, refer
     return values
 
 
-def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, probe) -> dict:
+def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, probe, unit_dof) -> dict:
     """allocation.json: the budget, every head's option with its bytes and its unit's measured gains (none for
-    a random plan), the slack, the solver's status, the interaction check (and repairs), and the cost."""
+    a random plan), the slack, the solver's status, the interaction check (and repairs), how the states were
+    sized, and the cost."""
     geometry, menu = unit.geometry, unit.menu
     weights = {"kl": cfg.kl_weight, "retrieval": cfg.retrieval_weight, "copying": cfg.copy_weight}
     heads = []
@@ -189,7 +207,8 @@ def _record(cfg, unit: _Units, base, budget, measured, best, history, plan, prob
         "plan_bytes": used, "summed_bytes": best["summed_bytes"], "slack_bytes": budget - used,
         "solver": {"name": "scipy.optimize.milp (HiGHS)" if cfg.solver == "milp" else "random",
                    "status": best["status"]},
-        "granularity": cfg.granularity, "weights": weights, "baseline": label(menu[base]),
+        "granularity": cfg.granularity, "weights": weights,
+        "state_sizing": {"name": cfg.state_sizing, "unit_dof": unit_dof, **best.get("sizing", {})}, "baseline": label(menu[base]),
         "menu": [label(o) for o in menu], "base_signals": measured["base"], "signals": measured["signals"],
         "copying": unit.copying,
         "heads": heads, "values": values,

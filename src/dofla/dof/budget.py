@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dofla.dof.knapsack import MIB
+from dofla.dof.sizing import STATE_SIZINGS
 from dofla.models.plan import ALL, HeadPlan, StudentPlan
 
 if TYPE_CHECKING:  # the run's config is only read here; dofla.config composes this package's section
@@ -65,6 +66,9 @@ class MemoryBudgetConfig:
     # measured: every unit and option run as a student; first_order: predicted from one backward of the
     # baseline (dofla.dof.first_order), the chosen plan still measured
     estimator: str = "measured"
+    # who sizes each linear state: measured (the values' choice of M), dof (M in proportion to the unit's
+    # DoF, one scale for all) or uniform (one M for all): dofla.dof.sizing
+    state_sizing: str = "measured"
 
     def __post_init__(self):
         self.windows = [int(w) for w in self.windows]
@@ -75,7 +79,7 @@ class MemoryBudgetConfig:
 # the budget section's fields that are MemoryBudgetConfig's own (the rest: the run's calibration and repairs)
 MEMORY_FIELDS = ("mib", "share", "context", "kv_bytes", "exact", "windows", "sinks", "states", "pure_states",
                  "kl_weight", "retrieval_weight", "copy_weight", "fit_steps", "fit_target", "fit_batch_size", "batch_size", "seed",
-                 "reuse_prefix", "granularity", "solver", "estimator")
+                 "reuse_prefix", "granularity", "solver", "estimator", "state_sizing")
 
 
 def memory_budget(cfg: RunConfig) -> MemoryBudgetConfig:
@@ -120,6 +124,12 @@ def check_budget_config(cfg: MemoryBudgetConfig) -> None:
     if cfg.solver not in ("milp", "random"):
         raise ValueError(f"solver={cfg.solver!r} must be 'milp' (the measured values' optimum) or 'random' (a random "
                          "plan at the budget's bytes)")
+    if cfg.state_sizing not in STATE_SIZINGS:
+        raise ValueError(f"state_sizing={cfg.state_sizing!r} must be 'measured' (the values choose each state's M), "
+                         "'dof' (M in proportion to each unit's DoF) or 'uniform' (one M for every state)")
+    if cfg.solver == "random" and cfg.state_sizing != "measured":
+        raise ValueError(f"solver=random draws the plan without the measured values, so state_sizing="
+                         f"{cfg.state_sizing} has nothing to size; use state_sizing=measured with it")
     if cfg.fit_steps < 0 or cfg.batch_size < 1 or cfg.fit_batch_size < 1:
         raise ValueError("fit_steps must be ≥ 0 and batch_size, fit_batch_size ≥ 1")
 

@@ -71,6 +71,7 @@ class BudgetConfig:
     granularity: str = "head"
     solver: str = "milp"
     estimator: str = "measured"
+    state_sizing: str = "measured"
     repair_rounds: int = 0
     calibration_seqs: int = 8
     prompts: int = 8
@@ -82,5 +83,6 @@ class BudgetConfig:
         "mib": None, "share": None, "context": 8192, "kv_bytes": 4, "exact": True, "windows": [64, 256, 1024],
         "sinks": 4, "states": [32, 64, 128, 256], "pure_states": True, "kl_weight": 1.0, "retrieval_weight": 1.0,
         "copy_weight": 0.0, "fit_steps": 40, "fit_target": "full", "fit_batch_size": 4, "batch_size": 2, "seed": 0, "reuse_prefix": True,
-        "granularity": "head", "solver": "milp", "estimator": "measured", "repair_rounds": 0,
+        "granularity": "head", "solver": "milp", "estimator": "measured", "state_sizing": "measured",
+        "repair_rounds": 0,
         "calibration_seqs": 8, "prompts": 8, "prompt_length": 2048})

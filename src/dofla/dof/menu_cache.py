@@ -17,15 +17,16 @@ from dofla.record import write_json
 
 # the budget's fields that choose among the measured options, not what is measured: another budget or other
 # weights solve again on the same measured menu
-SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "solver")
+SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "solver", "state_sizing")
 
 
 def menu_file(root: Path, settings: dict) -> tuple[Path, dict]:
     """Where the menu measured for an allocation of ``settings`` (an ``allocation.json``'s) is kept under the
-    cache ``root``, and its key: the settings less the budget's size and weights (``SOLVE_ONLY``) and the
-    repair rounds, so every budget and weighting of one teacher, menu and calibration shares it."""
+    cache ``root``, and its key: the settings less the budget's size and weights (``SOLVE_ONLY``), the
+    repair rounds and the DoF the states are sized by, so every budget and weighting of one teacher, menu and calibration shares it."""
     key = {**settings, "budget": {k: v for k, v in settings["budget"].items() if k not in SOLVE_ONLY}}
     key.pop("repair_rounds")
+    key.pop("dof", None)  # the DoF that state_sizing=dof sizes the states by
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return root / "allocations" / f"menu-{digest}.json", key
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dofla.config import RunConfig
-from dofla.dof import AllocationRequest, choose_dims
+from dofla.dof import AllocationRequest, aggregate_heads, choose_dims
 from dofla.dof.allocator import allocate as allocate_budget, menu_signals
 from dofla.dof.menu_cache import menu_file
 from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
@@ -71,7 +71,7 @@ def allocate(cfg: RunConfig, dof: DofResult | None, geometry, out_dir: Path, cac
     return Allocation(dims, record)
 
 
-def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
+def run_budget(ctx: RunContext, train_tokens, dof: DofResult | None = None) -> tuple[StudentPlan, dict]:
     """``allocation=budget``: the plan that spends ``budget=memory`` best, measured on the first
     ``budget.calibration_seqs`` sequences of the run's training tokens ``train_tokens`` (S, L) (never the
     held-out text) and ``budget.prompts`` passkey prompts -> ``allocation.json`` (the allocator's record, its
@@ -81,16 +81,23 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     ``allocation.json`` or, for another run of the same settings, from ``allocations/`` beside the activation
     caches (the returned record then says ``reused``). The measured menu is kept apart, keyed on the same
     settings less the budget's size and weights (``SOLVE_ONLY``) and the repair rounds: another budget solves
-    on it and measures its chosen plan alone (the record's ``menu_measurement`` says where it came from)."""
+    on it and measures its chosen plan alone (the record's ``menu_measurement`` says where it came from).
+    ``dof``: the dof stage's estimate, which ``budget.state_sizing=dof`` sizes the linear states by
+    (:func:`unit_dof`; then in the settings)."""
     cfg, b = ctx.cfg, ctx.cfg.budget
     memory = memory_budget(cfg)
+    units = unit_dof(dof, ctx.geometry.num_kv_heads, memory.granularity, cfg.allocation.head_aggregate) \
+        if memory.state_sizing == "dof" and dof is not None else None
     calibration = train_tokens[:b.calibration_seqs]
     prompts = passkey_prompts(ctx.tokenizer, b.prompt_length, b.prompts, seed=b.seed + PROMPT_SALT)
     # reuse_prefix changes how the menu is measured, not what (the two paths agree exactly): out of the key
     budget = {k: v for k, v in asdict(memory).items() if k != "reuse_prefix" and not  # added later, at default:
-              (k in ("granularity", "solver", "estimator", "copy_weight") and v == getattr(MemoryBudgetConfig, k))}
+              (k in ("granularity", "solver", "estimator", "copy_weight", "state_sizing")
+               and v == getattr(MemoryBudgetConfig, k))}
     settings = {"teacher": teacher_settings(cfg), "budget": budget, "repair_rounds": b.repair_rounds,
                 "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
+    if units is not None:
+        settings["dof"] = units
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     own, shared = ctx.out_dir / "allocation.json", cache_root(cfg) / "allocations" / f"budget-{digest}.json"
     found = next(((path, record) for path in (own, shared) if (record := read_json(path)) is not None
@@ -103,7 +110,7 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
         kept = read_json(menu_path)
         kept = kept if kept is not None and kept.get("settings") == menu_key and memory.solver == "milp" else None
         _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds,
-                                    measured=kept and kept["measured"])
+                                    measured=kept and kept["measured"], unit_dof=units)
         measurement = {"file": menu_path.name, "reused": kept is not None,
                        "seconds": kept["seconds"] if kept else record["cost"]["seconds"]}
         record = {**record, "settings": settings, "menu_measurement": measurement,
@@ -124,6 +131,20 @@ def run_budget(ctx: RunContext, train_tokens) -> tuple[StudentPlan, dict]:
     plan = StudentPlan.from_list(record["plan"])
     write_json(allocated_plan_path(ctx.out_dir), plan.to_list())
     return plan, {**record, "reused": found is not None}
+
+
+def unit_dof(dof: DofResult, kv_heads: int, granularity: str, aggregate: str) -> list[float]:
+    """Each allocation unit's degrees of freedom from the dof stage's per-query-head values: a KV head's
+    is its query heads' (``aggregate``: the allocation's ``head_aggregate``), a layer's its heads'."""
+    units = []
+    for layer in dof.per_head:
+        if layer is None:
+            raise ValueError("state_sizing=dof needs every layer's DoF, and the dof stage left a layer out; "
+                             "allocate over a teacher whose every layer attends globally")
+        group = len(layer) // kv_heads
+        parts = [layer] if granularity == "layer" else [layer[j * group:(j + 1) * group] for j in range(kv_heads)]
+        units += [aggregate_heads(part, aggregate) for part in parts]
+    return units
 
 
 def _digest(tensors: list) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from dofla.attention.forms import get_form, selectable
 from dofla.config import RunConfig
 from dofla.dof.allocate import reads_dof
+from dofla.dof.config import BUDGET_POLICY
 from dofla.errors import require
 from dofla.train.distill import DistillSchedule
 
@@ -36,7 +37,7 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
                 "eval": ("assemble",), "report": ("eval",)}
     return {
         "dof": ("cache",),
-        "allocate": ("dof",) if reads_dof(cfg.allocation.policy) else (),
+        "allocate": ("dof",) if reads_dof(cfg.allocation.policy) or _sizes_by_dof(cfg) else (),
         "train": ("cache", "allocate"),  # direct needs only the cache's key (dofla.stages.train)
         "assemble": ("allocate", "train"),
         "distill": ("assemble",),
@@ -44,6 +45,11 @@ def stage_needs(cfg: RunConfig) -> dict[str, tuple[str, ...]]:
         "eval": ("assemble",),
         "report": ("eval",),
     }
+
+
+def _sizes_by_dof(cfg: RunConfig) -> bool:
+    """The memory-budget allocator sizing its linear states by DoF (``budget.state_sizing=dof``)."""
+    return cfg.allocation.policy == BUDGET_POLICY and cfg.budget.state_sizing == "dof"
 
 
 def stage_plan(cfg: RunConfig) -> list[str]:
