@@ -147,6 +147,31 @@ def headline_rerun(reruns: list[RunRecord], recorded: list[RunRecord]) -> dict[t
     return {("headline_rerun", "table"): markdown(header, rows) if rows else ""}
 
 
+def threads(records: list[RunRecord]) -> dict[tuple[str, str], str]:
+    """The same config and data order run with different thread counts (run.json's ``threads``): each run
+    against the one with the fewest threads, paired over the held-out sequences, the student's and the
+    teacher's (the teacher's moves only with the evaluation's arithmetic, the student's with its training's too)."""
+    groups: dict[tuple, list[RunRecord]] = {}
+    for r in records:
+        if r.threads and "heldout/student" in r.sequences:
+            groups.setdefault((r.experiment or "default", r.seed), []).append(r)
+    rows = []
+    for (experiment, seed), runs in sorted(groups.items()):
+        base, *others = sorted(runs, key=lambda r: r.threads)
+        for other in others:
+            diff = {who: values([other], f"heldout/{who}") - values([base], f"heldout/{who}")
+                    for who in ("student", "teacher")}
+            rows.append([f"`{experiment}`", str(seed), f"{base.threads} → {other.threads}",
+                         f"{math.exp(values([base], 'heldout/student').mean().item()):.2f}",
+                         f"{math.exp(values([other], 'heldout/student').mean().item()):.2f}",
+                         f"{diff['student'].mean().item():+.4f}", f"{diff['student'].abs().max().item():.4f}",
+                         f"{diff['teacher'].abs().max().item():.4f}"])
+    header = ["config", "data order", "threads", "held-out ppl, fewer threads", "held-out ppl, more threads",
+              "student: more − fewer (nats)", "student: largest difference on one sequence (nats)",
+              "teacher: largest difference on one sequence (nats)"]
+    return {("threads", "table"): markdown(header, rows) if rows else ""}
+
+
 MQAR = (("pure linear: gated delta rule", "linear_delta_kl"), ("pure linear: Hedgehog + decay gate", "linear_hedgehog_kl"))
 
 
@@ -179,14 +204,15 @@ def mqar(records: list[RunRecord]) -> dict[tuple[str, str], str]:
 # Each page's builder takes the records of each directory its SOURCES names under docs/results/runs/
 # (default: the page's own), in that order; PAGE_FILES: a page whose blocks live in another page's file.
 PAGES = {"headline": headline, "dof_allocation": dof_allocation, "headline_rerun": headline_rerun, "mqar": mqar,
+         "threads": threads,
          "dof_tokens": dof_tokens, "tokens_curve": tokens_curve, "budget": budget}
 SOURCES = {"headline": ("headline", "dof_allocation", "budget"), "dof_allocation": ("dof_allocation", "headline", "algorithm1"),
-           "headline_rerun": ("headline_rerun", "headline"),
+           "headline_rerun": ("headline_rerun", "headline"), "threads": ("threads",),
            "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
            "tokens_curve": ("dof_tokens", "headline"),
            "budget": ("budget_test", "budget", "headline", "budget_alloc", "budget_ablations_test", "budget_ablations",
                       "dof_tokens_test")}
-PAGE_FILES = {"headline_rerun": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
+PAGE_FILES = {"headline_rerun": "headline", "threads": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 
 def frontier_figure(records: list[RunRecord], path: Path) -> Path | None:

@@ -16,10 +16,12 @@ from studies import records, results
 SEQS, PROMPTS = 6, 4
 
 
-def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None, dims=None, policy="fix"):
+def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None, dims=None, policy="fix",
+             threads=None, teacher_shift=0.0):
     """A finished run's directory as the pipeline leaves it (the files a record reads); ``memory``:
     the student's decode MiB by context, as eval.memory_contexts measures it; ``dims``: the feature
-    dims per layer the allocate stage chose under ``policy``."""
+    dims per layer the allocate stage chose under ``policy``; ``threads``: run.json's thread count;
+    ``teacher_shift``: added to the teacher's held-out losses."""
     run = root / name
     gen = torch.Generator().manual_seed(seed)
     text = torch.linspace(2.0, 3.0, SEQS, dtype=torch.float64)  # the same held-out text in every run
@@ -27,14 +29,15 @@ def fake_run(root, name, preset, seed, shift, memory=None, teacher_passkey=None,
     hits = [float((i + seed) % 2) for i in range(PROMPTS)]
     (run).mkdir(parents=True)
     config = {"experiment": preset, "seed": seed, "allocation": {"policy": policy}}
-    (run / "run.json").write_text(json.dumps({"config": config, "host": "machine"}))
+    (run / "run.json").write_text(json.dumps({"config": config, "host": "machine",
+                                              **({"threads": threads} if threads else {})}))
     if dims is not None:
         (run / "allocation.json").write_text(json.dumps({"policy": policy, "dims": dims}))
     metrics = {"eval/student_loss": sum(student) / SEQS, "l": 0.0, "p": 0.0}  # every stored scalar, as the eval writes
     metrics.update({f"memory/student/decode_mib/T{context}": mib for context, mib in (memory or {}).items()})
     (run / "metrics.json").write_text(json.dumps(metrics))
     store = Measurements(run / MEASUREMENTS, main=True)
-    store.get("perplexity/teacher", {}, lambda: {"l": 0.0, "seq/heldout/teacher": text.tolist()})
+    store.get("perplexity/teacher", {}, lambda: {"l": 0.0, "seq/heldout/teacher": (text + teacher_shift).tolist()})
     store.get("perplexity/student", {}, lambda: {"l": 0.0, "seq/heldout/student": student})
     store.get("passkey/student", {}, lambda: {"p": 0.0, "seq/passkey/student/T1024": hits})
     if teacher_passkey:  # {length: hits}: the teacher's passkey prompts at those lengths
@@ -281,6 +284,20 @@ def test_the_rerun_check_pairs_each_rerun_with_the_record_of_its_preset_and_orde
     recorded = math.exp(sum(sources[1][1].sequences["heldout/student"]) / SEQS)
     assert f"| `window_sinks_kl` | 1 | {recorded:.2f} | {recorded * math.exp(1e-3):.2f} | +0.0010 | 0.0010 |" in table
     assert "hybrid_text" not in table and "| 0 |" not in table
+
+
+def test_the_threads_check_pairs_each_run_with_the_fewest_threads_run_of_its_config_and_order(tmp_path):
+    fake_run(tmp_path / "threads", "t1_s0", None, 0, 0.5, threads=1)
+    fake_run(tmp_path / "threads", "t2_s0", None, 0, 0.5 + 2e-3, threads=2, teacher_shift=1e-4)
+    fake_run(tmp_path / "threads", "t2_s1", None, 1, 0.5, threads=2)  # alone in its order: no row
+    fake_run(tmp_path / "threads", "x_s0", None, 0, 0.9)  # no thread count on record: not compared
+    records.main([str(tmp_path / "threads"), "--into", str(tmp_path / "records")])
+    found = load_records(tmp_path / "records")
+    assert [r.threads for r in found] == [1, 2, 2, None]
+    (table,) = results.PAGES["threads"](found).values()
+    fewer = math.exp(sum(found[0].sequences["heldout/student"]) / SEQS)
+    assert f"| `default` | 0 | 1 → 2 | {fewer:.2f} | {fewer * math.exp(2e-3):.2f} | +0.0020 | 0.0020 | 0.0001 |" in table
+    assert table.count("\n| `default`") == 1
 
 
 def test_every_committed_records_sequences_are_those_of_its_metrics():

@@ -31,6 +31,7 @@ class RunRecord:
     sequences: dict  # metric name (without the ``seq/`` prefix) -> list of numbers
     allocation: dict | None = None  # allocation.json: ``dims`` per layer, ``layer_dof``, ``policy``, ``budget``
     dof: dict | None = None  # dof.json: ``layer_dof``, ``per_head`` (per layer, per query head), ``settings``
+    threads: int | None = None  # run.json's: torch's intra-op threads in the run
 
     @property
     def seed(self) -> int:
@@ -96,7 +97,7 @@ def load_record(directory: Path) -> RunRecord:
     metrics, sequences = read_json(directory / "metrics.json"), read_json(directory / "sequences.json")
     return RunRecord(directory.name, run["config"], {} if metrics is None else metrics,
                      {} if sequences is None else sequences, read_json(directory / "allocation.json"),
-                     read_json(directory / "dof.json"))
+                     read_json(directory / "dof.json"), run.get("threads"))
 
 
 def load_records(root: Path) -> list[RunRecord]:
@@ -109,9 +110,10 @@ def run_record(run_dir: Path) -> RunRecord:
     run_dir = Path(run_dir)
     metrics = read_json(run_dir / "metrics.json")
     sequences = Measurements(run_dir / MEASUREMENTS, main=True).per_sequence(metrics)
-    return RunRecord(run_dir.name, read_json(run_dir / "run.json")["config"], metrics,
+    run = read_json(run_dir / "run.json")
+    return RunRecord(run_dir.name, run["config"], metrics,
                      {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"),
-                     _dof(run_dir))
+                     _dof(run_dir), run.get("threads"))
 
 
 def read_runs(paths: list[Path]) -> list[RunRecord]:
