@@ -19,10 +19,9 @@ from studies.budget_sizing import sizing_dof_table, sizing_table
 from studies.budget_needles import needles_table
 from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
-from studies.tables import arm, common_orders, markdown, paired, passkey, quality, signed
+from studies.tables import KINDS, arm, common_orders, kind, markdown, paired, passkey, quality, signed
 
 CONTEXT = 8192
-KINDS = ("exact", "window", "window + state", "state")  # what an option keeps, in the plan figure's colours
 UNIFORM = (  # the headline's uniform students the allocated ones are set against (dev records)
     ("window 64 + 4 sinks", "window_sinks_kl"),
     ("hybrid: window + sinks + gated delta", "hybrid_delta"),
@@ -32,14 +31,6 @@ UNIFORM = (  # the headline's uniform students the allocated ones are set agains
 SIGNALS = (("held-out loss (nats)", "heldout/student"), ("loss at positions 1,024–2,047", "position/student/1024-2048"),
            ("passkey @ 1K (share of prompts)", "passkey/student/T1024"),
            ("passkey @ 2K (share of prompts)", "passkey/student/T2048"))
-
-
-def kind(option: str) -> str:
-    """What a menu option (``dofla.dof.menu.label``) keeps: exact, a window alone, a window and a state, a state."""
-    if option == "exact":
-        return "exact"
-    window, state = option.startswith("w"), any(s in option for s in ("delta", "linear", "gla"))
-    return "window + state" if window and state else "window" if window else "state"
 
 
 def budget_mib(record: RunRecord) -> float:

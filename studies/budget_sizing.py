@@ -17,7 +17,7 @@ from collections import Counter
 from scipy.stats import spearmanr
 
 from dofla.report import RunRecord
-from studies.tables import markdown
+from studies.tables import KINDS, kind, markdown
 
 ORDER = ("measured", "dof", "uniform")
 
@@ -45,16 +45,9 @@ def sized_groups(allocations: list[RunRecord]) -> dict[tuple, dict[str, RunRecor
     return groups
 
 
-def _form(head: dict) -> str:
-    plan = head["plan"]
-    if head["option"] == "exact":
-        return "exact"
-    return ("window" if plan["window"] else "") + (" + state" if plan["state"] != "none" else "") or "state"
-
-
 def _kept(allocation: dict) -> str:
-    forms = Counter(_form(h).removeprefix(" + ") for h in allocation["heads"])
-    return ", ".join(f"{form} {forms[form]}" for form in ("exact", "window", "window + state", "state") if forms[form])
+    forms = Counter(kind(h["option"]) for h in allocation["heads"])
+    return ", ".join(f"{form} {forms[form]}" for form in KINDS if forms[form])
 
 
 def _sizes(allocation: dict) -> str:

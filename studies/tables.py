@@ -124,3 +124,14 @@ def quality(runs: list[RunRecord]) -> tuple[float, Interval, str]:
     delta = paired_interval(loss, teacher(runs, "heldout/teacher"))
     far_s, far_t = bucket("student", runs, 1024), bucket("teacher", runs, 1024)
     return math.exp(loss.mean().item()), delta, gap(runs, far_s, far_t) if far_s and far_t else "–"
+
+
+KINDS = ("exact", "window", "window + state", "state")  # what a menu option keeps, in the plan figure's colours
+
+
+def kind(option: str) -> str:
+    """What a menu option (``dofla.dof.menu.label``) keeps: exact, a window alone, a window and a state, a state."""
+    if option == "exact":
+        return "exact"
+    window, state = option.startswith("w"), any(s in option for s in ("delta", "linear", "gla"))
+    return "window + state" if window and state else "window" if window else "state"
