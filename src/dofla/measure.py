@@ -7,8 +7,10 @@ quantity the preflight predicts. On the CPU it is the peak resident set size: on
 high-water mark (``VmHWM``), reset when a stage starts (``/proc/self/clear_refs``), so a stage's value
 is its own peak, from the resident set it started with; where that cannot be reset (another OS, a
 kernel that refuses) the process's peak so far (``getrusage``), which only grows over a process's life.
-Either includes the interpreter, the libraries and memory malloc keeps after freeing, which the
-prediction does not.
+Either includes the interpreter, the libraries, whatever earlier stages left loaded and memory malloc
+keeps after freeing, which the prediction does not; so a resettable scope also keeps the resident set
+it started with (``start``), and its growth above that (the peak less ``start``) is what sits beside a
+stage's prediction.
 
 Step time is read from the live logs the trainers send every ``log_every`` steps (:class:`StepClock`):
 the wall time between two log points over the steps between them, so it includes the host
@@ -39,13 +41,22 @@ def rss_peak() -> int:
 def rss_high_water() -> int | None:
     """The kernel's resident-set high-water mark since it was last reset (``VmHWM``), in bytes; None
     where /proc does not give it."""
+    return _status_bytes("VmHWM:")
+
+
+def _status_bytes(field: str) -> int | None:
     try:
         for line in (_PROC / "status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def rss_now() -> int | None:
+    """This process's resident set now (``VmRSS``), in bytes; None where /proc does not give it."""
+    return _status_bytes("VmRSS:")
 
 
 def reset_rss_high_water() -> bool:
@@ -61,7 +72,8 @@ def reset_rss_high_water() -> bool:
 def peak_memory(device: torch.device | str | None = None):
     """Yields a dict that holds, once the block ends, ``bytes`` (the block's peak) and ``kind``
     (``cuda``: allocated tensor memory; ``rss``: the block's own peak resident set; ``rss_process``:
-    the process's peak resident set so far, where the high-water mark cannot be reset)."""
+    the process's peak resident set so far, where the high-water mark cannot be reset); with ``rss``
+    also ``start``, the resident set when the block began."""
     out: dict = {}
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
@@ -96,6 +108,7 @@ def _rss_scope(out: dict):
         return
     if _OUTER_RSS:
         _OUTER_RSS[-1][0] = max(_OUTER_RSS[-1][0], before)
+    start = rss_now() or 0
     _OUTER_RSS.append([0])
     try:
         yield
@@ -103,7 +116,7 @@ def _rss_scope(out: dict):
         mine = max(_OUTER_RSS.pop()[0], rss_high_water() or 0)
         if _OUTER_RSS:
             _OUTER_RSS[-1][0] = max(_OUTER_RSS[-1][0], mine)
-        out.update(bytes=mine, kind="rss")
+        out.update(bytes=mine, kind="rss", start=min(start, mine))
 
 
 class StepClock:

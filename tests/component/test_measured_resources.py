@@ -106,7 +106,14 @@ def test_the_stage_timer_records_measured_peaks_and_step_times_beside_the_predic
     assert metrics["resources/train/predicted_bytes"] == 123456 and metrics["resources/train/predicted_s"] == 9.0
     assert 0.0005 < metrics["resources/train/step_s"] < 0.05  # 15 steps in about 0.02 s
     assert metrics["resources/eval/step_s"] == 0.5
-    assert "the train stage peaked at" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    if reset_rss_high_water():  # Linux: the stage's growth above the resident set it started with
+        start = metrics["resources/train/start_rss_bytes"]
+        assert 0 < start <= metrics["resources/train/peak_rss_bytes"] - blob.numel() * 4
+        grown = (metrics["resources/train/peak_rss_bytes"] - start) / 2**30
+        assert f"the train stage grew the resident set by {grown:.2f} GiB" in out
+    else:
+        assert "the train stage peaked at" in out
 
 
 def touched(mib: int):
@@ -125,6 +132,7 @@ def test_peak_memory_on_the_cpu_is_each_scopes_own_peak_and_an_outer_scope_keeps
         with peak_memory("cpu") as small:
             touched(8).close()
     assert big["kind"] == small["kind"] == outer["kind"] == "rss"
+    assert big["bytes"] - big["start"] >= 96 * 2**20 > small["bytes"] - small["start"]  # each scope's own growth
     assert small["bytes"] <= big["bytes"] - 2**26  # the later, smaller scope does not carry the earlier peak
     assert outer["bytes"] >= big["bytes"] >= 96 * 2**20
 

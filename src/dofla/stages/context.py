@@ -91,7 +91,8 @@ class StageTimer:
 
     def metrics(self, extra_steps: dict | None = None) -> dict[str, float]:
         """``resources/<stage>/peak_bytes`` (a GPU's allocated memory) or ``peak_rss_bytes`` (the CPU
-        resident set's peak: the stage's own on Linux, else the process's so far), ``predicted_bytes``, ``step_s``; ``extra_steps``:
+        resident set's peak: the stage's own on Linux, with ``start_rss_bytes`` the resident set it began
+        with; else the process's so far), ``predicted_bytes``, ``step_s``; ``extra_steps``:
         step times measured elsewhere ({stage: seconds per step}). Only stages that trained or were predicted."""
         steps = {**(self.clock.step_seconds() if self.clock else {}), **(extra_steps or {})}
         out = {}
@@ -99,6 +100,8 @@ class StageTimer:
             peak = self.peaks.get(stage)
             if peak:
                 out[f"resources/{stage}/{'peak_bytes' if peak['kind'] == 'cuda' else 'peak_rss_bytes'}"] = peak["bytes"]
+                if "start" in peak:
+                    out[f"resources/{stage}/start_rss_bytes"] = peak["start"]
             for key, name in (("predicted", "predicted_bytes"), ("seconds", "predicted_s")):
                 if key in self.predicted.get(stage, {}):
                     out[f"resources/{stage}/{name}"] = self.predicted[stage][key]
@@ -111,7 +114,10 @@ class StageTimer:
         peak, predicted = self.peaks.get(stage), self.predicted.get(stage, {})
         if not peak or "predicted" not in predicted:
             return None
-        kind = {"cuda": "allocated on the GPU", "rss": "the stage's peak RSS"}.get(peak["kind"],
-                                                                                 "the process's peak RSS so far")
-        return (f"dofla: the {stage} stage peaked at {peak['bytes'] / 2**30:.2f} GiB ({kind}); the preflight "
-                f"predicted {predicted['predicted'] / 2**30:.2f} GiB")
+        gib, want = peak["bytes"] / 2**30, predicted["predicted"] / 2**30
+        if peak["kind"] == "rss" and "start" in peak:  # the growth: what the stage itself took, beside its prediction
+            start = peak["start"] / 2**30
+            return (f"dofla: the {stage} stage grew the resident set by {gib - start:.2f} GiB (from {start:.2f} to "
+                    f"its peak {gib:.2f} GiB); the preflight predicted {want:.2f} GiB")
+        kind = {"cuda": "allocated on the GPU"}.get(peak["kind"], "the process's peak RSS so far")
+        return f"dofla: the {stage} stage peaked at {gib:.2f} GiB ({kind}); the preflight predicted {want:.2f} GiB"
