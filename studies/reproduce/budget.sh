@@ -15,6 +15,7 @@
 # FIRST_ORDER=0 skips the first-order allocation (e.g. when adding shares to an order that has it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source studies/reproduce/split.sh  # TEST_SCORE
 OUT=${OUT:-multirun_sweeps/budget}
 SEEDS=${SEEDS:-0}
 SHARES=${SHARES:-0.1}
@@ -22,7 +23,7 @@ for seed in $SEEDS; do
   for share in $SHARES; do
     run=$OUT/share${share}_s$seed
     common=(experiment=budget_tenth budget.share=$share seed=$seed ${EXTRA:-} hydra.run.dir=$run)
-    dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
+    dofla "${common[@]}" $TEST_SCORE
     python -m studies.records $run --into docs/results/runs/budget_test
     dofla "${common[@]}"
     python -m studies.records $run --into docs/results/runs/budget

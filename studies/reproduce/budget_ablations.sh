@@ -21,6 +21,7 @@
 # then skip budget.sh's menu measurement (about 43 min here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source studies/reproduce/split.sh  # TEST_SCORE
 [ "${MENU_FROM_RECORDS:-0}" = 1 ] && python -m studies.budget_menu docs/results/runs/budget/share0.1_s0/allocation.json
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
@@ -43,7 +44,7 @@ for seed in $SEEDS; do
     common=(experiment=budget_tenth seed=$seed "${change[@]}" ${EXTRA:-} hydra.run.dir=$run)
     for part in ${SPLITS:-test dev}; do
       case $part in
-        test) dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
+        test) dofla "${common[@]}" $TEST_SCORE
               python -m studies.records $run --into docs/results/runs/budget_ablations_test ;;
         dev) dofla "${common[@]}"
              python -m studies.records $run --into docs/results/runs/budget_ablations ;;

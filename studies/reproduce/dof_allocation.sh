@@ -24,17 +24,7 @@ FIX=${FIX:-1}
 # `given`: layer 0 alone at the largest dim `dof` gives it (222 on order 0), every other layer at the budget
 # (64), so the state grows by 8 % instead of `fix_max`'s 3.5x: whether `dof`'s gain is layer 0's state.
 GIVEN="allocation.dims=[222$(printf ',64%.0s' $(seq 29))]"
-# SPLIT: the part of the held-out text each run scores (dofla.data.split). test (the default): the held-out
-# tokens after the first 65,536, which no record before the split scored: all of them in sequences of 512 (63)
-# and 15 sequences of 2,048 for the loss by position. dev: the first 65,536, as the records in
-# docs/results/runs/<page>/ were scored. The split is in no trained artifact's key, so a run directory a dev
-# run finished is re-scored on test, not trained again; test records go to docs/results/runs/<page>_test/.
-SPLIT=${SPLIT:-test}
-case $SPLIT in
-  test) SCORE="data.heldout_split=test eval.long_context_seqs=15" SUFFIX=_test ;;
-  dev) SCORE="" SUFFIX="" ;;
-  *) echo "SPLIT=$SPLIT must be test or dev" >&2; exit 2 ;;
-esac
+source studies/reproduce/split.sh  # SPLIT=test (default) or dev: SCORE, SUFFIX
 for seed in $SEEDS; do
   for preset in $PRESETS; do
     if [[ $FIX != 0 ]]; then

@@ -15,6 +15,7 @@
 # (distill.passes): then it reads its text again in another order, e.g. TOKENS=1048576 PASSES=2 SEEDS=0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source studies/reproduce/split.sh  # TEST_SCORE
 OUT=${OUT:-multirun_sweeps/dof_tokens}
 TOKENS=${TOKENS:-262144}
 SEEDS=${SEEDS:-0 1 2}
@@ -27,7 +28,7 @@ for seed in $SEEDS; do
       common=(experiment=$preset allocation=$policy seed=$seed distill.tokens=$TOKENS distill.passes=${PASSES:-1}
               train.layer_dir=$OUT/layers
               'eval.passkey_lengths=[]' hydra.run.dir=$run)
-      dofla "${common[@]}" data.heldout_split=test eval.long_context_seqs=15 eval.agreement_prompts=64
+      dofla "${common[@]}" $TEST_SCORE
       python -m studies.records $run --into docs/results/runs/dof_tokens_test
       dofla "${common[@]}"
       python -m studies.records $run --into docs/results/runs/dof_tokens

@@ -10,17 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-multirun_sweeps/headline}
-# SPLIT: the part of the held-out text each run scores (dofla.data.split). test (the default): the held-out
-# tokens after the first 65,536, which no record before the split scored: all of them in sequences of 512 (63)
-# and 15 sequences of 2,048 for the loss by position. dev: the first 65,536, as the records in
-# docs/results/runs/<page>/ were scored. The split is in no trained artifact's key, so a run directory a dev
-# run finished is re-scored on test, not trained again; test records go to docs/results/runs/<page>_test/.
-SPLIT=${SPLIT:-test}
-case $SPLIT in
-  test) SCORE="data.heldout_split=test eval.long_context_seqs=15" SUFFIX=_test ;;
-  dev) SCORE="" SUFFIX="" ;;
-  *) echo "SPLIT=$SPLIT must be test or dev" >&2; exit 2 ;;
-esac
+source studies/reproduce/split.sh  # SPLIT=test (default) or dev: SCORE, SUFFIX
 RECORDS=${RECORDS:-docs/results/runs/headline$SUFFIX}
 SEEDS=${SEEDS:-0 1 2}
 PRESETS=${PRESETS:-hybrid_recall hybrid_copy window_sinks_kl linear_hedgehog_kl hybrid_text linear_delta_kl hybrid_delta}

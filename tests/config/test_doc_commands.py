@@ -63,8 +63,9 @@ def runnable(block: str) -> bool:
     return True
 
 
-def record(script: str, tmp: Path, cwd: Path = ROOT) -> list[list[str]]:
-    """Run ``script`` under bash with the stand-ins; the argument lists they were called with."""
+def record(script: str, tmp: Path, cwd: Path = ROOT, argv0: str = "script") -> list[list[str]]:
+    """Run ``script`` under bash with the stand-ins (``argv0``: its $0, a script file's path so that it finds
+    the repository as it does when run); the argument lists they were called with."""
     stubs, log = tmp / "bin", tmp / "calls.jsonl"
     stubs.mkdir(exist_ok=True)
     for name in RECORDED:
@@ -73,7 +74,7 @@ def record(script: str, tmp: Path, cwd: Path = ROOT) -> list[list[str]]:
                         "    f.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + '\\n')\n")
         stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "DOC_COMMANDS_LOG": str(log)}
-    done = subprocess.run(["bash", "-c", script, "script"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", "-c", script, argv0], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -92,7 +93,7 @@ def static_commands(block: str) -> list[list[str]]:
 
 def commands(source: Path, tmp: Path) -> list[list[str]]:
     if source.suffix == ".sh":
-        return record(source.read_text(), tmp)
+        return record(source.read_text(), tmp, argv0=str(source))
     found = []
     for i, block in enumerate(bash_blocks(source)):
         if runnable(block):
@@ -137,7 +138,8 @@ def test_every_dofla_command_composes_and_validates(source, tmp_path):
 
 
 def test_the_headline_script_runs_every_preset_over_three_data_orders(tmp_path):
-    calls = record((ROOT / "studies" / "reproduce" / "headline.sh").read_text(), tmp_path)
+    script = ROOT / "studies" / "reproduce" / "headline.sh"
+    calls = record(script.read_text(), tmp_path, argv0=str(script))
     runs = {(a[1], a[2]) for a in calls if a[0] == "dofla"}
     presets = {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")}
     assert {e.removeprefix("experiment=") for e, _ in runs} <= presets
