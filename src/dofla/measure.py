@@ -9,8 +9,8 @@ is its own peak, from the resident set it started with; where that cannot be res
 kernel that refuses) the process's peak so far (``getrusage``), which only grows over a process's life.
 Either includes the interpreter, the libraries, whatever earlier stages left loaded and memory malloc
 keeps after freeing, which the prediction does not; so a resettable scope also keeps the resident set
-it started with (``start``), and its growth above that (the peak less ``start``) is what sits beside a
-stage's prediction.
+it started with (``start``). The block's own use lies between its growth above that (the peak less
+``start``, which leaves out memory reused from what malloc kept) and its peak.
 
 Step time is read from the live logs the trainers send every ``log_every`` steps (:class:`StepClock`):
 the wall time between two log points over the steps between them, so it includes the host

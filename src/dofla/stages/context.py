@@ -115,7 +115,7 @@ class StageTimer:
         if not peak or "predicted" not in predicted:
             return None
         gib, want = peak["bytes"] / 2**30, predicted["predicted"] / 2**30
-        if peak["kind"] == "rss" and "start" in peak:  # the growth: what the stage itself took, beside its prediction
+        if peak["kind"] == "rss" and "start" in peak:  # the stage's own use lies between growth and peak
             start = peak["start"] / 2**30
             return (f"dofla: the {stage} stage grew the resident set by {gib - start:.2f} GiB (from {start:.2f} to "
                     f"its peak {gib:.2f} GiB); the preflight predicted {want:.2f} GiB")
