@@ -27,6 +27,7 @@ from studies.budget import budget, plan_figure
 from studies.dof_tables import dof_allocation
 from studies.dof_tokens import dof_tokens, tokens_curve, tokens_figure
 from studies.tables import arm, common_orders, markdown, paired, passkey, quality, share_cell, signed, values
+from studies.window_memory import restated, window_memory_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results" / "runs"
@@ -102,7 +103,7 @@ def headline(records: list[RunRecord], policies: list[RunRecord] = (),
     join the frontier as points of their own."""
     if not records:
         return {("headline", "main"): "", ("headline", "comparisons"): "", ("headline", "orders"): "",
-                ("headline", "frontier"): "", ("README", "table"): ""}
+                ("headline", "frontier"): "", ("headline", "window_memory"): "", ("README", "table"): ""}
     arms = [(label, preset, arm(records, preset)) for label, preset in HEADLINE]
     arms = [(label, preset, runs) for label, preset, runs in arms if runs]
     table = [teacher_row(records)] + [arm_row(*a) for a in arms]
@@ -112,10 +113,11 @@ def headline(records: list[RunRecord], policies: list[RunRecord] = (),
             for what, a, b, name, other in COMPARISONS if a in found and b in found]
     readme = markdown(["student", "preset", "runs", "held-out ppl", "× teacher", "passkey @ 1K"],
                       [[r[0], r[1], r[2], r[3], r[4], r[7]] for r in table])
-    usable = [r for r in [*records, *policies, *allocated] if "heldout/student" in r.sequences]
+    usable = [restated(r) for r in [*records, *policies, *allocated] if "heldout/student" in r.sequences]
     frontier = frontier_table(frontier_points(usable)) if usable else "No run has been recorded.\n"
     return {("headline", "main"): main, ("headline", "comparisons"): markdown(["comparison", "data orders", "A − B"], rows),
-            ("headline", "orders"): orders_table(arms), ("headline", "frontier"): frontier, ("README", "table"): readme}
+            ("headline", "orders"): orders_table(arms), ("headline", "frontier"): frontier,
+            ("headline", "window_memory"): window_memory_table([*records, *allocated]), ("README", "table"): readme}
 
 
 def orders_table(arms: list[tuple[str, str, list[RunRecord]]]) -> str:
@@ -216,9 +218,10 @@ PAGE_FILES = {"headline_rerun": "headline", "threads": "headline", "mqar": "head
 
 
 def frontier_figure(records: list[RunRecord], path: Path) -> Path | None:
-    """Held-out loss and passkey recall against decode memory, one point per preset and the teacher;
-    None while no recorded run measured its decode memory."""
-    usable = [r for r in records if "heldout/student" in r.sequences]
+    """Held-out loss and passkey recall against decode memory (as the current code holds it:
+    :func:`studies.window_memory.restated`), one point per preset and the teacher; None while no recorded run
+    measured its decode memory."""
+    usable = [restated(r) for r in records if "heldout/student" in r.sequences]
     points = frontier_points(usable) if usable else []
     if not any(p["memory"] for p in points):
         return None

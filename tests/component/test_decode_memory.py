@@ -32,3 +32,16 @@ def test_extended_bytes_are_a_long_prefills_bytes(form):
 def test_the_teacher_and_an_exact_layer_grow_with_the_context(teacher):
     grow = decode_bytes(teacher, [40, 80])
     assert grow[80] == prefill_bytes(teacher, 80) and grow[80] > grow[40]
+
+
+def test_a_window_holds_each_kv_heads_keys_once():
+    """Grouped-query attention (the tiny Llama: 4 query heads over 2 KV heads of dim 16): a window of 8 with 2
+    sinks holds, per layer, 7 recent positions and 2 sinks of each KV head's key and value in fp32 and two
+    flags per position (valid, for the window and for the sinks); nothing per query head."""
+    teacher = build_tiny_model("llama", seed=0)
+    config = teacher.config
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    assert kv_heads < config.num_attention_heads
+    student = convert(teacher, attention="sliding_window", window=8, sinks=2)
+    per_position = kv_heads * 2 * head_dim * 4 + 1
+    assert prefill_bytes(student, 40) == config.num_hidden_layers * (7 + 2) * per_position

@@ -36,6 +36,36 @@ def test_token_by_token_decode_equals_chunked():
     assert torch.allclose(torch.cat(steps, dim=2), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t, window, sinks, chunk", [(23, 5, 3, 4), (9, 12, 2, 1), (31, 1, 0, 8)])
+def test_grouped_queries_read_their_kv_head_held_once(t, window, sinks, chunk):
+    """Six query heads over two KV heads: the same outputs as keys copied out to every query head (the
+    naive reference does that), with the window's state holding the two KV heads only."""
+    q, (k, v) = _qkv(h=6, t=t)[0], _qkv(h=2, t=t, seed=1)[1:]
+    copied = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+    out, state = sliding_window_chunked(q, k, v, window, sinks, chunk_size=chunk)
+    ref, ref_state = sliding_window_chunked(q, *copied, window, sinks, chunk_size=chunk)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(out, sliding_window_naive(q, k, v, window, sinks), atol=1e-5, rtol=1e-5)
+    assert state.k.shape[1] == state.sink_k.shape[1] == 2 and ref_state.k.shape[1] == 6
+    assert state.nbytes() <= ref_state.nbytes() / 2
+
+
+def test_grouped_decode_equals_chunked():
+    q, (k, v) = _qkv(h=4, t=20)[0], _qkv(h=2, t=20, seed=2)[1:]
+    full, _ = sliding_window_chunked(q, k, v, window=5, sinks=2, chunk_size=3)
+    steps, state = [], None
+    for i in range(20):
+        out, state = sliding_window_chunked(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], 5, 2, state=state)
+        steps.append(out)
+    assert torch.allclose(torch.cat(steps, dim=2), full, atol=1e-5, rtol=1e-5)
+
+
+def test_query_heads_must_be_a_multiple_of_kv_heads():
+    q, (k, v) = _qkv(h=5)[0], _qkv(h=2)[1:]
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        sliding_window_chunked(q, k, v, window=4)
+
+
 def test_state_size_is_constant_in_length():
     q, k, v = _qkv(b=1, t=60)
     state, sizes = None, []

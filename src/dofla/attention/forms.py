@@ -42,8 +42,9 @@ def _expand(layer, k, v):
 
 
 def _window_bytes(heads: int, head_dim: int, held: int, floats: int = 0, flags: int = 1) -> int:
-    """``held`` positions of ``heads`` query heads: key and value, ``floats`` more numbers per head
-    (log features, a decay) and ``flags`` bools per position (valid, is a sink)."""
+    """``held`` positions of ``heads`` heads (query heads; KV heads for a plain window, which holds each KV head's
+    keys once): key and value, ``floats`` more numbers per head (log features, a decay) and ``flags`` bools per
+    position (valid, is a sink)."""
     return held * (heads * (2 * head_dim + floats) * STATE_BYTES + flags)
 
 
@@ -63,9 +64,8 @@ class Exact(AttentionForm):
     def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
         if layer.own_kv:  # beside heads of other forms: it keeps its own keys and values (unexpanded)
             return exact_attention(q, k, v, state, key_valid, softcap)
-        k, v = _expand(layer, k, v)
         if key_valid is None and softcap is None:
-            return softmax_attention(q, k, v, causal=True), None
+            return softmax_attention(q, *_expand(layer, k, v), causal=True), None
         window = max(q.shape[2], 1)  # a window over everything is plain causal softmax
         return sliding_window_chunked(q, k, v, window, 0, window, key_valid=key_valid, softcap=softcap)[0], None
 
@@ -139,13 +139,13 @@ class SlidingWindow(AttentionForm):
     traits = Traits(trains=False, window=REQUIRED, sinks=True, gate=False, scale=False, state="none")
 
     def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
-        k, v = _expand(layer, k, v)
+        # each KV head's keys and values once, read by its group of query heads (as the teacher's cache)
         return sliding_window_chunked(q, k, v, layer.window, layer.sinks, layer.chunk_size, state,
                                       key_valid=key_valid, softcap=softcap)
 
     def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
         held = min(window - 1, tokens)
-        return _window_bytes(shape.heads, shape.head_dim, sinks) + _window_bytes(shape.heads, shape.head_dim, held)
+        return _window_bytes(shape.kv_heads, shape.head_dim, sinks) + _window_bytes(shape.kv_heads, shape.head_dim, held)
 
 
 @register

@@ -11,8 +11,10 @@ window masks are, and the sinks are the first S valid tokens of each row, so a l
 sees the same keys as the same row alone. A query with no visible key (a pad before any real
 token) gets a zero output. ``softcap`` (Gemma 2) replaces each score s by cap·tanh(s/cap).
 
-Layouts: q, k (B, H, T, d) with q scaled so the kernel is exp(q·k/sqrt(d)); v (B, H, T, dv);
-keys/values already expanded to H heads; outputs (B, H, T, dv).
+Layouts: q (B, H, T, d), k (B, H_kv, T, d) with q scaled so the kernel is exp(q·k/sqrt(d)); v (B, H_kv, T,
+dv); outputs (B, H, T, dv). Grouped-query attention: H_kv divides H and query head h reads KV head
+h // (H / H_kv) (Hugging Face's ``repeat_kv`` order), so the window holds each KV head's keys and values
+once, as the teacher's cache does, not once per query head.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import torch
 class SlidingState:
     """Decode state: the sinks seen so far and the last ≤ W−1 positions' keys/values.
 
-    sink_k (B, H, S, d), sink_v (B, H, S, dv), sink_valid (B, S): filled slots, per row.
-    k (B, H, n, d), v (B, H, n, dv), valid (B, n): the last n ≤ W−1 positions; ``valid`` is False
+    sink_k (B, H_kv, S, d), sink_v (B, H_kv, S, dv), sink_valid (B, S): filled slots, per row.
+    k (B, H_kv, n, d), v (B, H_kv, n, dv), valid (B, n): the last n ≤ W−1 positions; ``valid`` is False
     for pads and for tokens already held as sinks (so no key is counted twice).
     ``length``: positions processed (pads included).
     """
@@ -59,6 +61,14 @@ def _check(window: int, sinks: int) -> None:
         raise ValueError(f"sinks must be ≥ 0, got {sinks}")
 
 
+def _check_groups(q, k) -> int:
+    """Query heads per KV head."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{k.shape[1]} key/value heads cannot serve {q.shape[1]} query heads: the number of query "
+                         "heads must be a multiple of the number of key/value heads")
+    return q.shape[1] // k.shape[1]
+
+
 def _scores(q, k, softcap: float | None) -> torch.Tensor:
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     return s if softcap is None else softcap * torch.tanh(s / softcap)
@@ -77,8 +87,11 @@ def _masked_softmax_apply(s, allowed, v) -> torch.Tensor:
 def sliding_window_naive(
     q, k, v, window: int, sinks: int = 4, key_valid: torch.Tensor | None = None, softcap: float | None = None
 ) -> torch.Tensor:
-    """Quadratic reference: materialise the (B, T, T) visibility mask, softmax over visible keys."""
+    """Quadratic reference: materialise the (B, T, T) visibility mask, softmax over visible keys (each query
+    head over its KV head's keys, copied out to every query head)."""
     _check(window, sinks)
+    group = _check_groups(q, k)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     b, _, t, _ = q.shape
     valid = torch.ones(b, t, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.bool()
     i = torch.arange(t, device=q.device)[:, None]
@@ -91,7 +104,7 @@ def sliding_window_naive(
 
 def empty_sliding_state(batch: int, heads: int, head_dim: int, value_dim: int, sinks: int,
                         dtype=torch.float32, device=None) -> SlidingState:
-    """A state before any token: S empty sink slots and no window positions."""
+    """A state before any token: S empty sink slots and no window positions, for ``heads`` KV heads."""
     zeros = lambda n, last: torch.zeros(batch, heads, n, last, dtype=dtype, device=device)  # noqa: E731
     no = lambda n: torch.zeros(batch, n, dtype=torch.bool, device=device)  # noqa: E731
     return SlidingState(zeros(sinks, head_dim), zeros(sinks, value_dim), no(sinks),
@@ -99,8 +112,11 @@ def empty_sliding_state(batch: int, heads: int, head_dim: int, value_dim: int, s
 
 
 def _step(q, k, v, valid, state: SlidingState, window: int, sinks: int, softcap):
-    """C new tokens against [sinks ; last n positions ; new tokens]; returns (out, new state)."""
+    """C new tokens against [sinks ; last n positions ; new tokens]; returns (out, new state). The G query
+    heads of a KV head are its rows: q (B, H, C, d) is read as (B, H_kv, G·C, d), no key is copied."""
     n, c = state.k.shape[2], q.shape[2]
+    b, h, _, d = q.shape
+    group = h // k.shape[1]
     rank = state.sink_valid.sum(-1, keepdim=True) + valid.cumsum(-1) - 1  # sink slot of each valid token
     is_sink = valid & (rank < sinks)
     ctx_k = torch.cat([state.sink_k, state.k, k], dim=2)  # (B, H, S + n + C, d)
@@ -110,8 +126,10 @@ def _step(q, k, v, valid, state: SlidingState, window: int, sinks: int, softcap)
     local_valid = torch.cat([state.valid, valid], dim=-1)[:, None, :]  # (B, 1, n + C)
     local_sink = torch.cat([torch.zeros_like(state.valid), is_sink], dim=-1)[:, None, :]
     local = (t <= a) & local_valid & ((t > a - window) | local_sink)  # (B, C, n + C)
-    allowed = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), local], dim=-1)
-    out = _masked_softmax_apply(_scores(q, ctx_k, softcap), allowed[:, None], ctx_v)
+    allowed = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), local], dim=-1)  # (B, C, S + n + C)
+    rows = q.reshape(b, h // group, group * c, d)  # (B, H_kv, G·C, d): query head kv·G + r, position i at r·C + i
+    allowed = allowed[:, None, None].expand(-1, 1, group, -1, -1).reshape(b, 1, group * c, allowed.shape[-1])
+    out = _masked_softmax_apply(_scores(rows, ctx_k, softcap), allowed, ctx_v).reshape(b, h, c, -1)
 
     sink_k, sink_v, sink_valid = state.sink_k, state.sink_v, state.sink_valid
     if sinks > 0 and bool(is_sink.any()):
@@ -142,16 +160,18 @@ def sliding_window_chunked(
     """Sliding-window + sinks attention in chunks (default chunk = window); continues from ``state``.
 
     Memory per chunk is O(C·(S + W + C)) scores, never T²; decoding one token is the same call with
-    T = 1. Computes in ≥ fp32 and returns v's dtype.
+    T = 1. k, v may have fewer heads than q (grouped-query attention): the state holds them unexpanded.
+    Computes in ≥ fp32 and returns v's dtype.
     """
     _check(window, sinks)
+    _check_groups(q, k)
     out_dtype = v.dtype
     dtype = torch.promote_types(q.dtype, torch.float32)
     b, h, t, d = q.shape
     valid = torch.ones(b, t, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.bool()
     q, k = q.to(dtype), k.to(dtype)
     v = v.to(dtype).masked_fill(~valid[:, None, :, None], 0.0)  # pads never reach an output
-    state = state or empty_sliding_state(b, h, d, v.shape[-1], sinks, dtype, q.device)
+    state = state or empty_sliding_state(b, k.shape[1], d, v.shape[-1], sinks, dtype, q.device)
     chunk = chunk_size or window
     outs = []
     for start in range(0, t, chunk):
@@ -159,5 +179,5 @@ def sliding_window_chunked(
         out, state = _step(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], state, window, sinks, softcap)
         outs.append(out)
     if not outs:
-        return v.new_zeros(v.shape).to(out_dtype), state
+        return v.new_zeros(b, h, 0, v.shape[-1]).to(out_dtype), state
     return torch.cat(outs, dim=2).to(out_dtype), state

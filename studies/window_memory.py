@@ -1,0 +1,75 @@
+"""The recorded students' decode memory as the current code holds it.
+
+A plain window head (exact softmax over the last W tokens and the sinks, no linear state) once held its
+keys and values once per *query* head; it now holds each KV head's once, as the teacher's cache does, so on
+SmolLM2 (three query heads per KV head) its window takes a third of what it took. Records measured before
+that change keep the bytes they measured. For a record whose student is a plan of such heads (the
+``window_sinks_kl`` preset, every ``allocation=budget`` plan) this module restates its decode memory as the
+plan's bytes under the current code: :meth:`dofla.models.plan.StudentPlan.state_bytes`, which a decode
+measurement of the same student equals (``tests/component/test_mixed_heads.py``,
+``tests/component/test_decode_memory.py``). Students with no plain window head keep their records' bytes:
+nothing they hold changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from dofla.models import HeadPlan, StudentPlan
+from dofla.report import RunRecord
+from studies.tables import markdown
+
+LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M: 9 query heads over 3 KV heads of dim 64
+MEMORY = re.compile(r"^memory/student/decode_mib/T(\d+)$")
+RECORDED = "memory/student/recorded_mib/T{}"  # the restated record keeps what it measured under this name
+
+
+def student_plan(record: RunRecord) -> StudentPlan | None:
+    """The plan per KV head a record's student decodes with, where it has a plain window head; else None."""
+    if record.allocation and "plan" in record.allocation:
+        plan = StudentPlan.from_list(record.allocation["plan"])
+    else:
+        attention, allocation = record.config.get("attention", {}), record.config.get("allocation", {})
+        if attention.get("name") != "sliding_window" or allocation.get("softmax_layers"):
+            return None
+        head = HeadPlan(window=attention["window"], sinks=attention["sinks"])
+        plan = StudentPlan([(head,) * KV_HEADS] * LAYERS)
+    plain = any(not h.exact and h.window and h.state == "none" for layer in plan.layers for h in layer)
+    return plan if plain else None
+
+
+def restated(record: RunRecord) -> RunRecord:
+    """``record`` with its student's decode memory at each measured context as the current code holds it
+    (its measured bytes kept under ``memory/student/recorded_mib/T<context>``); unchanged where nothing
+    changed."""
+    plan = student_plan(record)
+    if plan is None:
+        return record
+    metrics = dict(record.metrics)
+    for key, value in record.metrics.items():
+        if m := MEMORY.match(key):
+            now = plan.state_bytes(GROUP, HEAD_DIM, int(m[1])) / 2**20
+            if round(now, 6) != round(value, 6):
+                metrics[key], metrics[RECORDED.format(m[1])] = now, value
+    return dataclasses.replace(record, metrics=metrics)
+
+
+def window_memory_table(records: list[RunRecord], context: int = 8192) -> str:
+    """One row per student whose recorded decode memory the current code restates: its MiB at ``context`` as
+    recorded and as held now."""
+    rows, seen = [], set()
+    for record in records:
+        now = restated(record)
+        key = f"memory/student/decode_mib/T{context}"
+        if RECORDED.format(context) not in now.metrics:
+            continue
+        budget = (record.allocation or {}).get("budget")
+        name = f"`{record.experiment}`" if not budget else f"allocated: {budget['mib']:.1f} MiB budget"
+        if name in seen:
+            continue
+        seen.add(name)
+        recorded, held = now.metrics[RECORDED.format(context)], now.metrics[key]
+        rows.append((recorded, [name, f"{recorded:.1f}", f"{held:.1f}", f"{held / recorded:.2f}"]))
+    header = ["student", f"decode MiB at {context:,} tokens, recorded", "held now (a window's keys once per KV head)",
+              "now ÷ recorded"]
+    return markdown(header, [row for _, row in sorted(rows, key=lambda r: r[0])]) if rows else ""
