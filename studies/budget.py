@@ -20,7 +20,7 @@ from studies.budget_needles import needles_table
 from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
 from studies.tables import KINDS, arm, common_orders, kind, markdown, paired, passkey, quality, signed
-from studies.window_memory import window_memory_table
+from studies.window_memory import window_memory_table, window_price_table
 
 CONTEXT = 8192
 UNIFORM = (  # the headline's uniform students the allocated ones are set against (dev records)
@@ -267,6 +267,7 @@ def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord
                                                headline),
             ("budget", "dof"): dof_table([*test, *dev], list(dof_runs)),
             ("budget", "window_memory"): window_memory_table([*arm(headline, "window_sinks_kl"), *test]),
+            ("budget", "window_price"): window_price_table(list(allocations), [*test, *dev], budget_name),
             ("budget", "weights"): weights_table(list(test), {round(budget_mib(r), 6) for r in ablations_test}),
             ("budget", "copying"): copying_table([*allocations, *ablations_test, *ablations_dev], [*test, *dev],
                                                  budget_name),

@@ -73,3 +73,43 @@ def window_memory_table(records: list[RunRecord], context: int = 8192) -> str:
     header = ["student", f"decode MiB at {context:,} tokens, recorded", "held now (a window's keys once per KV head)",
               "now ÷ recorded"]
     return markdown(header, [row for _, row in sorted(rows, key=lambda r: r[0])]) if rows else ""
+
+
+def _counts(plan: StudentPlan) -> tuple[int, int, int]:
+    """(exact heads, plain window heads, heads with a linear state) of a plan."""
+    heads = [h for layer in plan.layers for h in layer]
+    return (sum(h.exact for h in heads), sum(not h.exact and h.state == "none" for h in heads),
+            sum(h.state != "none" for h in heads))
+
+
+def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], label) -> str:
+    """Each allocation solved at a window's current price (its ``plan_bytes`` are what the current code counts)
+    beside the trained run's allocation of the same budget, data order and measured menu, which priced a window
+    per query head: what each keeps, its bytes as held now, and its value as the allocator's check measured it
+    before any training (KL and passkey-answer gains; higher is better)."""
+    rows = []
+    for now in allocations:
+        a = now.allocation or {}
+        if "plan" not in a or "interaction" not in a:
+            continue
+        plan = StudentPlan.from_list(a["plan"])
+        if plan.state_bytes(GROUP, HEAD_DIM, a["budget"]["context"]) != a["plan_bytes"]:
+            continue  # priced before the change
+        before = [r for r in trained if r.seed == now.seed and r.allocation and r.allocation.get("values") == a["values"]
+                  and r.allocation["budget"] == a["budget"] and r.allocation["settings"] == a["settings"]]
+        for name, record in (("priced per query head (trained)", before[0] if before else None),
+                             ("priced per KV head (current)", now)):
+            if record is None:
+                continue
+            chosen = StudentPlan.from_list(record.allocation["plan"])
+            check = record.allocation["interaction"]
+            exact, windows, states = _counts(chosen)
+            mib = chosen.state_bytes(GROUP, HEAD_DIM, a["budget"]["context"]) / 2**20
+            where = ", ".join(f"{i}.{j}" for i, layer in enumerate(chosen.layers) for j, h in enumerate(layer) if h.exact)
+            rows.append([label(now), str(now.seed), name, str(exact), where or "none", str(windows), str(states),
+                         f"{mib:.1f}",
+                         f"{check['measured_value']:.3f}", f"{check['kl']:.3f}", f"{check['nll']:.2f}"])
+    header = ["budget at 8,192 tokens", "data order", "a window's keys", "exact heads", "exact (layer.KV head)",
+              "window heads",
+              "window + state heads", "MiB held now", "measured value", "KL (nats/token)", "passkey-answer nats"]
+    return markdown(header, rows) if rows else ""
