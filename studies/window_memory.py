@@ -1,41 +1,57 @@
 """The recorded students' decode memory as the current code holds it.
 
-A plain window head (exact softmax over the last W tokens and the sinks, no linear state) once held its
-keys and values once per *query* head; it now holds each KV head's once, as the teacher's cache does, so on
-SmolLM2 (three query heads per KV head) its window takes a third of what it took. Records measured before
-that change keep the bytes they measured. For a record whose student is a plan of such heads (the
-``window_sinks_kl`` preset, every ``allocation=budget`` plan) this module restates its decode memory as the
-plan's bytes under the current code: :meth:`dofla.models.plan.StudentPlan.state_bytes`, which a decode
-measurement of the same student equals (``tests/component/test_mixed_heads.py``,
-``tests/component/test_decode_memory.py``). Students with no plain window head keep their records' bytes:
-nothing they hold changed.
+A window (the last W tokens and the sinks, exact softmax) once held its keys and values once per *query*
+head; it now holds each KV head's once, as the teacher's cache does, so on SmolLM2 (three query heads per KV
+head) a plain window takes a third of what it took, and a hybrid's window (before a linear or delta state,
+whose key features stay per query head) less. Records measured before that change keep the bytes they
+measured. For a record whose student holds a window (the window and hybrid presets, every
+``allocation=budget`` plan) this module restates its decode memory as its plan's bytes under the current code:
+:meth:`dofla.models.plan.StudentPlan.state_bytes`, which a decode measurement of the same student equals
+(``tests/component/test_mixed_heads.py``, ``tests/component/test_decode_memory.py``). Students without a window
+keep their records' bytes: nothing they hold changed.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
-from dofla.models import HeadPlan, StudentPlan
+from dofla.models import ConversionSpec, StudentPlan, expand
 from dofla.report import RunRecord
 from studies.tables import markdown
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M: 9 query heads over 3 KV heads of dim 64
+SMOLLM2 = SimpleNamespace(num_layers=LAYERS, num_heads=KV_HEADS * GROUP, num_kv_heads=KV_HEADS, layer_windows=None)
 MEMORY = re.compile(r"^memory/student/decode_mib/T(\d+)$")
 RECORDED = "memory/student/recorded_mib/T{}"  # the restated record keeps what it measured under this name
 
 
+def _budget_dim(config: dict) -> int:
+    """The feature budget of a run with no allocation record: ``budget.value``, else the head dim times
+    ``budget.multiple``."""
+    budget = config.get("budget", {})
+    return int(budget.get("value") or HEAD_DIM * budget.get("multiple", 1.0))
+
+
 def student_plan(record: RunRecord) -> StudentPlan | None:
-    """The plan per KV head a record's student decodes with, where it has a plain window head; else None."""
+    """The plan per KV head a record's student decodes with, where it holds a window; else None. A run's
+    allocation plan, else the conversion its config and allocation describe (of ``softmax_layers`` = k exact
+    layers, the first k: which ones does not change the bytes)."""
     if record.allocation and "plan" in record.allocation:
         plan = StudentPlan.from_list(record.allocation["plan"])
     else:
-        attention, allocation = record.config.get("attention", {}), record.config.get("allocation", {})
-        if attention.get("name") != "sliding_window" or allocation.get("softmax_layers"):
+        c = record.config
+        attention, exact = c.get("attention", {}), c.get("allocation", {}).get("softmax_layers") or 0
+        if not attention.get("window") or c.get("feature_map", {}).get("name") == "softmax":
             return None
-        head = HeadPlan(window=attention["window"], sinks=attention["sinks"])
-        plan = StudentPlan([(head,) * KV_HEADS] * LAYERS)
-    plain = any(not h.exact and h.window and h.state == "none" for layer in plan.layers for h in layer)
-    return plan if plain else None
+        dims = (record.allocation or {}).get("dims") or [_budget_dim(c)] * LAYERS
+        spec = ConversionSpec(dims=dims, feature_map=c["feature_map"]["name"], window=attention["window"],
+                              attention=attention["name"], sinks=attention["sinks"], gate=attention["gate"],
+                              softmax_layers=list(range(exact)) if isinstance(exact, int) else list(exact),
+                              linear_scale=attention["linear_scale"])
+        plan = expand(spec, SMOLLM2)
+    windowed = any(not h.exact and h.window for layer in plan.layers for h in layer)
+    return plan if windowed else None
 
 
 def restated(record: RunRecord) -> RunRecord:
@@ -64,7 +80,7 @@ def window_memory_table(records: list[RunRecord], context: int = 8192) -> str:
         if RECORDED.format(context) not in now.metrics:
             continue
         budget = (record.allocation or {}).get("budget")
-        name = f"`{record.experiment}`" if not budget else f"allocated: {budget['mib']:.1f} MiB budget"
+        name = f"allocated: {budget['mib']:.1f} MiB budget" if isinstance(budget, dict) else f"`{record.experiment}`"
         if name in seen:
             continue
         seen.add(name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dofla import convert
 from dofla.eval.memory import decode_bytes, prefill_bytes
@@ -45,3 +46,17 @@ def test_a_window_holds_each_kv_heads_keys_once():
     student = convert(teacher, attention="sliding_window", window=8, sinks=2)
     per_position = kv_heads * 2 * head_dim * 4 + 1
     assert prefill_bytes(student, 40) == config.num_hidden_layers * (7 + 2) * per_position
+
+
+@pytest.mark.parametrize("form", ["hybrid", "sliding_window", "gated_delta hybrid"])
+def test_a_windowed_layer_holds_what_its_form_counts(form):
+    """The bytes a prefill leaves equal each layer's state_bytes (the form's count, which takes a window's keys once
+    per KV head) on the tiny Llama's grouped heads, and a window's keys and values are held for its 2 KV heads."""
+    options = {**FORMS.get(form, {}), **({"feature_map": "hedgehog", "attention": "gated_delta", "window": 8,
+                                           "sinks": 2} if form == "gated_delta hybrid" else {})}
+    student = convert(build_tiny_model("llama", seed=0), dims=[8, 8], **options)
+    assert prefill_bytes(student, 40) == sum(layer.state_bytes(40) for layer in student.student_attentions())
+    with torch.no_grad():
+        cache = student(torch.randint(0, 200, (1, 40)), use_cache=True).past_key_values
+    states = [layer.state for layer in cache.layers]
+    assert len(states) == 2 and all(state.k.shape[1] == 2 for state in states)

@@ -124,3 +124,20 @@ def test_calibration_is_the_least_squares_gain(window):
         with torch.no_grad():
             gain.div_(factor)
         assert (worse >= best - 1e-12).all()
+
+
+def test_the_delta_hybrid_holds_each_kv_heads_keys_once():
+    """Three query heads over one KV head: group=3 decodes the reference's outputs from a window holding one copy."""
+    q, _, _, lq, lk = tensors()
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(B, 1, q.shape[2], D, generator=g, dtype=torch.float64).repeat_interleave(H, 1) for _ in range(2))
+    gates = open_gates()
+    ref = hybrid_delta_naive(q, k, v, lq, lk, 4, gates, sinks=2)
+    first, state = hybrid_delta_chunked(*(x[:, :, :9] for x in (q, k, v, lq, lk)), 4, gates, 3, sinks=2, group=H)
+    parts = [first]
+    for t in range(9, q.shape[2]):
+        out, state = hybrid_delta_chunked(*(x[:, :, t:t + 1] for x in (q, k, v, lq, lk)), 4, gates, 3, state, sinks=2,
+                                          group=H)
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, 2), ref, rtol=1e-10, atol=1e-11)
+    assert state.k.shape[1] == state.sink_k.shape[1] == 1 and state.log_k.shape[1] == H

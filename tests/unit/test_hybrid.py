@@ -252,3 +252,35 @@ def test_left_padded_sinks_gradients_are_finite_and_match_reference():
         grads.append([a.grad for a in leaves] + [p.grad.clone() for p in fm.parameters()])
     for a, b in zip(*grads):
         assert torch.isfinite(a).all() and torch.isfinite(b).all() and _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("window, sinks, chunk", [(5, 0, 3), (8, 2, 8), (4, 3, 1)])
+def test_grouped_keys_are_held_once_per_kv_head(window, sinks, chunk):
+    """Six query heads over two KV heads (k, v repeated per query head, as the student passes them): group=3 gives
+    the reference's outputs, prefill and token by token, with a state holding the two KV heads' keys and values."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 6, 31, 16, generator=g)
+    k, v = (torch.randn(2, 2, 31, 16, generator=g).repeat_interleave(3, dim=1) for _ in range(2))
+    fm = build_feature_map("learned_prf", 6, 16, 24, seed=1)
+    lq, lk = fm.log_features(q), fm.log_features(k)
+    decay = -torch.rand(2, 6, 31, generator=g) * 0.3
+    ref = hybrid_attention_naive(q, k, v, lq, lk, window, sinks=sinks, log_decay=decay)
+    out, state = hybrid_attention_chunked(q, k, v, lq, lk, window, chunk, sinks=sinks, log_decay=decay, group=3)
+    assert _rel(out, ref) < 1e-5
+    every, every_state = hybrid_attention_chunked(q, k, v, lq, lk, window, chunk, sinks=sinks, log_decay=decay)
+    assert state.k.shape[1] == state.v.shape[1] == state.sink_k.shape[1] == 2 and state.log_k.shape[1] == 6
+    assert every_state.k.shape[1] == 6 and state.nbytes() < every_state.nbytes()
+    parts, held = [out[:, :, :12]], hybrid_attention_chunked(*(x[:, :, :12] for x in (q, k, v, lq, lk)), window, chunk,
+                                                               sinks=sinks, log_decay=decay[:, :, :12], group=3)[1]
+    for t in range(12, 31):
+        sl = slice(t, t + 1)
+        o, held = hybrid_attention_chunked(q[:, :, sl], k[:, :, sl], v[:, :, sl], lq[:, :, sl], lk[:, :, sl], window,
+                                           state=held, sinks=sinks, log_decay=decay[:, :, sl], group=3)
+        parts.append(o)
+    assert _rel(torch.cat(parts, 2), ref) < 1e-5 and _rel(every, ref) < 1e-5
+
+
+def test_a_group_must_divide_the_heads():
+    q, k, v, fm = _inputs(t=5)
+    with pytest.raises(ValueError, match="must divide the 3 heads"):
+        hybrid_attention_chunked(q, k, v, fm.log_features(q), fm.log_features(k), 4, group=2)

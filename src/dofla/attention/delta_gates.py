@@ -125,16 +125,17 @@ class DeltaFeatureMap(nn.Module):
         return [g for g in groups if g["params"]]
 
     def attend(self, q, k, v, state=None, *, key_valid=None, window: int = 0, sinks: int = 0, softcap=None,
-               chunk_size: int = 64, log_q=None, log_k=None):
+               chunk_size: int = 64, log_q=None, log_k=None, group: int = 1):
         """The layer's attention: q, k, v (B, H, T, d) (keys and values expanded to H heads, q scaled
         so the teacher's kernel is exp(q·k/√d)); ``window`` 0 is pure gated delta (state
         :class:`~dofla.attention.delta.DeltaState`), > 0 the hybrid whose older tokens live in the
-        delta state (:mod:`dofla.attention.delta_hybrid`). Returns (out (B, H, T, dv) in v's dtype, state)."""
+        delta state (:mod:`dofla.attention.delta_hybrid`), whose window keeps each KV head's keys once when
+        ``group`` (query heads per KV head) > 1. Returns (out (B, H, T, dv) in v's dtype, state)."""
         log_q = self.log_features(q) if log_q is None else log_q
         log_k = self.log_features(k) if log_k is None else log_k
         if window > 0:
             return hybrid_delta_chunked(q, k, v, log_q, log_k, window, self.gates, chunk_size, state, sinks=sinks,
-                                        key_valid=key_valid, softcap=softcap)
+                                        key_valid=key_valid, softcap=softcap, group=group)
         log_alpha, beta = self.gates(v)
         o, state = delta_rule(unit_features(log_q), unit_features(log_k), v, log_alpha, beta, chunk_size, state,
                               key_valid=key_valid)

@@ -53,13 +53,16 @@ class DeltaReader:
 
 
 def hybrid_delta_chunked(q, k, v, log_q, log_k, window: int, gates, chunk_size: int | None = None,
-                         state: HybridState | None = None, *, sinks: int = 0, key_valid=None, softcap=None):
+                         state: HybridState | None = None, *, sinks: int = 0, key_valid=None, softcap=None,
+                         group: int = 1):
     """The hybrid with a delta state, in chunks (default chunk = window); continues from ``state``.
-    ``gates``: the layer's :class:`~dofla.attention.delta_gates.DeltaGates`. Returns (out, state)."""
+    ``gates``: the layer's :class:`~dofla.attention.delta_gates.DeltaGates`; ``group``: query heads per KV head
+    (the window keeps each KV head's keys once, :func:`~dofla.attention.hybrid.hybrid_attention_chunked`).
+    Returns (out, state)."""
     log_alpha, _ = gates(v)
     reader = DeltaReader(gates, chunk_size or window)
     return hybrid_attention_chunked(q, k, v, log_q, log_k, window, chunk_size, state, sinks=sinks,
-                                    key_valid=key_valid, softcap=softcap, log_decay=log_alpha, far=reader)
+                                    key_valid=key_valid, softcap=softcap, log_decay=log_alpha, far=reader, group=group)
 
 
 def hybrid_delta_naive(q, k, v, log_q, log_k, window: int, gates, *, sinks: int = 0, key_valid=None,

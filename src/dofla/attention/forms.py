@@ -41,11 +41,17 @@ def _expand(layer, k, v):
     return (k, v) if group == 1 else (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
 
 
-def _window_bytes(heads: int, head_dim: int, held: int, floats: int = 0, flags: int = 1) -> int:
-    """``held`` positions of ``heads`` heads (query heads; KV heads for a plain window, which holds each KV head's
-    keys once): key and value, ``floats`` more numbers per head (log features, a decay) and ``flags`` bools per
-    position (valid, is a sink)."""
-    return held * (heads * (2 * head_dim + floats) * STATE_BYTES + flags)
+def _group(layer, q) -> int:
+    """Query heads per KV head in the keys a window keeps once per KV head: the layer's group when ``q`` holds all
+    its heads, 1 for one head block of several (per-head feature dims: a block need not hold whole groups)."""
+    return layer.num_heads // layer.num_kv_heads if q.shape[1] == layer.num_heads else 1
+
+
+def _window_bytes(kv_heads: int, head_dim: int, held: int, floats: int = 0, flags: int = 1, heads: int = 0) -> int:
+    """``held`` positions: a key and a value of each of ``kv_heads`` (a window keeps each KV head's once), ``floats``
+    more numbers for each of ``heads`` query heads (log features, a decay) and ``flags`` bools per position
+    (valid, is a sink)."""
+    return held * ((kv_heads * 2 * head_dim + heads * floats) * STATE_BYTES + flags)
 
 
 def _blocks(shape: Shape) -> list[tuple[int, int]]:
@@ -122,13 +128,15 @@ class Hybrid(AttentionForm):
             log_q = log_q + log_scale.to(log_q.dtype)[:, :, None, None]
         return hybrid_attention_chunked(q, k, v, log_q, log_k, layer.window, layer.chunk_size, state,
                                         log_decay=log_decay, sinks=layer.sinks, key_valid=key_valid,
-                                        softcap=softcap)
+                                        softcap=softcap, group=_group(layer, q))
 
     def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
         held, left = min(window, tokens), max(0, tokens - window)
+        blocks = _blocks(shape)
+        kv = (lambda h: shape.kv_heads) if len(blocks) == 1 else (lambda h: h)  # whole groups only in one block
         return sum(h * m * (shape.head_dim + 2) * STATE_BYTES  # each block: its linear state, window and sinks
-                   + _window_bytes(h, shape.head_dim, held, m + int(gate), flags=2)
-                   + _window_bytes(h, shape.head_dim, min(sinks, left)) for h, m in _blocks(shape))
+                   + _window_bytes(kv(h), shape.head_dim, held, m + int(gate), flags=2, heads=h)
+                   + _window_bytes(kv(h), shape.head_dim, min(sinks, left)) for h, m in blocks)
 
 
 @register
@@ -179,7 +187,8 @@ class GatedDelta(AttentionForm):
     def attend(self, layer, q, k, v, state=None, key_valid=None, softcap=None):
         k, v = _expand(layer, k, v)  # its gates read v; the hybrid's exact part is the teacher's (capped) softmax
         return layer.feature_map.attend(q, k, v, state, key_valid=key_valid, window=layer.window, sinks=layer.sinks,
-                                        softcap=softcap if layer.window > 0 else None, chunk_size=layer.chunk_size)
+                                        softcap=softcap if layer.window > 0 else None, chunk_size=layer.chunk_size,
+                                        group=_group(layer, q))
 
     def state_bytes(self, shape, window, sinks, gate, tokens, kv_bytes=4):
         delta = sum(shape.features) * shape.head_dim * STATE_BYTES
@@ -188,6 +197,6 @@ class GatedDelta(AttentionForm):
         held, left = min(window, tokens), max(0, tokens - window)
         (heads, m), = _blocks(shape)  # one dim per layer (check)
         mass = heads * m * 2 * STATE_BYTES  # the older keys' mass: k_sum and its offset
-        return delta + mass + _window_bytes(heads, shape.head_dim, held, m + 1, flags=2) \
-            + _window_bytes(heads, shape.head_dim, min(sinks, left))
+        return delta + mass + _window_bytes(shape.kv_heads, shape.head_dim, held, m + 1, flags=2, heads=heads) \
+            + _window_bytes(shape.kv_heads, shape.head_dim, min(sinks, left))
 

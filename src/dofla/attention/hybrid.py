@@ -24,7 +24,10 @@ tokens' output is the reader's, weighted by that mass:
 y_i = (Σ_exact e^{s_ij} v_j + Σ_older K̂_ij · ô_i) / (Σ_exact e^{s_ij} + Σ_older K̂_ij).
 
 Layouts: q, k (B, H, T, d) with q scaled so the kernel is exp(q·k/sqrt(d)); v (B, H, T, dv);
-log_q, log_k (B, H, T, M) feature-map log features. Keys/values already expanded to H heads.
+log_q, log_k (B, H, T, M) feature-map log features. Keys/values already expanded to H heads. Grouped-query
+attention (``group`` > 1: each run of ``group`` heads repeats one KV head's keys and values): the decoding
+state holds the window's and the sinks' keys and values once per KV head, and the exact part reads them
+with each KV head's queries as rows; the features, decays and the linear part stay per query head.
 """
 from __future__ import annotations
 
@@ -90,13 +93,14 @@ def hybrid_attention_naive(
     return masked_softmax(scores).to(v.dtype) @ v
 
 
-def _empty_state(q, v, log_k, dtype, mass_only: bool = False) -> HybridState:
+def _empty_state(q, v, log_k, dtype, mass_only: bool = False, group: int = 1) -> HybridState:
     b, h, _, m = log_k.shape
     linear = LinearState.zeros(b, h, m, 0 if mass_only else v.shape[-1], dtype, v.device)
-    empty = lambda last: q.new_zeros(b, h, 0, last, dtype=dtype)  # noqa: E731
+    empty = lambda last, heads=h: q.new_zeros(b, heads, 0, last, dtype=dtype)  # noqa: E731
     none = torch.zeros(b, 0, dtype=torch.bool, device=q.device)
-    return HybridState(linear, empty(q.shape[-1]), empty(v.shape[-1]), empty(m), none,
-                       empty(q.shape[-1]), empty(v.shape[-1]), none, none)
+    kv = h // group
+    return HybridState(linear, empty(q.shape[-1], kv), empty(v.shape[-1], kv), empty(m), none,
+                       empty(q.shape[-1], kv), empty(v.shape[-1], kv), none, none)
 
 
 def _linear_part(log_q, ctx_lk, ctx_v, lin_ok, state: HybridState, limit, first_sees: bool, shift=None):
@@ -128,13 +132,18 @@ def _gate_shift(state: HybridState, log_decay: torch.Tensor):
 
 
 def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: int, softcap=None, log_decay=None,
-          far=None):
+          far=None, group: int = 1):
     """New tokens (C of them) against [sinks ; window buffer ; new tokens]; returns (out, new state).
     ``far(log_q, v, log_k, v_leaving, keep, delta state) -> (ô (B, H, C, dv), delta state)`` reads the
     older tokens instead of the linear numerator (module docstring); log_k, v_leaving (B, H, L, ·) are
-    the keys leaving the window, in order, keep (B, L) which of them are neither pads nor sinks."""
+    the keys leaving the window, in order, keep (B, L) which of them are neither pads nor sinks.
+    ``group``: query heads per KV head; the state's keys and values are the KV heads' (module docstring)."""
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
-    ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v), (state.log_k, log_k)))
+    if group > 1:  # one copy of each KV head's new keys and values (k, v repeat them per query head)
+        k, v_kv = k[:, ::group], v[:, ::group]
+    else:
+        v_kv = v
+    ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v_kv), (state.log_k, log_k)))
     ctx_valid = torch.cat([state.valid, valid], dim=1)  # (B, n_b + C)
     seen = state.sink_valid.sum(-1) + state.is_sink.sum(-1)  # sinks so far: min(valid keys so far, sinks)
     ctx_sink = torch.cat([state.is_sink, _sink_keys(valid, sinks, seen)], dim=1)
@@ -143,11 +152,14 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     lin_ok = ctx_valid[:, :leave] & ~ctx_sink[:, :leave]  # a sink stays exact, never linear
     first_sees = min(max(n_b - window + 1, 0), leave) > 0  # limit[0] > 0, known without the device
     shift, decays = (None, None) if log_decay is None else _gate_shift(state, log_decay)
-    total, r, linear = _linear_part(log_q, ctx_lk, ctx_v if far is None else ctx_v[..., :0], lin_ok, state, limit,
-                                    first_sees, shift)
+    leaving_v = ctx_v[:, :, :leave]
+    if group > 1:  # the linear part and the far reader read the leaving values per query head
+        leaving_v = leaving_v.repeat_interleave(group, dim=1)
+    total, r, linear = _linear_part(log_q, ctx_lk, leaving_v if far is None else leaving_v[..., :0], lin_ok, state,
+                                    limit, first_sees, shift)
     delta = state.delta
     if far is not None:  # the far reader's output, weighted by the older keys' mass (total is that mass)
-        read, delta = far(log_q, v, ctx_lk[:, :, :leave], ctx_v[:, :, :leave], lin_ok, delta)
+        read, delta = far(log_q, v, ctx_lk[:, :, :leave], leaving_v, lin_ok, delta)
         total = torch.cat([total * read.to(total.dtype), total], dim=-1)
 
     exact = _exact_mask(c, n_b + c, window, ctx_sink, q.device) & ctx_valid[:, None, :]
@@ -155,14 +167,18 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     if state.sink_k.shape[2]:
         exact = torch.cat([state.sink_valid[:, None, :].expand(-1, c, -1), exact], dim=2)
         keys, vals = torch.cat([state.sink_k, ctx_k], dim=2), torch.cat([state.sink_v, ctx_v], dim=2)
-    exact = exact[:, None]  # (B, 1, C, S): the same for every head
-    s = exact_logits(q, keys, softcap).masked_fill(~exact, float("-inf"))
+    b, h = q.shape[:2]
+    # (B, 1, G·C, S): the same for every head; a KV head's G query heads are its rows (head kv·G + g, row g·C + i)
+    exact = exact[:, None, None].expand(-1, 1, group, -1, -1).reshape(b, 1, group * c, exact.shape[-1])
+    s = exact_logits(q.reshape(b, h // group, group * c, -1), keys, softcap).masked_fill(~exact, float("-inf"))
     mx = s.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(s.dtype).min)
     p = torch.exp(s - mx)
+    near, p_sum, mx = ((p @ vals).reshape(b, h, c, -1), p.sum(-1, keepdim=True).reshape(b, h, c, 1),
+                       mx.reshape(b, h, c, 1))
     top = torch.maximum(r, mx)  # flash-style merge of the two partial sums
     w_l, w_s = torch.exp(r - top), torch.exp(mx - top)
-    num = w_l * total[..., :dv] + w_s * (p @ vals)
-    den = w_l * total[..., dv:] + w_s * p.sum(-1, keepdim=True)
+    num = w_l * total[..., :dv] + w_s * near
+    den = w_l * total[..., dv:] + w_s * p_sum
     out = num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
     linear.length = state.linear.length + leave
@@ -205,7 +221,7 @@ def _scatter_slots(buffer, slot, x, size: int) -> torch.Tensor:
 def hybrid_attention_chunked(
     q, k, v, log_q, log_k, window: int, chunk_size: int | None = None, state: HybridState | None = None,
     *, sinks: int = 0, key_valid: torch.Tensor | None = None, softcap: float | None = None,
-    log_decay: torch.Tensor | None = None, far=None,
+    log_decay: torch.Tensor | None = None, far=None, group: int = 1,
 ) -> tuple[torch.Tensor, HybridState]:
     """Hybrid attention in chunks (default chunk = window); continues from ``state``.
 
@@ -215,6 +231,7 @@ def hybrid_attention_chunked(
     caps the exact part's logits as the teacher does (Gemma 2); None = no capping. ``log_decay``
     (B, H, T) ≤ 0: the gate (module docstring; a pad does not decay the state); None = ungated.
     ``far``: a reader of the older tokens (module docstring, :func:`_step`); None = linear attention.
+    ``group``: query heads per KV head in k and v (module docstring); 1 keeps every head's keys.
     """
     if window < 1:
         raise ValueError(f"window must be ≥ 1 for hybrid attention, got {window}")
@@ -222,6 +239,8 @@ def hybrid_attention_chunked(
         raise ValueError(f"softcap={softcap!r} must be a positive number (or None for no capping)")
     if sinks < 0:
         raise ValueError(f"sinks must be ≥ 0 (number of leading tokens kept exact), got {sinks}")
+    if group < 1 or q.shape[1] % group:
+        raise ValueError(f"group={group} must divide the {q.shape[1]} heads (query heads per KV head)")
     out_dtype, (b, _, t, _) = v.dtype, q.shape
     dtype = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.promote_types(log_q.dtype, torch.float32))
     q, k, v, log_q, log_k = (x.to(dtype) for x in (q, k, v, log_q, log_k))
@@ -233,14 +252,14 @@ def hybrid_attention_chunked(
         if log_decay.shape != q.shape[:3]:
             raise ValueError(f"log_decay must be (B, H, T) = {tuple(q.shape[:3])}; got {tuple(log_decay.shape)}")
         log_decay = log_decay.to(dtype).masked_fill(~key_valid.to(torch.bool)[:, None, :], 0.0)
-    state = _cast(state, dtype) if state is not None else _empty_state(q, v, log_k, dtype, far is not None)
+    state = _cast(state, dtype) if state is not None else _empty_state(q, v, log_k, dtype, far is not None, group)
     chunk = chunk_size or window
     outs = []
     for start in range(0, t, chunk):
         sl = slice(start, start + chunk)
         out, state = _step(q[:, :, sl], k[:, :, sl], v[:, :, sl], log_q[:, :, sl], log_k[:, :, sl],
                            key_valid[:, sl].to(torch.bool), state, window, sinks, softcap,
-                           None if log_decay is None else log_decay[:, :, sl], far)
+                           None if log_decay is None else log_decay[:, :, sl], far, group)
         outs.append(out)
     if not outs:
         return v.new_zeros(v.shape).to(out_dtype), state

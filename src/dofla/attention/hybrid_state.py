@@ -15,8 +15,9 @@ class HybridState:
     """Linear state of tokens older than the window (sinks excepted), the window's last ≤ W
     keys/values, and the sink tokens that have left the window, each with key validity.
 
-    k (B, H, n, d), v (B, H, n, dv), log_k (B, H, n, M), valid (B, n), is_sink (B, n): which
-    window keys are sinks of their row. sink_k (B, H, s, d), sink_v (B, H, s, dv), sink_valid (B, s)
+    k (B, H_kv, n, d), v (B, H_kv, n, dv) (each KV head's once; H_kv = H without grouping), log_k (B, H, n, M),
+    valid (B, n), is_sink (B, n): which window keys are sinks of their row. sink_k (B, H_kv, s, d),
+    sink_v (B, H_kv, s, dv), sink_valid (B, s)
     with s ≤ sinks: row b's sinks that left the window fill its slots 0, 1, … in order.
     ``linear.length`` counts every position that left the window (pads and sinks included).
     ``sinks_held`` (a host-side bool): every row holds all its sinks, so none can be in the window any
