@@ -111,8 +111,10 @@ def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], l
         plan = StudentPlan.from_list(a["plan"])
         if plan.state_bytes(GROUP, HEAD_DIM, a["budget"]["context"]) != a["plan_bytes"]:
             continue  # priced before the change
+        unpriced = lambda settings: {k: v for k, v in settings.items() if k != "prices"}  # noqa: E731
         before = [r for r in trained if r.seed == now.seed and r.allocation and r.allocation.get("values") == a["values"]
-                  and r.allocation["budget"] == a["budget"] and r.allocation["settings"] == a["settings"]]
+                  and r.allocation["budget"] == a["budget"]
+                  and unpriced(r.allocation["settings"]) == unpriced(a["settings"])]
         for name, record in (("priced per query head (trained)", before[0] if before else None),
                              ("priced per KV head (current)", now)):
             if record is None:

@@ -59,6 +59,8 @@ def test_one_option_per_kv_head_within_the_budget(runs):
         assert [(h["layer"], h["kv_head"]) for h in record["heads"]] == [(i, k) for i in range(LAYERS)
                                                                           for k in range(KV_HEADS)]
         assert all(h["option"] in record["menu"] for h in record["heads"])
+        prices = record["settings"]["prices"]  # keyed on: each option's bytes as the code counts them
+        assert all(h["bytes"] == prices[record["menu"].index(h["option"])] for h in record["heads"])
         assert len(record["menu"]) == 9  # exact, w4, w8 each bare and with delta 4 and 8, delta 4 and 8
         assert record["budget"]["context"] == CONTEXT and record["solver"]["status"] == "optimal"
         assert record["budget"]["bytes"] == int(MIB * 2**20)

@@ -28,6 +28,17 @@ def test_every_budget_and_weighting_of_one_menu_restores_to_one_file(tmp_path):
     assert menu_file(tmp_path, record(windows=[256])["settings"])[0] != path  # another menu: another file
 
 
+def test_the_options_prices_key_the_solve_not_the_measured_menu(tmp_path):
+    """A record from before the prices were in the settings, and one priced by other code, share the measured menu
+    (the solve reads the prices, the measurement does not)."""
+    old = record()
+    priced = {**old, "settings": {**old["settings"], "prices": [8192, 325, 1258]}}
+    repriced = {**old, "settings": {**old["settings"], "prices": [8192, 645, 1258]}}
+    assert menu_file(tmp_path, priced["settings"]) == menu_file(tmp_path, repriced["settings"]) \
+        == menu_file(tmp_path, old["settings"])
+    assert "prices" not in menu_file(tmp_path, priced["settings"])[1]
+
+
 def test_the_command_writes_each_record_and_refuses_one_without_a_menu(tmp_path, capsys):
     given = tmp_path / "allocation.json"
     given.write_text(json.dumps(record()))

@@ -23,9 +23,11 @@ SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "s
 def menu_file(root: Path, settings: dict) -> tuple[Path, dict]:
     """Where the menu measured for an allocation of ``settings`` (an ``allocation.json``'s) is kept under the
     cache ``root``, and its key: the settings less the budget's size and weights (``SOLVE_ONLY``), the
-    repair rounds and the DoF the states are sized by, so every budget and weighting of one teacher, menu and calibration shares it."""
+    repair rounds, the DoF the states are sized by and the options' prices (the solve reads them, the measurement
+    does not), so every budget and weighting of one teacher, menu and calibration shares it."""
     key = {**settings, "budget": {k: v for k, v in settings["budget"].items() if k not in SOLVE_ONLY}}
     key.pop("repair_rounds")
+    key.pop("prices", None)
     key.pop("dof", None)  # the DoF that state_sizing=dof sizes the states by
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return root / "allocations" / f"menu-{digest}.json", key

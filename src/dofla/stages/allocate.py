@@ -11,6 +11,7 @@ from pathlib import Path
 from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, aggregate_heads, choose_dims
 from dofla.dof.allocator import allocate as allocate_budget, menu_signals
+from dofla.dof.menu import default_menu, option_bytes
 from dofla.dof.menu_cache import menu_file
 from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
 from dofla.dof.knapsack import MIB
@@ -77,7 +78,9 @@ def run_budget(ctx: RunContext, train_tokens, dof: DofResult | None = None) -> t
     held-out text) and ``budget.prompts`` passkey prompts -> ``allocation.json`` (the allocator's record, its
     settings, the plan) and the plan file the later stages read (:func:`allocated_plan_path`).
 
-    Keyed on the teacher, the memory budget and the calibration text (its settings): reused from the run's
+    Keyed on the teacher, the memory budget, the menu's prices (each option's bytes at the budget's context, as
+    the code counts them: a change in what a form holds solves again) and the calibration text (its settings):
+    reused from the run's
     ``allocation.json`` or, for another run of the same settings, from ``allocations/`` beside the activation
     caches (the returned record then says ``reused``). The measured menu is kept apart, keyed on the same
     settings less the budget's size and weights (``SOLVE_ONLY``) and the repair rounds: another budget solves
@@ -95,7 +98,8 @@ def run_budget(ctx: RunContext, train_tokens, dof: DofResult | None = None) -> t
               (k in ("granularity", "solver", "estimator", "copy_weight", "state_sizing")
                and v == getattr(MemoryBudgetConfig, k))}
     settings = {"teacher": teacher_settings(cfg), "budget": budget, "repair_rounds": b.repair_rounds,
-                "calibration": _digest([calibration] + [t for pair in prompts for t in pair])}
+                "calibration": _digest([calibration] + [t for pair in prompts for t in pair]),
+                "prices": [option_bytes(o, ctx.geometry, memory.context, memory.kv_bytes) for o in default_menu(memory)]}
     if units is not None:
         settings["dof"] = units
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
