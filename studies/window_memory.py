@@ -101,8 +101,9 @@ def _counts(plan: StudentPlan) -> tuple[int, int, int]:
 def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], label) -> str:
     """Each allocation solved at a window's current price (its ``plan_bytes`` are what the current code counts)
     beside the trained run's allocation of the same budget, data order and measured menu, which priced a window
-    per query head: what each keeps, its bytes as held now, and its value as the allocator's check measured it
-    before any training (KL and passkey-answer gains; higher is better)."""
+    per query head: what each keeps, its bytes as held now, and its value as the solve predicted it (the
+    single heads' gains summed) and as the allocator's check measured it before any training (KL and
+    passkey-answer gains; higher is better)."""
     rows = []
     for now in allocations:
         a = now.allocation or {}
@@ -125,9 +126,10 @@ def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], l
             mib = chosen.state_bytes(GROUP, HEAD_DIM, a["budget"]["context"]) / 2**20
             where = ", ".join(f"{i}.{j}" for i, layer in enumerate(chosen.layers) for j, h in enumerate(layer) if h.exact)
             rows.append([label(now), str(now.seed), name, str(exact), where or "none", str(windows), str(states),
-                         f"{mib:.1f}",
-                         f"{check['measured_value']:.3f}", f"{check['kl']:.3f}", f"{check['nll']:.2f}"])
+                         f"{mib:.1f}", f"{check['predicted_value']:.3f}", f"{check['measured_value']:.3f}",
+                         f"{check['kl']:.3f}", f"{check['nll']:.2f}"])
     header = ["budget at 8,192 tokens", "data order", "a window's keys", "exact heads", "exact (layer.KV head)",
               "window heads",
-              "window + state heads", "MiB held now", "measured value", "KL (nats/token)", "passkey-answer nats"]
+              "window + state heads", "MiB held now", "value the solve predicted", "measured value",
+              "KL (nats/token)", "passkey-answer nats"]
     return markdown(header, rows) if rows else ""

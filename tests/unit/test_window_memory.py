@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from dofla.models import StudentPlan
 from dofla.report import load_records
-from studies.window_memory import RECORDED, restated, student_plan, window_memory_table
+from studies.window_memory import RECORDED, restated, student_plan, window_memory_table, window_price_table
 
 RUNS = Path(__file__).resolve().parents[2] / "docs" / "results" / "runs"
 KEY = "memory/student/decode_mib/T8192"
@@ -64,3 +65,13 @@ def test_the_table_has_a_row_per_restated_student():
     budgets = {round(r.allocation["budget"]["mib"], 6) for r in load_records(RUNS / "budget")}
     assert len(rows) == len(windowed) + len(budgets)
 
+
+def test_a_budget_solved_again_at_the_current_price_sits_beside_the_trained_one():
+    allocations, trained = load_records(RUNS / "budget_alloc"), load_records(RUNS / "budget")
+    now = next(r for r in allocations if r.name.startswith("window_price"))
+    plan = StudentPlan.from_list(now.allocation["plan"])
+    assert plan.state_bytes(3, 64, 8192) == now.allocation["plan_bytes"] <= now.allocation["budget"]["bytes"]
+    rows = window_price_table(allocations, trained, lambda r: "budget").strip().splitlines()[2:]
+    assert len(rows) == 2 and "priced per query head (trained)" in rows[0] and "priced per KV head" in rows[1]
+    exact = [cells.split(" | ")[3] for cells in rows]
+    assert int(exact[1]) == sum(h.exact for layer in plan.layers for h in layer)
