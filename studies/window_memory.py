@@ -20,6 +20,7 @@ from dofla.models import ConversionSpec, StudentPlan, expand
 from dofla.report import RunRecord
 from studies.tables import markdown
 
+TEACHER = "smollm2_135m"  # the model config whose geometry follows: the records' teacher
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64  # SmolLM2-135M: 9 query heads over 3 KV heads of dim 64
 SMOLLM2 = SimpleNamespace(num_layers=LAYERS, num_heads=KV_HEADS * GROUP, num_kv_heads=KV_HEADS, layer_windows=None)
 MEMORY = re.compile(r"^memory/student/decode_mib/T(\d+)$")
@@ -34,9 +35,11 @@ def _budget_dim(config: dict) -> int:
 
 
 def student_plan(record: RunRecord) -> StudentPlan | None:
-    """The plan per KV head a record's student decodes with, where it holds a window; else None. A run's
-    allocation plan, else the conversion its config and allocation describe (of ``softmax_layers`` = k exact
-    layers, the first k: which ones does not change the bytes)."""
+    """The plan per KV head a record's student of SmolLM2-135M decodes with, where it holds a window; else None
+    (and for another teacher). A run's allocation plan, else the conversion its config and allocation describe
+    (of ``softmax_layers`` = k exact layers, the first k: which ones does not change the bytes)."""
+    if record.config.get("model", {}).get("name") != TEACHER:
+        return None
     if record.allocation and "plan" in record.allocation:
         plan = StudentPlan.from_list(record.allocation["plan"])
     else:

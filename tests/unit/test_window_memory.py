@@ -2,6 +2,7 @@
 each KV head's keys and values once, where the records held them once per query head."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -51,10 +52,13 @@ def test_every_windowed_student_sheds_exactly_the_copies(page):
             assert shed == pytest.approx(_copies(plan, context), abs=1) and shed > 0, (run.name, key)
 
 
-def test_a_student_without_a_window_is_left_as_recorded():
+def test_a_student_without_a_window_or_of_another_teacher_is_left_as_recorded():
     for preset in ("linear_delta_kl", "linear_hedgehog_kl"):
         run = next(r for r in load_records(RUNS / "headline") if r.experiment == preset)
         assert student_plan(run) is None and restated(run) is run
+    window = next(r for r in load_records(RUNS / "headline") if r.experiment == "window_sinks_kl")
+    tiny = dataclasses.replace(window, config={**window.config, "model": {"name": "tiny_llama"}})
+    assert student_plan(window) is not None and student_plan(tiny) is None and restated(tiny) is tiny
 
 
 def test_the_table_has_a_row_per_restated_student():
