@@ -101,6 +101,11 @@ def _counts(plan: StudentPlan) -> tuple[int, int, int]:
             sum(h.state != "none" for h in heads))
 
 
+def _unpriced(settings: dict) -> dict:
+    """An allocation's settings less the options' prices (records from before the prices were keyed lack them)."""
+    return {k: v for k, v in settings.items() if k != "prices"}
+
+
 def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], label) -> str:
     """Each allocation solved at a window's current price (its ``plan_bytes`` are what the current code counts)
     beside the trained run's allocation of the same budget, data order and measured menu, which priced a window
@@ -115,10 +120,9 @@ def window_price_table(allocations: list[RunRecord], trained: list[RunRecord], l
         plan = StudentPlan.from_list(a["plan"])
         if plan.state_bytes(GROUP, HEAD_DIM, a["budget"]["context"]) != a["plan_bytes"]:
             continue  # priced before the change
-        unpriced = lambda settings: {k: v for k, v in settings.items() if k != "prices"}  # noqa: E731
         before = [r for r in trained if r.seed == now.seed and r.allocation and r.allocation.get("values") == a["values"]
                   and r.allocation["budget"] == a["budget"]
-                  and unpriced(r.allocation["settings"]) == unpriced(a["settings"])]
+                  and _unpriced(r.allocation["settings"]) == _unpriced(a["settings"])]
         for name, record in (("priced per query head (trained)", before[0] if before else None),
                              ("priced per KV head (current)", now)):
             if record is None:

@@ -139,10 +139,7 @@ def _step(q, k, v, log_q, log_k, valid, state: HybridState, window: int, sinks: 
     the keys leaving the window, in order, keep (B, L) which of them are neither pads nor sinks.
     ``group``: query heads per KV head; the state's keys and values are the KV heads' (module docstring)."""
     n_b, c, dv = state.k.shape[2], q.shape[2], v.shape[-1]
-    if group > 1:  # one copy of each KV head's new keys and values (k, v repeat them per query head)
-        k, v_kv = k[:, ::group], v[:, ::group]
-    else:
-        v_kv = v
+    k, v_kv = k[:, ::group], v[:, ::group]  # one copy of each KV head's new keys and values (views)
     ctx_k, ctx_v, ctx_lk = (torch.cat([a, b], dim=2) for a, b in ((state.k, k), (state.v, v_kv), (state.log_k, log_k)))
     ctx_valid = torch.cat([state.valid, valid], dim=1)  # (B, n_b + C)
     seen = state.sink_valid.sum(-1) + state.is_sink.sum(-1)  # sinks so far: min(valid keys so far, sinks)
