@@ -150,8 +150,10 @@ def comparisons(found: dict, headline: list[RunRecord]) -> str:
 
 def ablation(record: RunRecord) -> str:
     """What an ablation run changed from the allocator's defaults (its allocation settings say) or from the
-    preset's training (copy text in the KL stage's text, as the recall hybrid trains)."""
-    b, copy = record.allocation["settings"]["budget"], record.config.get("distill", {}).get("copy_share", 0)
+    preset's training (copy text in the KL stage's text, as the recall hybrid trains), or solved at a window's
+    current price (its settings carry the menu's prices: a window holds each KV head's keys once)."""
+    settings, copy = record.allocation["settings"], record.config.get("distill", {}).get("copy_share", 0)
+    b = settings["budget"]
     kl, retrieval = b.get("kl_weight", 1), b.get("retrieval_weight", 1)
     changed = [what for what, hit in (("per layer (a layer's KV heads alike)", b.get("granularity") == "layer"),
                                       ("a random plan", b.get("solver") == "random"),
@@ -161,7 +163,8 @@ def ablation(record: RunRecord) -> str:
                                        0 not in (kl, retrieval) and (kl, retrieval) != (1, 1)),
                                       (f"+ the teacher's copying score (weight {b.get('copy_weight', 0):g})",
                                        bool(b.get("copy_weight", 0))),
-                                      (f"KL text {copy:.0%} copy", bool(copy))) if hit]
+                                      (f"KL text {copy:.0%} copy", bool(copy)),
+                                      ("a window priced per KV head", "prices" in settings)) if hit]
     return ", ".join(changed) or "the allocator"
 
 

@@ -14,6 +14,8 @@
 #   delta      the allocator at hybrid_delta's 17.60 MiB          recall  at hybrid_recall's 86.08 MiB
 #   copy       the same plan, its KL stage on the recall hybrid's text (a quarter copy tasks, distance 128)
 #   copying    budget.copy_weight=1: the teacher's copying score of each head kept exact adds to its value
+#   price      the allocator unchanged, solved at a window's current price (each KV head's keys held once; the
+#              records above priced a window per query head, three times as much)   price_quarter  the same at 0.25
 # ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); SPLITS: the held-out parts
 # to score on (default "test dev"; "test" alone pairs every ablation but delta and recall); EXTRA: more overrides.
 # A stopped script resumes: every finished stage's artifact is found and reused. MENU_FROM_RECORDS=1 first puts
@@ -26,7 +28,7 @@ source studies/reproduce/split.sh  # TEST_SCORE
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
 for seed in $SEEDS; do
-  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall copying}; do
+  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall copying price price_quarter}; do
     case $ablation in
       layer) change=(budget.granularity=layer) ;;
       kl) change=(budget.retrieval_weight=0) ;;
@@ -37,7 +39,10 @@ for seed in $SEEDS; do
       recall) change=(budget.share=null budget.mib=86.0831) ;;
       copy) change=(distill.copy_share=0.25 distill.copy_distance=128) ;;
       copying) change=(budget.copy_weight=1) ;;
-      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy, copying)" >&2
+      price) change=() ;;
+      price_quarter) change=(budget.share=0.25) ;;
+      *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy," \
+              "copying, price, price_quarter)" >&2
          exit 2 ;;
     esac
     run=$OUT/${ablation}_s$seed
