@@ -167,3 +167,28 @@ def test_states_sized_by_dof_read_the_dof_stage_and_solve_on_the_measured_menu(r
     kept = [(h["plan"]["M"], m) for h, m in zip(record["heads"], sizing["sizes"]) if h["plan"]["state"] != "none"]
     assert all(a == b for a, b in kept)
     assert first["state_sizing"]["name"] == "measured" and "dof" not in first["settings"]
+
+
+def test_a_menu_with_another_window_measures_that_window_alone(runs):
+    """budget.windows=[4,8,12] on the teacher and calibration of the first run: the options of the first menu are
+    taken from its measurement (the record says which, and the menu's seconds count both), only the new
+    window's options are measured, and the shared options' signals are the first run's."""
+    run = runs["cache"]
+    first = run["allocation"]
+    args = [a for a in run["args"] if not a.startswith(("budget.windows=", "train.source=", "hydra.sweep.subdir="))]
+    root = run["root"] / "wider"
+    done = run_cli(*args, "budget.windows=[4,8,12]", "train.source=cache", "distill=none", "stages=[cache,allocate]",
+                   f"hydra.sweep.dir={root}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((root / "0" / "allocation.json").read_text())
+    extends = record["menu_measurement"]["extends"]
+    assert extends["file"] == first["menu_measurement"]["file"] and extends["shared"] == first["menu"]
+    assert "options' signals taken from the menu measured before" in done.stdout
+    new = [name for name in record["menu"] if name not in first["menu"]]
+    assert new == ["w12+s2", "w12+s2+delta4", "w12+s2+delta8"]
+    units = LAYERS * KV_HEADS
+    assert record["cost"]["reused"] == units * (len(first["menu"]) - 1)
+    assert record["cost"]["students"] == 1 + units * len(new) + len(record["checks"])  # + the chosen plans' checks
+    assert record["menu_measurement"]["seconds"] == pytest.approx(record["cost"]["seconds"] + extends["seconds"])
+    for mine, theirs in zip(record["signals"], first["signals"], strict=True):
+        assert [mine[record["menu"].index(name)] for name in first["menu"]] == theirs

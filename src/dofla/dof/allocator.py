@@ -48,12 +48,14 @@ ALLOCATION_POLICIES.register(BUDGET_POLICY)(AllocationPolicy(BUDGET_POLICY, _per
 
 def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list | None = None,
              repair_rounds: int = 0, measured: dict | None = None,
-             unit_dof: list[float] | None = None) -> tuple[StudentPlan, dict]:
+             unit_dof: list[float] | None = None, known: dict | None = None) -> tuple[StudentPlan, dict]:
     """The plan that spends ``cfg``'s budget best on calibration ``tokens`` (S, L) and retrieval ``prompts``
     (training split), and its JSON-able record. ``measured``: the menu's signals measured before on the same
     teacher, menu, fits and calibration (a record's ``base_signals`` and ``signals``, :func:`menu_signals`),
     so another budget or other weights cost the solve and the check alone. ``unit_dof``: each unit's degrees
-    of freedom, which ``state_sizing="dof"`` sizes the linear states by (:mod:`dofla.dof.sizing`)."""
+    of freedom, which ``state_sizing="dof"`` sizes the linear states by (:mod:`dofla.dof.sizing`). ``known``:
+    another menu measured before on the same settings, {"menu": labels, "base", "signals"}: the options it
+    shares with this menu are taken from it (:func:`dofla.dof.sensitivity.measure_menu`)."""
     geometry = get_adapter(teacher).geometry(teacher.config)
     local = [i for i, w in enumerate(geometry.layer_windows) if w is not None]
     if local:  # their heads are already a window in the teacher: a menu would offer what they cannot be
@@ -76,8 +78,8 @@ def allocate(teacher, cfg: MemoryBudgetConfig, tokens, prompts: list, menu: list
         history = [_check(probe, unit, random_choice(sizes, budget, seed=cfg.seed), measured["base"], cfg)]
     else:
         if measured is None:
-            estimate = first_order_menu if cfg.estimator == "first_order" else measure_menu
-            measured = estimate(probe, menu, base, width=width)
+            measured = first_order_menu(probe, menu, base, width=width) if cfg.estimator == "first_order" \
+                else measure_menu(probe, menu, base, width=width, known=known)
         elif len(measured["signals"]) != count or any(len(unit) != len(menu) for unit in measured["signals"]):
             raise ValueError(f"the measured signals hold {len(measured['signals'])} units of "
                              f"{len(measured['signals'][0])} options, this allocation has {count} of {len(menu)}: "

@@ -4,20 +4,26 @@ Measuring the menu is most of an allocation's cost; every budget and weighting o
 calibration solves on the same measurement. :func:`menu_file` names its file under the cache root, keyed on
 an allocation's settings less what only the solve reads (``SOLVE_ONLY``) and the repair rounds;
 :func:`restore_menu` writes a recorded allocation's measurement there, so a fresh machine solves on the
-committed measurement instead of measuring again (``studies/budget_menu.py``).
+committed measurement instead of measuring again (``studies/budget_menu.py``). A menu that extends one measured
+before (the same settings, other options: another window, another M) measures its new options alone and takes
+the rest from that file (:func:`earlier_menu`, :func:`dofla.dof.sensitivity.measure_menu`'s ``known``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from dofla.dof.allocator import menu_signals
-from dofla.record import write_json
+from dofla.dof.menu import default_menu, label
+from dofla.record import read_json, write_json
 
 # the budget's fields that choose among the measured options, not what is measured: another budget or other
 # weights solve again on the same measured menu
 SOLVE_ONLY = ("mib", "share", "kl_weight", "retrieval_weight", "copy_weight", "solver", "state_sizing")
+# the budget's fields that say which options the menu offers
+MENU_FIELDS = ("exact", "windows", "sinks", "states", "pure_states")
 
 
 def menu_file(root: Path, settings: dict) -> tuple[Path, dict]:
@@ -45,3 +51,34 @@ def restore_menu(record: dict, root: Path) -> Path:
     path, key = menu_file(root, record["settings"])
     write_json(path, {"settings": key, "measured": measured, "seconds": record["menu_measurement"]["seconds"]})
     return path
+
+
+def menu_labels(key: dict) -> list[str] | None:
+    """The option labels of the menu a menu file's ``key`` measured (None where the key does not say)."""
+    budget = key.get("budget", {})
+    if any(f not in budget for f in MENU_FIELDS):
+        return None
+    return [label(o) for o in default_menu(SimpleNamespace(**{f: budget[f] for f in MENU_FIELDS}))]
+
+
+def earlier_menu(root: Path, key: dict) -> dict | None:
+    """The menu measured before under the cache ``root`` on the settings of ``key`` (a :func:`menu_file` key)
+    but for the menu's options, that shares the most options with this menu: {"file", "menu": its labels,
+    "shared": the labels both hold, "seconds": what measuring it took, "base", "signals"}; None where no file
+    shares an option (:func:`dofla.dof.sensitivity.measure_menu` then checks its baseline again)."""
+    def rest(k: dict) -> dict:
+        return {**k, "budget": {f: v for f, v in k["budget"].items() if f not in MENU_FIELDS}}
+
+    mine = menu_labels(key)
+    best = None
+    for path in sorted((root / "allocations").glob("menu-*.json")):
+        kept = read_json(path)
+        settings = kept.get("settings") if isinstance(kept, dict) else None
+        if not isinstance(settings, dict) or "budget" not in settings or settings == key \
+                or rest(settings) != rest(key) or (labels := menu_labels(settings)) is None:
+            continue
+        shared = [name for name in mine if name in labels]
+        if shared and (best is None or len(shared) > len(best["shared"])):
+            best = {"file": path.name, "menu": labels, "shared": shared, "seconds": kept["seconds"],
+                    **kept["measured"]}
+    return best

@@ -32,15 +32,23 @@ instead of L, about half the measurement's layer forwards on a deep model. The r
 (S × L + the prompts' tokens) × hidden numbers of the model's dtype on the probe's device (SmolLM2-135M with
 8 calibration sequences and 8 prompts of 2,048 tokens: 30 × 32,768 × 576 float32, 2.3 GB) and lives as long
 as the probe. ``reuse_prefix=False`` runs every student whole: the plain reference.
+
+Options measured before (``known``): a menu that extends one measured on the same teacher, calibration, fits
+and baseline measures its new options alone and takes the others' signals from the earlier measurement, as
+they would measure again (each is the baseline student with one head switched, its state fitted the same way
+from the same seed). The baseline is measured every time and must match the earlier one's, or nothing is
+taken over.
 """
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from dofla.dof.menu import label
 from dofla.dof.replay import decoder_layers, recording, replaying, timing
 from dofla.dof.softmax_layers import copy_probe, copying_scores
 from dofla.eval.longctx import answer_nll
@@ -68,6 +76,7 @@ class Cost:
     # ``reuse_prefix`` alone (0 otherwise: every forward runs all the layers, so the forward is the unit)
     layer_seconds: float = 0.0
     students: int = 0
+    reused: int = 0  # (unit, option) signals taken from a measurement made before (``known``), not measured
     fit_steps: int = 0
     fit_seconds: float = 0.0  # of ``seconds``: the layerwise fits of linear states
 
@@ -218,27 +227,49 @@ def check_calibration(menu: list, length: int) -> None:
                          "(with sinks) from exact; give longer sequences or drop that window from the menu")
 
 
-def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None, width: int = 1) -> dict:
+def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None, width: int = 1,
+                 known: dict | None = None) -> dict:
     """Each option's signals at each unit (a KV head, or with ``width`` = the KV heads per layer a whole
     layer), one unit switched from the baseline option ``menu[base]``.
 
     Returns {"base": signals of the all-baseline student, "signals": [[{"kl", "nll"} per option] per unit]}
     with units in order (:func:`units`); the baseline option's entry is the base student's, not remeasured.
     ``heads`` (layer, first KV head) pairs measures those alone (the others' entries are None): a sample to time.
+    ``known``: a measurement made before with the same probe settings, {"menu": [option labels], "base",
+    "signals"} (module docstring): the options it holds are taken from it where its baseline matches.
     """
     g = probe.geometry
     check_calibration(menu, probe.batches[0].shape[1])
     layers = switched(g.num_layers, g.num_kv_heads, menu[base], (0, 0), menu[base])
     reference = probe.baseline(layers)
+    before = reusable(known, menu, reference)
     signals = []
-    for unit in units(g, width):
+    for n, unit in enumerate(units(g, width)):
         if heads is not None and unit not in heads:
             signals.append(None)
             continue
-        signals.append([reference if o == base else
+        row = known["signals"][n] if before else None  # None: the earlier measurement sampled other units
+        signals.append([reference if o == base else _known(probe, row[before[o]]) if row and o in before else
                         probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], unit, option, width))
                         for o, option in enumerate(menu)])
     return {"base": reference, "signals": signals}
+
+
+def reusable(known: dict | None, menu: list, reference: dict) -> dict[int, int]:
+    """The options of ``menu`` that ``known`` measured (by label) against the same baseline, whose signals
+    ``reference`` are this measurement's: {index in ``menu``: index in ``known["menu"]``}; empty when ``known``
+    is None or its baseline measured otherwise (another teacher, calibration or baseline option)."""
+    if not known or not all(math.isclose(known["base"][s], reference[s], rel_tol=1e-4, abs_tol=1e-9)
+                            for s in ("kl", "nll")):
+        return {}
+    there = {name: i for i, name in enumerate(known["menu"])}
+    return {o: there[label(option)] for o, option in enumerate(menu) if label(option) in there}
+
+
+def _known(probe: Probe, signals: dict) -> dict:
+    """An option's signals from the earlier measurement, counted as reused."""
+    probe.cost.reused += 1
+    return signals
 
 
 def measure_copying(probe: Probe, menu: list, width: int = 1) -> dict:

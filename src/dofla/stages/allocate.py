@@ -12,7 +12,7 @@ from dofla.config import RunConfig
 from dofla.dof import AllocationRequest, aggregate_heads, choose_dims
 from dofla.dof.allocator import allocate as allocate_budget, menu_signals
 from dofla.dof.menu import default_menu, option_bytes
-from dofla.dof.menu_cache import menu_file
+from dofla.dof.menu_cache import earlier_menu, menu_file
 from dofla.dof.budget import MemoryBudgetConfig, feature_budget, memory_budget
 from dofla.dof.knapsack import MIB
 from dofla.dof.softmax_layers import passkey_prompts
@@ -113,21 +113,28 @@ def run_budget(ctx: RunContext, train_tokens, dof: DofResult | None = None) -> t
         menu_path, menu_key = menu_file(cache_root(cfg), settings)
         kept = read_json(menu_path)
         kept = kept if kept is not None and kept.get("settings") == menu_key and memory.solver == "milp" else None
+        measures = kept is None and memory.solver == "milp" and memory.estimator == "measured"
+        earlier = earlier_menu(cache_root(cfg), menu_key) if measures else None
         _, record = allocate_budget(ctx.teacher, memory, calibration, prompts, repair_rounds=b.repair_rounds,
-                                    measured=kept and kept["measured"], unit_dof=units)
+                                    measured=kept and kept["measured"], unit_dof=units, known=earlier)
         measurement = {"file": menu_path.name, "reused": kept is not None,
                        "seconds": kept["seconds"] if kept else record["cost"]["seconds"]}
+        if earlier and record["cost"]["reused"]:  # the menu's seconds: this measurement's and the earlier one's
+            measurement["extends"] = {k: earlier[k] for k in ("file", "shared", "seconds")}
+            measurement["seconds"] += earlier["seconds"]
         record = {**record, "settings": settings, "menu_measurement": measurement,
                   "calibration": {"sequences": int(calibration.shape[0]), "seq_len": int(calibration.shape[1]),
                                   "prompts": len(prompts), "prompt_length": b.prompt_length}}
         if kept is None and (measured := menu_signals(record)) is not None:
-            write_json(menu_path, {"settings": menu_key, "measured": measured, "seconds": record["cost"]["seconds"]})
+            write_json(menu_path, {"settings": menu_key, "measured": measured, "seconds": measurement["seconds"]})
         write_json(shared, record)
         cost = record["cost"]
         how = (f"solved on the menu measured before ({menu_path.name}, {kept['seconds']:.1f} s then) and measured "
                f"the chosen plan" if kept else f"predicted the menu to first order ({cost['students']} students "
                f"built, the chosen plan measured)" if memory.estimator == "first_order"
-               else f"measured {cost['students']} students")
+               else f"measured {cost['students']} students" + (
+                   f", {cost['reused']} options' signals taken from the menu measured before ({earlier['file']}: "
+                   f"{', '.join(earlier['shared'])})" if cost.get("reused") else ""))
         logger.info(f"dofla: allocation=budget: {how} in {cost['seconds']:.1f} s ({cost['fit_seconds']:.1f} s "
                     f"fitting); plan {record['plan_bytes'] / MIB:.3f} MiB of a {record['budget']['mib']:.3f} MiB "
                     f"budget at {memory.context} tokens")
