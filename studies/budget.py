@@ -164,7 +164,9 @@ def ablation(record: RunRecord) -> str:
                                       (f"+ the teacher's copying score (weight {b.get('copy_weight', 0):g})",
                                        bool(b.get("copy_weight", 0))),
                                       (f"KL text {copy:.0%} copy", bool(copy)),
-                                      ("a window priced per KV head", "prices" in settings)) if hit]
+                                      ("a window priced per KV head", "prices" in settings),
+                                      ("windows of " + " and ".join(f"{w:,}" for w in b.get("windows", [64])),
+                                       b.get("windows", [64]) != [64])) if hit]
     return ", ".join(changed) or "the allocator"
 
 

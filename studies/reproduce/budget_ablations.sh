@@ -16,6 +16,8 @@
 #   copying    budget.copy_weight=1: the teacher's copying score of each head kept exact adds to its value
 #   price      the allocator unchanged, solved at a window's current price (each KV head's keys held once; the
 #              records above priced a window per query head, three times as much)   price_quarter  the same at 0.25
+#   windows    budget.windows=[64,1024]: a 1,024-token window (with sinks, with and without the state) on the
+#              menu too, at the current price; the options of the order's menu measured before are taken over
 # ABLATIONS, SEEDS: a subset or more (e.g. ABLATIONS="kl retrieval" SEEDS="0 1"); SPLITS: the held-out parts
 # to score on (default "test dev"; "test" alone pairs every ablation but delta and recall); EXTRA: more overrides.
 # A stopped script resumes: every finished stage's artifact is found and reused. MENU_FROM_RECORDS=1 first puts
@@ -28,7 +30,7 @@ source studies/reproduce/split.sh  # TEST_SCORE
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
 for seed in $SEEDS; do
-  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall copying price price_quarter}; do
+  for ablation in ${ABLATIONS:-copy kl retrieval kl100 random layer delta recall copying price price_quarter windows}; do
     case $ablation in
       layer) change=(budget.granularity=layer) ;;
       kl) change=(budget.retrieval_weight=0) ;;
@@ -41,8 +43,9 @@ for seed in $SEEDS; do
       copying) change=(budget.copy_weight=1) ;;
       price) change=() ;;
       price_quarter) change=(budget.share=0.25) ;;
+      windows) change=('budget.windows=[64,1024]') ;;
       *) echo "budget_ablations.sh: unknown ablation '$ablation' (layer, kl, retrieval, kl100, random, delta, recall, copy," \
-              "copying, price, price_quarter)" >&2
+              "copying, price, price_quarter, windows)" >&2
          exit 2 ;;
     esac
     run=$OUT/${ablation}_s$seed

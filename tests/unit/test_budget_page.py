@@ -182,6 +182,7 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
             allocation = json.loads((priced / "allocation.json").read_text())
             allocation["settings"]["prices"] = [4194304, 34371, 135556]  # solved at a window's current price
             (priced / "allocation.json").write_text(json.dumps(allocation))
+            budget_run(where, 0.1, seed, shift, split, name=f"windows_s{seed}", windows=[64, 1024])
             copy = budget_run(where, 0.1, seed, shift, split, name=f"copy_s{seed}")
             record = json.loads((copy / "run.json").read_text())
             record["config"]["distill"] = {"copy_share": 0.25}
@@ -200,6 +201,7 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
     assert names.count(f"8.8 MiB: {copying} − window 64 + 4 sinks") == 1
     assert names.count("0.1 of the teacher's (36.0 MiB): KL text 25% copy − the allocator") == 2
     assert names.count("0.1 of the teacher's (36.0 MiB): a window priced per KV head − the allocator") == 2
+    assert names.count("0.1 of the teacher's (36.0 MiB): windows of 64 and 1,024 − the allocator") == 2
     kl_dev = next(row for row in rows if "KL alone" in row and "| dev |" in row)
     allocator = [r for r in sources[1] if r.allocation["budget"]["mib"] == 36.0]
     kl = [r for r in sources[5] if "kl_s" in r.name]
