@@ -8,6 +8,7 @@ sequence or passkey prompt.
 """
 from __future__ import annotations
 
+from collections import Counter
 import math
 from pathlib import Path
 
@@ -198,9 +199,14 @@ def ablations(found: dict, runs_by_split: dict[str, list[RunRecord]], headline: 
 
 
 def plan_counts(record: RunRecord) -> str:
-    """How many KV heads of a run's plan took each kind of option, in ``KINDS`` order ("6 / 0 / 38 / 46")."""
+    """How many KV heads of a run's plan took each kind of option, in ``KINDS`` order ("6 / 0 / 38 / 46"), and
+    where its windows are of more than one length, how many of each ("; windows of 64: 60, of 1,024: 24")."""
     heads = record.allocation["heads"]
-    return " / ".join(str(sum(kind(h["option"]) == k for h in heads)) for k in KINDS)
+    counts = " / ".join(str(sum(kind(h["option"]) == k for h in heads)) for k in KINDS)
+    lengths = Counter(h["plan"]["window"] for h in heads if kind(h["option"]) in ("window", "window + state"))
+    if len(lengths) < 2:
+        return counts
+    return counts + "; windows of " + ", of ".join(f"{w:,}: {n}" for w, n in sorted(lengths.items()))
 
 
 def exact_heads(record: RunRecord) -> str:

@@ -4,6 +4,7 @@ sequence, the plan figure, and the allocated students on the headline frontier."
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 import math
 
 import torch
@@ -26,7 +27,8 @@ def plan(share: float, seed: int) -> dict:
     heads = []
     for h in range(LAYERS * KV):
         option = "exact" if h < exact else "w64+s4+delta64" if h % 2 else "w64+s4"
-        heads.append({"layer": h // KV, "kv_head": h % KV, "option": option, "bytes": OPTIONS[option]})
+        heads.append({"layer": h // KV, "kv_head": h % KV, "option": option, "bytes": OPTIONS[option],
+                      "plan": {"window": 0 if option == "exact" else 64}})
     used = sum(h["bytes"] for h in heads)
     menu = list(OPTIONS)
     signals = [[{"kl": 0.5 - 0.01 * h * o, "nll": 3.0 - 0.1 * o} for o in range(len(menu))] for h in range(LAYERS * KV)]
@@ -72,6 +74,15 @@ def build(tmp_path):
     for page in ("budget", "budget_test", "headline"):
         records.main([str(tmp_path / "runs" / page), "--into", str(tmp_path / "records" / page)])
     return tmp_path / "records"
+
+
+def test_a_plan_of_two_window_lengths_counts_each():
+    heads = [{"option": o, "plan": {"window": w}} for o, w in
+             (("exact", 0), ("w64+s4", 64), ("w64+s4", 64), ("w1024+s4+delta64", 1024), ("w1024+s4", 1024))]
+    record = SimpleNamespace(allocation={"heads": heads})
+    assert plan_counts(record) == "1 / 3 / 1 / 0; windows of 64: 2, of 1,024: 2"
+    record.allocation["heads"] = heads[:3]
+    assert plan_counts(record) == "1 / 2 / 0 / 0"
 
 
 def test_options_are_told_apart_by_what_they_keep():
