@@ -6,9 +6,11 @@ tokens older than the window; a pure gated-delta state of each M. A head's bytes
 (:meth:`dofla.models.plan.HeadPlan.state_bytes` at the budget's context): the knapsack adds them head by
 head. Heads of one structure decode as one kernel call and share a window's per-position flags, so the
 plan's own count (:meth:`StudentPlan.state_bytes`) is at most the sum, never above it: a plan within the
-summed budget is within the budget.
+summed budget is within the budget. :func:`reusable` says which options of a menu an earlier measurement holds.
 """
 from __future__ import annotations
+
+import math
 
 from dofla.models.plan import ALL, HeadPlan, check_head
 
@@ -56,3 +58,14 @@ def baseline_index(menu: list[HeadPlan], geometry, context: int, kv_bytes: int =
     option is measured as one head switched to it (:mod:`dofla.dof.sensitivity`)."""
     free = [i for i, option in enumerate(menu) if option.state == "none"]
     return min(free, key=lambda i: (option_bytes(menu[i], geometry, context, kv_bytes), i))
+
+
+def reusable(known: dict | None, menu: list, reference: dict) -> dict[int, int]:
+    """The options of ``menu`` that ``known`` measured (by label) against the same baseline, whose signals
+    ``reference`` are this measurement's: {index in ``menu``: index in ``known["menu"]``}; empty when ``known``
+    is None or its baseline measured otherwise (another teacher, calibration or baseline option)."""
+    if not known or not all(math.isclose(known["base"][s], reference[s], rel_tol=1e-4, abs_tol=1e-9)
+                            for s in ("kl", "nll")):
+        return {}
+    there = {name: i for i, name in enumerate(known["menu"])}
+    return {o: there[label(option)] for o, option in enumerate(menu) if label(option) in there}

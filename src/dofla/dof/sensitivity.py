@@ -42,13 +42,12 @@ taken over.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from dofla.dof.menu import label
+from dofla.dof.menu import reusable
 from dofla.dof.replay import decoder_layers, recording, replaying, timing
 from dofla.dof.softmax_layers import copy_probe, copying_scores
 from dofla.eval.longctx import answer_nll
@@ -253,17 +252,6 @@ def measure_menu(probe: Probe, menu: list, base: int, heads: list | None = None,
                         probe.signals(switched(g.num_layers, g.num_kv_heads, menu[base], unit, option, width))
                         for o, option in enumerate(menu)])
     return {"base": reference, "signals": signals}
-
-
-def reusable(known: dict | None, menu: list, reference: dict) -> dict[int, int]:
-    """The options of ``menu`` that ``known`` measured (by label) against the same baseline, whose signals
-    ``reference`` are this measurement's: {index in ``menu``: index in ``known["menu"]``}; empty when ``known``
-    is None or its baseline measured otherwise (another teacher, calibration or baseline option)."""
-    if not known or not all(math.isclose(known["base"][s], reference[s], rel_tol=1e-4, abs_tol=1e-9)
-                            for s in ("kl", "nll")):
-        return {}
-    there = {name: i for i, name in enumerate(known["menu"])}
-    return {o: there[label(option)] for o, option in enumerate(menu) if label(option) in there}
 
 
 def _known(probe: Probe, signals: dict) -> dict:
