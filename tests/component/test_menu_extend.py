@@ -41,7 +41,6 @@ def measured():
 
 def test_an_extended_menu_measures_its_new_options_alone_and_matches_the_whole_measurement(measured):
     teacher, known = measured
-    small = known
     larger = _cfg(windows=[4, 8])
     whole, whole_probe, menu = _measure(teacher, larger)
     extended, probe, _ = _measure(teacher, larger, known=known)
@@ -55,7 +54,7 @@ def test_an_extended_menu_measures_its_new_options_alone_and_matches_the_whole_m
         for s, r in zip(got, want, strict=True):
             assert s == pytest.approx(r, rel=1e-5, abs=1e-7)
     index = {label(o): i for i, o in enumerate(menu)}
-    for n, row in enumerate(small["signals"]):  # the shared options' signals are the earlier measurement's
+    for n, row in enumerate(known["signals"]):  # the shared options' signals are the earlier measurement's
         for name, signals in zip(known["menu"], row):
             assert extended["signals"][n][index[name]] == signals
 
