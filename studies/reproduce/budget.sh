@@ -11,7 +11,8 @@
 # Beside each order's first share, the same allocation with budget.estimator=first_order (the allocate stage
 # alone; records in docs/results/runs/budget_alloc/), which the page sets against the measured menu.
 # A stopped script resumes: every finished stage's artifact is found and reused.
-# SHARES, SEEDS: a subset or more (e.g. SHARES="0.05 0.1 0.25" SEEDS="0 1 2"); EXTRA: more overrides;
+# SHARES, SEEDS: a subset or more (e.g. SHARES="0.05 0.1 0.25" SEEDS="0 1 2"); SPLITS: the held-out parts to
+# score on (default "test dev"); EXTRA: more overrides;
 # FIRST_ORDER=0 skips the first-order allocation (e.g. when adding shares to an order that has it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,10 +24,16 @@ for seed in $SEEDS; do
   for share in $SHARES; do
     run=$OUT/share${share}_s$seed
     common=(experiment=budget_tenth budget.share=$share seed=$seed ${EXTRA:-} hydra.run.dir=$run)
-    dofla "${common[@]}" $TEST_SCORE
-    python -m studies.records $run --into docs/results/runs/budget_test
-    dofla "${common[@]}"
-    python -m studies.records $run --into docs/results/runs/budget
+    for part in ${SPLITS:-test dev}; do
+      case $part in
+        test) dofla "${common[@]}" $TEST_SCORE
+              python -m studies.records $run --into docs/results/runs/budget_test ;;
+        dev) dofla "${common[@]}"
+             python -m studies.records $run --into docs/results/runs/budget ;;
+        *) echo "budget.sh: unknown split '$part' (test, dev)" >&2
+           exit 2 ;;
+      esac
+    done
   done
   [ "${FIRST_ORDER:-1}" = 0 ] && continue
   share=${SHARES%% *}
