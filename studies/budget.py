@@ -18,6 +18,7 @@ from studies.budget_dof import dof_table
 from studies.budget_copying import copying_table
 from studies.budget_sizing import sizing_dof_table, sizing_table
 from studies.budget_needles import needles_table
+from studies.budget_retrained import recorded_runs, retrained_table
 from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
 from studies.tables import KINDS, arm, common_orders, kind, markdown, paired, passkey, quality, signed
@@ -266,10 +267,12 @@ def first_order_table(records: list[RunRecord]) -> str:
 
 def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord],
            allocations: list[RunRecord] = (), ablations_test: list[RunRecord] = (),
-           ablations_dev: list[RunRecord] = (), dof_runs: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
+           ablations_dev: list[RunRecord] = (), dof_runs: list[RunRecord] = (),
+           retrained: list[RunRecord] = ()) -> dict[tuple[str, str], str]:
     """The budget page's blocks (``allocations``: allocation-only records, e.g. a first-order allocation;
     ``ablations_*``: the ablation runs of ``studies/reproduce/budget_ablations.sh`` by split; ``dof_runs``:
-    runs whose dof stage ran, their per-head DoF set against the measured menu)."""
+    runs whose dof stage ran, their per-head DoF set against the measured menu; ``retrained``: recorded plans
+    trained again, ``studies/reproduce/budget_retrain.sh``)."""
     found = groups([*test, *dev])
     return {("budget", "students"): students_table(found), ("budget", "heads"): heads_table(found),
             ("budget", "comparisons"): comparisons(found, headline),
@@ -282,12 +285,15 @@ def budget(test: list[RunRecord], dev: list[RunRecord], headline: list[RunRecord
             ("budget", "weights"): weights_table(list(test), {round(budget_mib(r), 6) for r in ablations_test}),
             ("budget", "copying"): copying_table([*allocations, *ablations_test, *ablations_dev], [*test, *dev],
                                                  budget_name),
+            ("budget", "retrained"): retrained_table(list(retrained), list(test), budget_name),
             ("budget", "sizing"): sizing_table(list(allocations), budget_name),
             ("budget", "sizing_dof"): sizing_dof_table(list(allocations), budget_name),
             ("budget", "needles"): needles_table(
                 [(f"{budget_name(r)}, order {r.seed}", r) for (_, part), runs in found.items() if part == "test"
                  for r in runs] +
-                [(f"{budget_name(r)}: {ablation(r)}, order {r.seed}", r) for r in ablations_test])}
+                [(f"{budget_name(r)}: {ablation(r)}, order {r.seed}", r) for r in ablations_test] +
+                [(f"{budget_name(recorded)}: the plan trained again, order {r.seed}", r) for r in retrained
+                 for recorded in recorded_runs(r, list(test))])}
 
 
 def plan_figure(records: list[RunRecord], path: Path) -> Path | None:

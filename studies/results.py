@@ -213,7 +213,7 @@ SOURCES = {"headline": ("headline", "dof_allocation", "budget"), "dof_allocation
            "dof_tokens": ("dof_tokens", "dof_tokens_test", "headline", "dof_allocation"),
            "tokens_curve": ("dof_tokens", "headline"),
            "budget": ("budget_test", "budget", "headline", "budget_alloc", "budget_ablations_test", "budget_ablations",
-                      "dof_tokens_test")}
+                      "dof_tokens_test", "budget_retrained_test")}
 PAGE_FILES = {"headline_rerun": "headline", "threads": "headline", "mqar": "headline", "dof_tokens": "dof_allocation", "tokens_curve": "headline"}
 
 

@@ -6,6 +6,7 @@ full forward, save and load as themselves, and measure the decode memory their p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from dofla.models import convert, load_student
 from dofla.models.mixed_attention import MixedAttention
 from dofla.models.plan import ALL, StudentPlan
 from dofla.models.tiny import build_byte_tokenizer
+from dofla.report import collect_record, load_record
+from dofla.report.records import run_record
 from tests.component.test_mixed_heads import _teacher
 from tests.component.test_student import _greedy_by_parallel_forward, _ids
 from tests.integration.test_pipeline import run_cli
@@ -94,3 +97,19 @@ def test_the_measured_decode_memory_is_the_plans(runs):
             measured = metrics[f"memory/student/decode_mib/T{context}"]
             assert measured == metrics[f"memory/student/plan_mib/T{context}"] > 0
         assert metrics["memory/student/decode_mib/T1000"] < metrics["memory/teacher/decode_mib/T1000"]
+
+
+def test_the_record_holds_the_plan_the_file_held(runs, tmp_path):
+    run = runs["cache"]
+    given = Path(json.loads((run / "run.json").read_text())["config"]["attention"]["plan"])
+    expected = StudentPlan.from_list(PLAN).to_list()
+    record = load_record(collect_record(run, tmp_path / "records"))
+    assert record.plan == run_record(run).plan == expected  # the plan itself, not the file's path
+    kept = given.read_text()
+    given.unlink()
+    try:
+        with pytest.raises(FileNotFoundError, match="plan file .* is gone"):
+            collect_record(run, tmp_path / "again")
+        assert load_record(tmp_path / "records" / run.name).plan == expected  # a kept record needs no file
+    finally:
+        given.write_text(kept)  # the module's other tests read the run as it was

@@ -9,11 +9,12 @@ import math
 
 import torch
 
+from dofla.models.plan import StudentPlan
 from dofla.report import load_records, paired_interval
 from dofla.report.frontier import frontier_plot, frontier_points, frontier_series, student_label
 from studies import records, results
 from studies.budget import exact_heads, kind, plan_counts, plan_figure
-from studies.tables import signed
+from studies.tables import signed, values
 from tests.unit.test_results_tables import SEQS, fake_run
 
 TEACHER_MIB = 360.0
@@ -226,3 +227,28 @@ def test_each_ablation_pairs_with_the_allocator_and_the_allocator_with_the_prese
         listed = exact_heads(r)
         assert (0 if listed == "none" else len(listed.split(", "))) == int(plan_counts(r).split(" / ")[0])
     assert f"| 0, 1 | {counts} | {exact} | {expected} |" in kl_dev
+
+
+def test_a_recorded_plan_trained_again_pairs_with_the_run_that_chose_it(tmp_path):
+    root = build(tmp_path)
+    chosen = [[{"window": 64, "sinks": 4, "state": "delta", "M": 64} if (layer + h) % 2 else {"window": "all"}
+               for h in range(KV)] for layer in range(LAYERS)]
+    record = root / "budget_test" / "share0.1_s0" / "allocation.json"
+    allocation = json.loads(record.read_text())
+    allocation["plan"] = StudentPlan.from_list(chosen).to_list()  # as an allocation writes it, every field named
+    record.write_text(json.dumps(allocation))
+    for seed in (0, 1):  # order 1's allocated run chose no such plan: no row
+        given = tmp_path / f"plan_s{seed}.json"
+        given.write_text(json.dumps(chosen))  # the same plan, its defaults left out
+        run = fake_run(tmp_path / "runs" / "budget_retrained_test", f"share0.1_s{seed}", "headline_common", seed, 0.6)
+        meta = json.loads((run / "run.json").read_text())
+        meta["config"].update(attention={"plan": str(given)}, data={"heldout_split": "test"})
+        (run / "run.json").write_text(json.dumps(meta))
+    records.main([str(tmp_path / "runs" / "budget_retrained_test"), "--into", str(root / "budget_retrained_test")])
+    sources = results.sources_of("budget", root)
+    rows = results.PAGES["budget"](*sources)[("budget", "retrained")].splitlines()[2:]
+    again = [r for r in sources[-1] if r.seed == 0]
+    recorded = [r for r in sources[0] if r.name == "share0.1_s0"]
+    expected = signed(paired_interval(values(again, "heldout/student"), values(recorded, "heldout/student")))
+    assert len(rows) == 1 and rows[0].startswith(f"| 0.1 of the teacher's (36.0 MiB), order 0: trained again − "
+                                                 f"recorded | {expected} |")

@@ -4,7 +4,8 @@ A record is a directory holding the run's ``run.json`` (resolved config, git SHA
 seed, cache key), ``metrics.json``, ``sequences.json`` (every per-sequence and per-prompt value the
 eval stage kept: held-out loss per sequence, loss by position per sequence, passkey recall and answer
 NLL per prompt), ``allocation.json`` (each layer's feature dims, and its DoF where Algorithm 1 ran),
-``dof.json`` where the dof stage ran (each layer's and each head's DoF and the estimator's settings) and,
+``dof.json`` where the dof stage ran (each layer's and each head's DoF and the estimator's settings),
+``plan.json`` where the plan was given whole (``attention.plan``: the plan the file held, not its path) and,
 when the run distilled, ``distill.json`` (the KL curve and the tokens). No
 weights: a record is tens of KB, so the records behind a results page live in the repository and
 the page's tables are recomputed from them.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dofla.eval.store import MEASUREMENTS, Measurements
+from dofla.models.plan import read_plan
 from dofla.record import read_json, write_json
 
 SIGNIFICANT = 7  # digits kept of each per-sequence value: far below any difference a table shows
@@ -32,6 +34,7 @@ class RunRecord:
     allocation: dict | None = None  # allocation.json: ``dims`` per layer, ``layer_dof``, ``policy``, ``budget``
     dof: dict | None = None  # dof.json: ``layer_dof``, ``per_head`` (per layer, per query head), ``settings``
     threads: int | None = None  # run.json's: torch's intra-op threads in the run
+    plan: list | None = None  # plan.json: the plan given whole (attention.plan), a list of layers of head dicts
 
     @property
     def seed(self) -> int:
@@ -63,6 +66,9 @@ def collect_record(run_dir: Path, into: Path) -> Path:
     dof = _dof(run_dir)
     if dof is not None:
         write_json(target / "dof.json", dof)
+    plan = _given_plan(run["config"])
+    if plan is not None:
+        write_json(target / "plan.json", plan)
     distilled = read_json(run_dir / "distill_summary.json")
     if distilled is not None:
         write_json(target / "distill.json", {"tokens": distilled["tokens"], "curve": distilled["curve"]})
@@ -74,6 +80,17 @@ def _dof(run_dir: Path) -> dict | None:
     J-samples)."""
     dof = read_json(run_dir / "dof.json")
     return None if dof is None else {k: dof[k] for k in ("layer_dof", "per_head", "settings") if k in dof}
+
+
+def _given_plan(config: dict) -> list | None:
+    """The plan a run was given whole (``attention.plan``), read from its file; None without one."""
+    path = config.get("attention", {}).get("plan")
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"the run's plan file {path} (attention.plan) is gone; put it back before "
+                                "keeping the record, which holds the plan itself")
+    return read_plan(path).to_list()
 
 
 def collect_allocation_record(run_dir: Path, into: Path) -> Path:
@@ -97,7 +114,7 @@ def load_record(directory: Path) -> RunRecord:
     metrics, sequences = read_json(directory / "metrics.json"), read_json(directory / "sequences.json")
     return RunRecord(directory.name, run["config"], {} if metrics is None else metrics,
                      {} if sequences is None else sequences, read_json(directory / "allocation.json"),
-                     read_json(directory / "dof.json"), run.get("threads"))
+                     read_json(directory / "dof.json"), run.get("threads"), read_json(directory / "plan.json"))
 
 
 def load_records(root: Path) -> list[RunRecord]:
@@ -113,7 +130,7 @@ def run_record(run_dir: Path) -> RunRecord:
     run = read_json(run_dir / "run.json")
     return RunRecord(run_dir.name, run["config"], metrics,
                      {k.removeprefix("seq/"): v for k, v in sequences.items()}, read_json(run_dir / "allocation.json"),
-                     _dof(run_dir), run.get("threads"))
+                     _dof(run_dir), run.get("threads"), _given_plan(run["config"]))
 
 
 def read_runs(paths: list[Path]) -> list[RunRecord]:
