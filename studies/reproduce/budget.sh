@@ -16,7 +16,7 @@
 # FIRST_ORDER=0 skips the first-order allocation (e.g. when adding shares to an order that has it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source studies/reproduce/split.sh  # TEST_SCORE
+source studies/reproduce/split.sh  # TEST_SCORE, score_on_splits
 OUT=${OUT:-multirun_sweeps/budget}
 SEEDS=${SEEDS:-0}
 SHARES=${SHARES:-0.1}
@@ -24,16 +24,7 @@ for seed in $SEEDS; do
   for share in $SHARES; do
     run=$OUT/share${share}_s$seed
     common=(experiment=budget_tenth budget.share=$share seed=$seed ${EXTRA:-} hydra.run.dir=$run)
-    for part in ${SPLITS:-test dev}; do
-      case $part in
-        test) dofla "${common[@]}" $TEST_SCORE
-              python -m studies.records $run --into docs/results/runs/budget_test ;;
-        dev) dofla "${common[@]}"
-             python -m studies.records $run --into docs/results/runs/budget ;;
-        *) echo "budget.sh: unknown split '$part' (test, dev)" >&2
-           exit 2 ;;
-      esac
-    done
+    score_on_splits $run docs/results/runs/budget_test docs/results/runs/budget "${common[@]}"
   done
   [ "${FIRST_ORDER:-1}" = 0 ] && continue
   share=${SHARES%% *}

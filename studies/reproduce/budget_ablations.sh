@@ -26,7 +26,7 @@
 # then skip budget.sh's menu measurement (about 43 min here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source studies/reproduce/split.sh  # TEST_SCORE
+source studies/reproduce/split.sh  # TEST_SCORE, score_on_splits
 [ "${MENU_FROM_RECORDS:-0}" = 1 ] && python -m studies.budget_menu docs/results/runs/budget/share0.1_s0/allocation.json
 OUT=${OUT:-multirun_sweeps/budget_ablations}
 SEEDS=${SEEDS:-0}
@@ -51,16 +51,7 @@ for seed in $SEEDS; do
     esac
     run=$OUT/${ablation}_s$seed
     common=(experiment=budget_tenth seed=$seed "${change[@]}" ${EXTRA:-} hydra.run.dir=$run)
-    for part in ${SPLITS:-test dev}; do
-      case $part in
-        test) dofla "${common[@]}" $TEST_SCORE
-              python -m studies.records $run --into docs/results/runs/budget_ablations_test ;;
-        dev) dofla "${common[@]}"
-             python -m studies.records $run --into docs/results/runs/budget_ablations ;;
-        *) echo "budget_ablations.sh: unknown split '$part' (test, dev)" >&2
-           exit 2 ;;
-      esac
-    done
+    score_on_splits $run docs/results/runs/budget_ablations_test docs/results/runs/budget_ablations "${common[@]}"
   done
 done
 python -m studies.results budget
