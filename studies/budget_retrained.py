@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dofla.models.plan import StudentPlan
+from dofla.models import StudentPlan
 from dofla.report import RunRecord
 from studies.tables import markdown, paired
 
