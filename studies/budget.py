@@ -21,7 +21,7 @@ from studies.budget_needles import needles_table
 from studies.budget_retrained import recorded_runs, retrained_table
 from studies.budget_weights import weights_table
 from studies.dof_tokens import agreement, split
-from studies.tables import KINDS, arm, common_orders, kind, markdown, paired, passkey, quality, signed
+from studies.tables import KINDS, SIGNALS, arm, common_orders, kind, markdown, paired, passkey, quality, signed
 from studies.window_memory import window_memory_table, window_price_table
 
 CONTEXT = 8192
@@ -31,9 +31,6 @@ UNIFORM = (  # the headline's uniform students the allocated ones are set agains
     ("hybrid: window + sinks + gated Hedgehog", "hybrid_text"),
     ("recall hybrid: + 6 exact copying layers", "hybrid_recall"),
 )
-SIGNALS = (("held-out loss (nats)", "heldout/student"), ("loss at positions 1,024–2,047", "position/student/1024-2048"),
-           ("passkey @ 1K (share of prompts)", "passkey/student/T1024"),
-           ("passkey @ 2K (share of prompts)", "passkey/student/T2048"))
 
 
 def budget_mib(record: RunRecord) -> float:

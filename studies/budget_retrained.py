@@ -14,11 +14,7 @@ from pathlib import Path
 
 from dofla.models import StudentPlan
 from dofla.report import RunRecord
-from studies.tables import markdown, paired
-
-SIGNALS = (("held-out loss (nats)", "heldout/student"), ("loss at positions 1,024–2,047", "position/student/1024-2048"),
-           ("passkey @ 1K (share of prompts)", "passkey/student/T1024"),
-           ("passkey @ 2K (share of prompts)", "passkey/student/T2048"))
+from studies.tables import SIGNALS, markdown, paired
 
 
 def recorded_runs(retrained: RunRecord, allocated: list[RunRecord]) -> list[RunRecord]:

@@ -127,6 +127,10 @@ def quality(runs: list[RunRecord]) -> tuple[float, Interval, str]:
 
 
 KINDS = ("exact", "window", "window + state", "state")  # what a menu option keeps, in the plan figure's colours
+# what the budget page pairs two students on: (column, per-sequence or per-prompt values)
+SIGNALS = (("held-out loss (nats)", "heldout/student"), ("loss at positions 1,024–2,047", "position/student/1024-2048"),
+           ("passkey @ 1K (share of prompts)", "passkey/student/T1024"),
+           ("passkey @ 2K (share of prompts)", "passkey/student/T2048"))
 
 
 def kind(option: str) -> str:
